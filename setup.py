@@ -3,6 +3,7 @@
 Set DUALMODE_DEBUG_CYTHON=1 to build with bounds checks, wraparound and
 initialisation checks turned back on (slower, for debugging kernels).
 """
+import glob
 import os
 
 import numpy as np
@@ -20,33 +21,16 @@ directives = {
     "embedsignature": True,
 }
 
+# every dualmode/_core/*.pyx is one extension module of the same name
 extensions = [
     Extension(
-        "dualmode._core._tensor",
-        ["dualmode/_core/_tensor.pyx"],
+        f"dualmode._core.{os.path.splitext(os.path.basename(path))[0]}",
+        [path],
         include_dirs=[np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
-    ),
-    Extension(
-        "dualmode._core._kernels",
-        ["dualmode/_core/_kernels.pyx"],
-        include_dirs=[np.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-        extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
-    ),
-    Extension(
-        "dualmode._core._comm",
-        ["dualmode/_core/_comm.pyx"],
-        include_dirs=[np.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-        extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
-    ),
-    Extension(
-        "dualmode._core._redist",
-        ["dualmode/_core/_redist.pyx"],
-        extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
-    ),
+    )
+    for path in sorted(glob.glob("dualmode/_core/*.pyx"))
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives))
