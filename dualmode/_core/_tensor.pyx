@@ -40,6 +40,11 @@ def set_dist_hooks(dist_apply, assemble):
     _ASSEMBLE = assemble
 
 
+def get_dist_hooks():
+    """The registered (dist_apply, assemble) pair (graph tracing swaps them for a while)."""
+    return _DIST_APPLY, _ASSEMBLE
+
+
 def in_backward():
     """True while backward rules run (collectives issued then are 'backward')."""
     return _phase == 1

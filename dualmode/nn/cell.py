@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .. import context
 from ..parallel.dtensor import distribute_inputs, parallel_active
 from ..tensor import Parameter
 
@@ -69,13 +70,36 @@ class Cell:
                                   f"construct(...)")
 
     def __call__(self, *inputs, **kwargs):
+        shard_fn = self.__dict__.get("_shard_fn")
+        if shard_fn is not None:                   # Cell.shard: this cell runs as a graph
+            return shard_fn(*inputs, **kwargs)
         if _CALLS.depth == 0 and inputs and parallel_active():
             inputs = distribute_inputs(inputs)     # network inputs are batch data
+        if _CALLS.depth == 0 and context._STATE.run.mode == context.GRAPH_MODE \
+                and not getattr(self, "_eager_only", False):
+            from ..parallel.graph.api import graph_call
+            return graph_call(self, inputs, kwargs)
         _CALLS.depth += 1
         try:
             return self.construct(*inputs, **kwargs)
         finally:
             _CALLS.depth -= 1
+
+    def shard(self, in_strategy, out_strategy=None, parameter_plan=None, device="CPU",
+              level=0):
+        """Run this cell as a compiled graph with operator-level parallelism: its inputs
+        in `in_strategy`, outputs in `out_strategy`, parameters per `parameter_plan`, the
+        strategies of the ops inside chosen by sharding propagation; the code around it
+        stays eager and data parallel. Later calls of the cell run the graph; returns
+        the compiled function."""
+        from ..parallel.graph.api import ShardFunction
+        if in_strategy is None:
+            raise ValueError(f"{type(self).__name__}.shard: in_strategy is required (a tuple "
+                             f"with one strategy, Layout or None per input)")
+        fn = ShardFunction(self, in_strategy, out_strategy, parameter_plan, device, level,
+                           owner=f"{type(self).__name__}.shard")
+        self.__dict__["_shard_fn"] = fn
+        return fn
 
     @property
     def cls_name(self) -> str:

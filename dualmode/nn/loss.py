@@ -150,6 +150,9 @@ class CrossEntropyLoss(LossBase):
             if ys != expected:
                 raise ValueError(f"{name}: logits have shape {ls} and class-index labels "
                                  f"have shape {ys}; expected labels of shape {expected}")
+            from ..parallel.graph.trace import is_abstract
+            if is_abstract(labels):        # graph mode: label values are unknown here
+                return self._traced_class_index_loss(logits, labels)
             return self._class_index_loss(logits, labels, np.asarray(labels), c)
         if kind == "f":
             if ys != ls:
@@ -161,6 +164,16 @@ class CrossEntropyLoss(LossBase):
             return self._probability_loss(logits, labels, c)
         raise TypeError(f"{name}: labels have dtype {labels.dtype}; expected int class "
                         f"indices or float probabilities")
+
+    def _traced_class_index_loss(self, logits, labels):
+        if self.weight is not None or self.label_smoothing or len(labels.shape) != 1:
+            raise ValueError("CrossEntropyLoss: in a compiled graph (ops.shard, AutoParallel, "
+                             "GRAPH_MODE) only the plain form is supported: no weight, no "
+                             "label_smoothing, labels of shape (N,); got weight="
+                             f"{'set' if self.weight is not None else None}, label_smoothing="
+                             f"{self.label_smoothing}, labels of shape {tuple(labels.shape)}")
+        # the fused kernel; a label equal to ignore_index is out of range there and raises
+        return self.get_loss(ops.sparse_softmax_cross_entropy(logits, labels))
 
     def _class_index_loss(self, logits, labels, lab, c):
         eps = self.label_smoothing

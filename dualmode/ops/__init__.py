@@ -18,7 +18,7 @@ from .primitives import (Abs, Add, BatchMatMul, BiasAdd, Cast, Concat, Div, Drop
 
 _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAST, _promote)
 
-__all__ = list(_functional_names) + [
+__all__ = list(_functional_names) + ["shard", 
     "REGISTRY", "get_op", "Primitive", "AllGather", "AllReduce", "AlltoAll", "Broadcast",
     "ReduceScatter", "Abs", "Add", "BatchMatMul", "BiasAdd", "Cast", "Concat", "Div",
     "Dropout", "Equal", "Exp", "ExpandDims", "Flatten", "Gather", "Greater", "Less", "Log",
@@ -28,3 +28,12 @@ __all__ = list(_functional_names) + [
     "SparseSoftmaxCrossEntropyWithLogits", "Split", "Sqrt", "Square", "Squeeze",
     "StopGradient", "StridedSlice", "Sub", "Tanh", "Transpose", "ZerosLike",
 ]
+
+
+def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="CPU", level=0):
+    """Compile `fn` (a function or a Cell) to graph mode with operator-level parallelism:
+    inputs moved into `in_strategy`, outputs into `out_strategy`, parameters into
+    `parameter_plan`, the other ops' strategies chosen by sharding propagation. Returns a
+    callable; the code around it stays eager (see dualmode.parallel.graph)."""
+    from ..parallel.graph.api import shard as _shard
+    return _shard(fn, in_strategy, out_strategy, parameter_plan, device, level)

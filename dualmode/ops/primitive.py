@@ -38,6 +38,10 @@ def check_strategy(opname, strategy, param):
     return tuple(out)
 
 
+#: bumped by every ``shard`` call: part of graph mode's cache key
+STRATEGY_EPOCH = [0]
+
+
 class Primitive:
     """Base of all primitive ops: attrs, ``shard``, strategy checks."""
 
@@ -52,6 +56,7 @@ class Primitive:
         ins = check_strategy(self.name, in_strategy, "in_strategy")
         outs = check_strategy(self.name, out_strategy, "out_strategy")
         self.in_strategy, self.out_strategy = ins, outs
+        STRATEGY_EPOCH[0] += 1          # compiled graphs traced before this re-trace
         return self
 
     def _check_inputs(self, tensors):
@@ -72,6 +77,13 @@ class Primitive:
                                      f"dim {j} (size {d}) of input {i}")
 
     def __call__(self, *args, **kwargs):
+        if self.in_strategy is not None or self.out_strategy is not None:
+            from ..parallel.graph.trace import current_trace
+            tr = current_trace()
+            if tr is not None:                 # graph mode: the strategy tags the node
+                self._check_inputs([a for a in _flat(args)
+                                    if isinstance(a, (TensorBase, np.ndarray))])
+                return tr.call_primitive(self, args, kwargs)
         if self.in_strategy is not None:
             self._check_inputs([a for a in _flat(args) if isinstance(a, (TensorBase, np.ndarray))])
             from ..parallel.strategy import apply_in_strategy, strategies_active

@@ -27,3 +27,6 @@ from .device_local import (DeviceLocalLayout, device_local_tensor,  # noqa: E402
                            set_layerwise_slices)
 
 __all__ += ["DeviceLocalLayout", "set_layerwise_slices", "device_local_tensor"]
+from .graph.api import compile_count  # noqa: E402
+
+__all__ += ["compile_count"]

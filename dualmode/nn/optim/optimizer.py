@@ -110,6 +110,8 @@ class Optimizer(Cell):
         The number of updates made; the learning rate of a schedule is read at it.
     """
 
+    _eager_only = True      # GRAPH_MODE never compiles an update step alone
+
     def __init__(self, learning_rate, parameters, weight_decay=0.0, loss_scale=1.0):
         super().__init__(auto_prefix=False)
         owner = type(self).__name__
@@ -174,6 +176,13 @@ class Optimizer(Cell):
         """Apply one update with `gradients` (aligned with ``.parameters``)."""
         params = self.parameters
         owner = type(self).__name__
+        from ...parallel.graph.trace import current_trace
+        tr = current_trace()
+        if tr is not None and isinstance(gradients, (tuple, list)):
+            # graph mode: the update is one opaque node, run eagerly on the gradients
+            tr.call_opaque(lambda *g: type(self).construct(self, g), f"{owner}.update",
+                           tuple(gradients))
+            return True
         if not isinstance(gradients, (tuple, list)):
             raise TypeError(f"{owner}: gradients must be a tuple of Tensors aligned with "
                             f"optimizer.parameters, got {type(gradients).__name__}")

@@ -1,0 +1,490 @@
+"""Compiling a traced graph, and running it.
+
+Passes (each returns a new, verified Graph):
+
+1. :func:`apply_strategies` — ``in_strategy`` / ``out_strategy`` / ``parameter_plan``
+   of ``ops.shard`` and the strategies of Primitives become layouts: ``Graph.arg_layouts``,
+   ``Graph.param_layouts``, ``Graph.out_layouts`` and ``Node.in_layouts/out_layouts``.
+2. :func:`propagate_strategies` — (``sharding_propagation``) every forward op without a
+   strategy gets one: candidates from the op's sharding rule (candidates.py), costs from
+   the alpha-beta model over the rules' collectives and the redistribution planner's
+   byte counts (cost.py), choices by the Cython propagation kernel (propagate.py).
+   Configured strategies are fixed points. In ``semi_auto`` mode this pass is skipped:
+   an op without a strategy runs data parallel on whatever layout reaches it, exactly as
+   in PyNative mode.
+3. :func:`plan_communication` — with every known layout in place, the redistribution
+   plan of each input that must move (Cython planner, cached) and each op's own
+   collectives (the ``post`` AllReduces of its rule, pending sums of its outputs) are
+   attached to the graph (``graph.meta["comm"]``): what :meth:`CompiledGraph.dump`
+   shows and :meth:`CompiledGraph.strategies` costs.
+4. Fusion — gradient AllReduces of data-parallel parameters run in the optimizer's
+   update node through :func:`~dualmode.parallel.reduce_gradients`, bucketed per the
+   ``comm_fusion`` / ``all_reduce_fusion_config`` settings, i.e. one collective per
+   bucket; the bucket plan is listed in ``graph.meta["fusion"]``.
+
+The executor (:meth:`CompiledGraph.__call__`) binds the arguments and the Parameters'
+current values and runs the nodes in order on the backend's stacked local shards
+through the same dispatcher and sharding rules as PyNative mode, moving each input into
+its planned layout first. Gradients flow through it: when the caller differentiates,
+the tape records the nodes as they run, so the backward pass of a compiled block has
+the communication its rules give (derived from the same rules at compile time in
+``dump``).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+
+from ..._core import _tensor as _core
+from ..._core._tensor import TensorBase
+from ...tensor import Parameter
+from ..layout import LayoutSpec, TensorLayout
+from .ir import CALL, Const, Graph, GraphError, Ref, flatten_refs, verify
+
+__all__ = ["apply_strategies", "propagate_strategies", "plan_communication",
+           "CompiledGraph", "compile_graph"]
+
+
+# ---------------------------------------------------------------------------
+# pass 1: configured strategies -> layouts
+# ---------------------------------------------------------------------------
+def _layout_of(strategy, shape, n, owner, index, param):
+    if strategy is None:
+        return None
+    return TensorLayout.from_strategy(strategy, tuple(shape), n, owner, index, param=param)
+
+
+def _tensor_inputs(node, values):
+    """Indices of a node's inputs that are tensors of rank >= 0 taken by its strategy."""
+    out = []
+    for i, x in enumerate(node.inputs):
+        if isinstance(x, Ref):
+            out.append(i)
+        elif isinstance(x.value, (TensorBase, np.ndarray)):
+            out.append(i)
+    return out
+
+
+def _shape_of(x, values):
+    if isinstance(x, Ref):
+        return values[x.id].shape
+    return tuple(np.shape(x.value._value() if isinstance(x.value, TensorBase) else x.value))
+
+
+def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None,
+                     out_strategy=None, parameter_plan=None) -> Graph:
+    values = graph.values()
+    arg_layouts = tuple(_layout_of(s, v.shape, n, name, k, "in_strategy")
+                        for k, (s, v) in enumerate(zip(in_strategy or (None,) * len(graph.args),
+                                                       graph.args)))
+    plan = dict(parameter_plan or {})
+    param_layouts = []
+    for p, v in graph.params:
+        s = plan.pop(p.name, None)
+        param_layouts.append(_layout_of(s, v.shape, n, f"{name}: parameter_plan[{p.name!r}]",
+                                        0, "parameter_plan") if s is not None else None)
+    for unknown in plan:
+        warnings.warn(f"{name}: parameter_plan names {unknown!r}, which the function does "
+                      f"not use; known parameters: {[p.name for p, _ in graph.params]}",
+                      stacklevel=4)
+    leaves = flatten_refs(graph.outputs)
+    out_layouts = ()
+    if out_strategy is not None:
+        if len(out_strategy) != len(leaves):
+            raise ValueError(f"{name}: out_strategy has {len(out_strategy)} entries but the "
+                             f"function returns {len(leaves)} tensor(s); give one strategy "
+                             f"(or None) per output")
+        out_layouts = tuple(_layout_of(s, _shape_of(x, values), n, name, k, "out_strategy")
+                            for k, (s, x) in enumerate(zip(out_strategy, leaves)))
+    nodes = []
+    for node in graph.nodes:
+        if node.strategy is not None:
+            ins, outs = node.strategy
+            in_lays = None
+            if ins is not None:
+                idx = _tensor_inputs(node, values)
+                if len(idx) != len(ins):
+                    raise ValueError(f"{node.op_name}: in_strategy has {len(ins)} entries but "
+                                     f"the op got {len(idx)} tensor inputs")
+                lays = [None] * len(node.inputs)
+                for k, i in enumerate(idx):
+                    lays[i] = _layout_of(ins[k], _shape_of(node.inputs[i], values), n,
+                                         node.op_name, k, "in_strategy")
+                in_lays = tuple(lays)
+            out_lays = None
+            if outs is not None:
+                if len(outs) != len(node.outputs):
+                    raise ValueError(f"{node.op_name}: out_strategy has {len(outs)} entries but "
+                                     f"the op has {len(node.outputs)} output(s)")
+                out_lays = tuple(_layout_of(s, v.shape, n, node.op_name, k, "out_strategy")
+                                 for k, (s, v) in enumerate(zip(outs, node.outputs)))
+            node = node.replace(in_layouts=in_lays, out_layouts=out_lays)
+        nodes.append(node)
+    return verify(graph.replace(nodes=tuple(nodes), arg_layouts=arg_layouts,
+                                param_layouts=tuple(param_layouts), out_layouts=out_layouts))
+
+
+# ---------------------------------------------------------------------------
+# static layouts: what each value's layout is, where the rules tell
+# ---------------------------------------------------------------------------
+def _replicated(shape, n):
+    return TensorLayout.replicated(tuple(shape), (n,))
+
+
+def _rule_outputs(node, in_lays, dtypes):
+    """The output layouts the op's sharding rule gives for `in_lays`, or None."""
+    from ..sharding import RULES, common_device_matrix, reexpress
+    rule = RULES.get(node.op_name)
+    if rule is None or any(lay is None for lay, x in zip(in_lays, node.inputs)
+                           if isinstance(x, Ref)):
+        return None
+    dm = common_device_matrix([lay for lay in in_lays if lay is not None])
+    lays = [reexpress(lay, dm) if lay is not None else None for lay in in_lays]
+    try:
+        plan = rule(node.attrs, lays, dtypes)
+    except (ValueError, TypeError):
+        return None
+    return plan
+
+
+def _input_layouts(graph, n, arg_sources):
+    """value id -> its layout on entry (arguments and parameters)."""
+    known = {}
+    for k, v in enumerate(graph.args):
+        lay = graph.arg_layouts[k] if graph.arg_layouts else None
+        if lay is None:
+            lay = arg_sources.get(v.id)
+        known[v.id] = lay if isinstance(lay, TensorLayout) else _replicated(v.shape, n)
+    for k, (p, v) in enumerate(graph.params):
+        lay = graph.param_layouts[k] if graph.param_layouts else None
+        if lay is None:
+            lay = p._layout if isinstance(p._layout, TensorLayout) else None
+        known[v.id] = lay if lay is not None else _replicated(v.shape, n)
+    return known
+
+
+# ---------------------------------------------------------------------------
+# pass 2: sharding propagation
+# ---------------------------------------------------------------------------
+def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython",
+                         fully_use_devices=False) -> Graph:
+    from .candidates import op_candidates
+    from .cost import CostModel, redistribution_cost
+    from .propagate import propagate
+    model = CostModel()
+    values = graph.values()
+    known = _input_layouts(graph, n, arg_sources or {})
+    # pseudo-nodes: one per argument / parameter (a single fixed candidate)
+    cand_in, cand_out, node_costs, fixed, labels = [], [], [], [], []
+    producer = {}                         # value id -> (problem node, output index)
+    for v in list(graph.args) + [v for _, v in graph.params]:
+        producer[v.id] = (len(cand_out), 0)
+        cand_in.append([()])
+        cand_out.append([(known[v.id],)])
+        node_costs.append(np.zeros(1))
+        fixed.append(0)
+        labels.append(None)
+    index_of = {}
+    for k, node in enumerate(graph.nodes):
+        if node.op == CALL or node.backward:
+            continue
+        dtypes = [values[x.id].dtype if isinstance(x, Ref) else
+                  np.asarray(x.value._value() if isinstance(x.value, TensorBase)
+                             else x.value).dtype for x in node.inputs]
+        if node.in_layouts is not None:            # configured: one fixed candidate
+            plan = _rule_outputs(node, node.in_layouts, dtypes)
+            outs = node.out_layouts or (plan.outputs if plan is not None else None)
+            if outs is None:
+                continue
+            cands_in, cands_out, costs = [node.in_layouts], [tuple(outs)], np.zeros(1)
+            fix = 0
+        else:
+            shapes = [_shape_of(x, values) for x in node.inputs]
+            cands = op_candidates(node.op, node.attrs, shapes, dtypes, n,
+                                  fully_use_devices=fully_use_devices)
+            if not cands:
+                continue
+            cands_in = [c.in_layouts for c in cands]
+            cands_out = [c.out_layouts for c in cands]
+            costs = np.array([c.cost for c in cands], dtype=np.float64)
+            fix = -1
+        index_of[k] = len(cand_out)
+        for j, v in enumerate(node.outputs):
+            producer[v.id] = (len(cand_out), j)
+        cand_in.append(cands_in)
+        cand_out.append(cands_out)
+        node_costs.append(costs)
+        fixed.append(fix)
+        labels.append(k)
+    edges, edge_costs = [], []
+    for k, node in enumerate(graph.nodes):
+        if k not in index_of:
+            continue
+        dst = index_of[k]
+        for i, x in enumerate(node.inputs):
+            if not isinstance(x, Ref) or x.id not in producer:
+                continue
+            src, j = producer[x.id]
+            itemsize = values[x.id].dtype.itemsize
+            m = np.empty((len(cand_out[src]), len(cand_in[dst])))
+            for a, outs in enumerate(cand_out[src]):
+                for b, ins in enumerate(cand_in[dst]):
+                    have, need = outs[j], ins[i] if ins else None
+                    m[a, b] = 0.0 if need is None or have is None else \
+                        redistribution_cost(have, need, itemsize, model)
+            edges.append((src, dst))
+            edge_costs.append(m)
+    choice = propagate(node_costs, np.array(edges, dtype=np.int64).reshape(-1, 2), edge_costs,
+                       np.array(fixed, dtype=np.int64), impl=impl)
+    nodes = list(graph.nodes)
+    for p, k in enumerate(labels):
+        if k is None or fixed[p] >= 0:
+            continue
+        c = int(choice[p])
+        cands = op_candidates(nodes[k].op, nodes[k].attrs,
+                              [_shape_of(x, values) for x in nodes[k].inputs],
+                              [values[x.id].dtype if isinstance(x, Ref) else
+                               np.asarray(x.value._value() if isinstance(x.value, TensorBase)
+                                          else x.value).dtype for x in nodes[k].inputs], n,
+                              fully_use_devices=fully_use_devices)
+        cand = cands[c]
+        nodes[k] = nodes[k].replace(in_layouts=tuple(cand.in_layouts), cost=float(cand.cost),
+                                    chosen=cand.strategy)
+    return verify(graph.replace(nodes=tuple(nodes)))
+
+
+# ---------------------------------------------------------------------------
+# pass 3: communication planning (what moves where, for dump / strategies)
+# ---------------------------------------------------------------------------
+def plan_communication(graph: Graph, n: int, *, arg_sources=None) -> Graph:
+    from ..redistribute import plan_redistribution
+    values = graph.values()
+    known = _input_layouts(graph, n, arg_sources or {})
+    comm = {}
+    nodes = []
+    for k, node in enumerate(graph.nodes):
+        steps = []
+        in_lays = []
+        for i, x in enumerate(node.inputs):
+            have = known.get(x.id) if isinstance(x, Ref) else None
+            need = node.in_layouts[i] if node.in_layouts is not None else None
+            if need is not None and have is not None and have != need:
+                try:
+                    plan = plan_redistribution(have, need, values[x.id].dtype.itemsize)
+                except ValueError:
+                    plan = None
+                if plan is not None and len(plan):
+                    steps.append(("redistribution", i, plan))
+            in_lays.append(need if need is not None else have)
+        out_lays = None
+        cost = node.cost
+        if node.op != CALL and all(lay is not None for lay, x in zip(in_lays, node.inputs)
+                                   if isinstance(x, Ref)):
+            dtypes = [values[x.id].dtype if isinstance(x, Ref) else
+                      np.asarray(x.value._value() if isinstance(x.value, TensorBase)
+                                 else x.value).dtype for x in node.inputs]
+            plan = _rule_outputs(node, in_lays, dtypes)
+            if plan is not None:
+                out_lays = list(plan.outputs)
+                for j, post in enumerate(plan.post):
+                    if post is not None:
+                        steps.append(("forward", j, post))
+                for j, lay in enumerate(out_lays):
+                    if lay.partial:
+                        steps.append(("partial", j, lay))
+        if node.out_layouts is not None:
+            out_lays = list(node.out_layouts)
+        if out_lays is not None:
+            for v, lay in zip(node.outputs, out_lays):
+                known[v.id] = lay
+        if node.chosen is None and any(kind == "redistribution" for kind, _, _ in steps):
+            cost += _redistribution_costs(steps)
+        comm[node.name] = steps
+        nodes.append(node.replace(cost=cost) if cost != node.cost else node)
+    meta = dict(graph.meta)
+    meta["comm"] = comm
+    meta["layouts"] = known
+    return verify(graph.replace(nodes=tuple(nodes), meta=meta))
+
+
+def _redistribution_costs(steps) -> float:
+    """Alpha-beta cost of the redistributions among a node's communication steps."""
+    try:  # TEMP until cost.py lands
+        from .cost import CostModel, redistribution_cost
+    except ImportError:
+        return sum(plan.bytes for kind, _, plan in steps if kind == "redistribution")
+    model = CostModel()
+    return sum(redistribution_cost(plan.src, plan.dst, plan.itemsize, model)
+               for kind, _, plan in steps if kind == "redistribution")
+
+
+# ---------------------------------------------------------------------------
+# the compiled graph: executor and introspection
+# ---------------------------------------------------------------------------
+class CompiledGraph:
+    """A graph ready to run; ``strategies()`` and ``dump()`` show what was planned."""
+
+    def __init__(self, graph: Graph, sharded: bool):
+        self.graph = graph
+        self.sharded = sharded
+        self._plan = tuple(self._prepare(graph))
+
+    @staticmethod
+    def _prepare(graph):
+        """Per node: (op, attrs, input getters, in_layouts, out_layouts, out ids, name)."""
+        for node in graph.nodes:
+            ins = tuple((True, x.id) if isinstance(x, Ref) else (False, x.value)
+                        for x in node.inputs)
+            yield (node.op, node.attrs, ins, node.in_layouts, node.out_layouts,
+                   tuple(v.id for v in node.outputs), node.op_name)
+
+    def __call__(self, args):
+        from ..strategy import _to
+        g = self.graph
+        env = {}
+        sharded = self.sharded
+        for k, v in enumerate(g.args):
+            x = args[k]
+            lay = g.arg_layouts[k] if g.arg_layouts else None
+            env[v.id] = _to(x, lay, g.meta.get("name", "ops.shard")) \
+                if sharded and lay is not None else x
+        for k, (p, v) in enumerate(g.params):
+            lay = g.param_layouts[k] if g.param_layouts else None
+            env[v.id] = _to(p, lay, f"parameter_plan[{p.name!r}]") \
+                if sharded and lay is not None else p
+        apply = _core.apply
+        for op, attrs, ins, in_lays, out_lays, outs, name in self._plan:
+            xs = tuple(env[x] if is_ref else x for is_ref, x in ins)
+            if sharded and in_lays is not None:
+                xs = tuple(_to(x, lay, name) if lay is not None else x
+                           for x, lay in zip(xs, in_lays))
+            if op == CALL:
+                attrs["fn"](*xs)
+                continue
+            out = apply(op, attrs, xs)
+            res = out if op.multi_output else (out,)
+            if sharded and out_lays is not None:
+                res = tuple(_to(o, lay, name) if lay is not None else o
+                            for o, lay in zip(res, out_lays))
+            for vid, o in zip(outs, res):
+                env[vid] = o
+        leaves = iter(g.out_layouts) if g.out_layouts else None
+
+        def build(t):
+            if isinstance(t, Ref):
+                x = env[t.id]
+            elif isinstance(t, Const):
+                x = t.value
+            elif isinstance(t, tuple):
+                return tuple(build(y) for y in t)
+            elif isinstance(t, list):
+                return [build(y) for y in t]
+            elif isinstance(t, dict):
+                return {k: build(y) for k, y in t.items()}
+            else:
+                return t
+            if leaves is not None:
+                lay = next(leaves)
+                if sharded and lay is not None and isinstance(x, TensorBase):
+                    x = _to(x, lay, g.meta.get("name", "ops.shard"))
+            return x
+        return build(g.outputs)
+
+    # ---- introspection ------------------------------------------------------------
+    def strategies(self) -> dict:
+        """node name -> {"strategy": strategy tuples per input (None: as it comes),
+        "configured": bool, "cost": alpha-beta cost of its communication (s)}."""
+        out = {}
+        for node in self.graph.nodes:
+            if node.op == CALL:
+                continue
+            if node.strategy is not None and node.strategy[0] is not None:
+                st, conf = node.strategy[0], True
+            elif node.chosen is not None:
+                st, conf = node.chosen, False
+            else:
+                st, conf = None, False
+            out[node.name] = {"strategy": st, "configured": conf, "cost": node.cost,
+                              "backward": node.backward}
+        return out
+
+    def dump(self, path=None) -> str:
+        """The graph as graphviz dot text (collectives marked in red); written to `path`
+        when given. Needs no graphviz binary."""
+        g = self.graph
+        comm = g.meta.get("comm", {})
+        lines = [f'digraph "{g.meta.get("name", "graph")}" {{', "  rankdir=TB;",
+                 '  node [shape=box, fontname="monospace"];']
+        producer = {}
+        for k, v in enumerate(g.args):
+            lines.append(f'  v{v.id} [label="arg {k}\\n{list(v.shape)} {v.dtype}", '
+                         f'shape=ellipse];')
+            producer[v.id] = f"v{v.id}"
+        for p, v in g.params:
+            lines.append(f'  v{v.id} [label="{p.name}\\n{list(v.shape)} {v.dtype}", '
+                         f'shape=ellipse, style=filled, fillcolor=lightyellow];')
+            producer[v.id] = f"v{v.id}"
+        for k, node in enumerate(g.nodes):
+            nid = f"n{k}"
+            st = self.strategies().get(node.name, {}).get("strategy") if node.op != CALL \
+                else None
+            label = node.name + (f"\\nstrategy={st}" if st is not None else "")
+            style = ', style=dashed' if node.backward else ''
+            lines.append(f'  {nid} [label="{label}"{style}];')
+            steps = comm.get(node.name, [])
+            for kind, i, plan in steps:
+                if kind == "redistribution":
+                    cid = f"{nid}_r{i}"
+                    desc = "\\n".join(str(s) for s in plan)
+                    lines.append(f'  {cid} [label="redistribute\\n{desc}", color=red, '
+                                 f'fontcolor=red];')
+                    x = node.inputs[i]
+                    if producer.get(x.id):
+                        lines.append(f"  {producer[x.id]} -> {cid};")
+                    lines.append(f"  {cid} -> {nid};")
+                elif kind == "forward":
+                    red_op, axes = plan
+                    lines.append(f'  {nid}_p{i} [label="AllReduce({red_op}) over axes '
+                                 f'{tuple(axes)}", color=red, fontcolor=red];')
+                    lines.append(f"  {nid} -> {nid}_p{i};")
+                elif kind == "partial":
+                    lines.append(f'  {nid}_s{i} [label="pending sum over axes '
+                                 f'{tuple(plan.partial)}\\n(AllReduce / ReduceScatter at its '
+                                 f'consumer)", color=red, fontcolor=red, shape=note];')
+                    lines.append(f"  {nid} -> {nid}_s{i} [style=dotted];")
+            moved = {i for kind, i, _ in steps if kind == "redistribution"}
+            for i, x in enumerate(node.inputs):
+                if isinstance(x, Ref) and i not in moved and x.id in producer:
+                    lines.append(f"  {producer[x.id]} -> {nid};")
+            for v in node.outputs:
+                producer[v.id] = nid
+        for j, leaf in enumerate(flatten_refs(g.outputs)):
+            if isinstance(leaf, Ref) and leaf.id in producer:
+                lines.append(f'  out{j} [label="output {j}", shape=ellipse];')
+                lines.append(f"  {producer[leaf.id]} -> out{j};")
+        lines.append("}")
+        text = "\n".join(lines) + "\n"
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def __repr__(self):
+        return f"CompiledGraph({len(self.graph.nodes)} nodes)\n{self.graph!r}"
+
+
+def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name="ops.shard",
+                  in_strategy=None, out_strategy=None, parameter_plan=None,
+                  arg_sources=None, fully_use_devices=False) -> CompiledGraph:
+    """Run the passes on a traced graph; the result runs on every call."""
+    if sharded:
+        graph = apply_strategies(graph, n, name=name, in_strategy=in_strategy,
+                                 out_strategy=out_strategy, parameter_plan=parameter_plan)
+        if propagate:
+            graph = propagate_strategies(graph, n, arg_sources=arg_sources,
+                                         fully_use_devices=fully_use_devices)
+        graph = plan_communication(graph, n, arg_sources=arg_sources)
+    return CompiledGraph(graph, sharded)
