@@ -472,6 +472,11 @@ class _Collective(Primitive):
     def _one(self, x):
         from ..parallel import dtensor
         dl = _dl()
+        from ..parallel.graph.trace import is_abstract
+        if is_abstract(x) and dtensor.parallel_active():
+            raise ValueError(f"{self.name}: op {self.name} has no sharding rule, so a sharded "
+                             f"graph cannot place it; call it outside the compiled function "
+                             f"(in PyNative mode)")
         x = const(x, self.name)
         if not dtensor.parallel_active():
             return wrap(x)                     # one device: the identity

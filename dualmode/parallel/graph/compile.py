@@ -99,8 +99,19 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
                              f"(or None) per output")
         out_layouts = tuple(_layout_of(s, _shape_of(x, values), n, name, k, "out_strategy")
                             for k, (s, x) in enumerate(zip(out_strategy, leaves)))
+    from ..sharding import RULES
     nodes = []
     for node in graph.nodes:
+        if node.op_name == "Redistribute":          # a strategy's move
+            a = node.attrs
+            lay = _layout_of(a["strategy"], node.outputs[0].shape, n, a["owner"], a["index"],
+                             a["param"])
+            nodes.append(node.replace(in_layouts=(lay,)))
+            continue
+        if node.op != CALL and node.op_name not in RULES:
+            raise ValueError(f"{name}: op {node.op_name} ({node.name}) has no sharding rule, "
+                             f"so a sharded graph cannot place it; call it outside the "
+                             f"compiled function (in PyNative mode)")
         if node.strategy is not None:
             ins, outs = node.strategy
             in_lays = None
@@ -194,7 +205,12 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
         dtypes = [values[x.id].dtype if isinstance(x, Ref) else
                   np.asarray(x.value._value() if isinstance(x.value, TensorBase)
                              else x.value).dtype for x in node.inputs]
-        if node.in_layouts is not None:            # configured: one fixed candidate
+        if node.op_name == "Redistribute":
+            if node.in_layouts is None:
+                continue
+            cands_in, cands_out, costs, fix = [node.in_layouts], [node.in_layouts], \
+                np.zeros(1), 0
+        elif node.in_layouts is not None:          # configured: one fixed candidate
             plan = _rule_outputs(node, node.in_layouts, dtypes)
             outs = node.out_layouts or (plan.outputs if plan is not None else None)
             if outs is None:
@@ -281,7 +297,9 @@ def plan_communication(graph: Graph, n: int, *, arg_sources=None) -> Graph:
             in_lays.append(need if need is not None else have)
         out_lays = None
         cost = node.cost
-        if node.op != CALL and all(lay is not None for lay, x in zip(in_lays, node.inputs)
+        if node.op_name == "Redistribute":
+            out_lays = list(node.in_layouts) if node.in_layouts is not None else in_lays
+        elif node.op != CALL and all(lay is not None for lay, x in zip(in_lays, node.inputs)
                                    if isinstance(x, Ref)):
             dtypes = [values[x.id].dtype if isinstance(x, Ref) else
                       np.asarray(x.value._value() if isinstance(x.value, TensorBase)
@@ -363,6 +381,9 @@ class CompiledGraph:
                            for x, lay in zip(xs, in_lays))
             if op == CALL:
                 attrs["fn"](*xs)
+                continue
+            if name == "Redistribute":        # moved by `_to` above (or not sharded)
+                env[outs[0]] = xs[0]
                 continue
             out = apply(op, attrs, xs)
             res = out if op.multi_output else (out,)

@@ -168,7 +168,8 @@ class _Trace:
         outs = tuple(self.value(shape, dtype) for shape, dtype in metas)
         node = Node(op=op, attrs=attrs, inputs=tuple(refs), outputs=outs,
                     name=self._name(op.name), backward=_core.in_backward())
-        if self.scope and self.scope[-1][1] is None and not node.backward:
+        if self.scope and self.scope[-1][1] is None and not node.backward \
+                and op.name != "Redistribute":
             prim = self.scope[-1][0]
             node = node.replace(strategy=(prim.in_strategy, prim.out_strategy))
             self.scope[-1][1] = node
@@ -193,16 +194,54 @@ class _Trace:
             return prim.construct(*args, **kwargs)
         from ..strategy_checks import check_strategy_for
         check_strategy_for(prim, args)
+        if prim.in_strategy is not None:
+            args = self._moved_args(prim, args)
         self.scope.append([prim, None])
         try:
             out = prim.construct(*args, **kwargs)
         finally:
             _, node = self.scope.pop()
+        if prim.out_strategy is not None:
+            outs = out if isinstance(out, tuple) else (out,)
+            if len(prim.out_strategy) != len(outs):
+                raise ValueError(f"{prim.name}: out_strategy has {len(prim.out_strategy)} "
+                                 f"entries but the op has {len(outs)} output(s)")
+            moved = tuple(self._move(o, s, prim.name, k, "out_strategy")
+                          for k, (s, o) in enumerate(zip(prim.out_strategy, outs)))
+            out = moved if isinstance(out, tuple) else moved[0]
         if node is None and prim.in_strategy is not None:
             raise TraceError(f"{prim.name}: has in_strategy={prim.in_strategy} but its call "
                              f"inside the traced function recorded no op on a traced tensor, "
                              f"so the strategy has nothing to apply to")
         return out
+
+    def _move(self, x, strategy, owner, index, param):
+        """`x` moved into a strategy's layout, as a recorded Redistribute node (its
+        layout is fixed at compile time; the tape sees the moved value, as in PyNative)."""
+        if not is_abstract(x) and not isinstance(x, Parameter):
+            return x
+        from ..dtensor import REDISTRIBUTE
+        return _core.apply(REDISTRIBUTE, {"strategy": strategy, "owner": owner,
+                                          "index": index, "param": param}, (x,))
+
+    def _moved_args(self, prim, args):
+        out, k = [], 0
+        for a in args:
+            if isinstance(a, (tuple, list)) and a and isinstance(a[0], TensorBase):
+                moved = []
+                for t in a:
+                    moved.append(self._move(t, prim.in_strategy[k], prim.name, k,
+                                            "in_strategy"))
+                    k += 1
+                out.append(type(a)(moved))
+            elif isinstance(a, (TensorBase, np.ndarray)):
+                if isinstance(a, TensorBase):
+                    a = self._move(a, prim.in_strategy[k], prim.name, k, "in_strategy")
+                out.append(a)
+                k += 1
+            else:
+                out.append(a)
+        return tuple(out)
 
     def call_opaque(self, fn, label, tensors):
         """Record ``fn(tensors)`` as one opaque node (run eagerly at execution)."""
