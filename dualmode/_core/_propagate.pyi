@@ -28,3 +28,14 @@ def propagate(node_ptr: np.ndarray, node_cost: np.ndarray, src: np.ndarray,
     (ValueError when they disagree).
     """
     ...
+
+def flatten(items: list, ndim: int) -> tuple:
+    """Concatenate ragged cost arrays (each ``ndim``-D) into one float64 array, row-major.
+
+    Returns ``(bad, shapes, flat)``: ``bad`` is -1 and ``shapes`` an (n, ndim) int64 array,
+    or ``bad`` is the index of the first item with another number of dims (``shapes`` and
+    ``flat`` None). Float64 C-contiguous arrays are copied with one memcpy each; anything
+    else goes through ``np.ascontiguousarray(item, dtype=np.float64)`` first (which may
+    raise TypeError / ValueError).
+    """
+    ...
