@@ -265,11 +265,13 @@ def test_parameter_plan_unknown_name_warns_and_bad_split_raises():
                   parameter_plan={"nope": (2, 1)})
     with pytest.warns(UserWarning, match=r"parameter_plan names 'nope'"):
         f(x)
-    g = ops.shard(lambda x: ops.matmul(x, w), in_strategy=((2, 1),),
-                  parameter_plan={"w": (4, 1)})
-    with pytest.raises(ValueError, match=r"4 does not divide dim 0 \(size 6\)"):
+    w2 = Parameter(Tensor(np.ones((6, 4), np.float32)), name="w2")
+    g = ops.shard(lambda x: ops.matmul(x, w2), in_strategy=((2, 1),),
+                  parameter_plan={"w2": (4, 1)})
+    with pytest.raises(ValueError, match=r"parameter_plan\['w2'\]\[0\]=4 does not divide "
+                                         r"dim 0 \(size 6\) of parameter w2"):
         g(x)
-    assert w._layout is None                     # nothing moved
+    assert w2._layout is None                    # nothing moved
 
 
 def test_op_without_sharding_rule_is_named():

@@ -570,5 +570,5 @@ def distribute_inputs(args):
                                  f"{i}); give one strategy per input")
             layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
         k += 1
-        out.append(distribute(a, layout))
+        out.append(moved(a, distribute(a, layout)._data, layout))   # on the tape
     return tuple(out)

@@ -84,6 +84,15 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
     param_layouts = []
     for p, v in graph.params:
         s = plan.pop(p.name, None)
+        if isinstance(s, tuple):
+            if len(s) != len(v.shape):
+                raise ValueError(f"{name}: parameter_plan[{p.name!r}]={s} has {len(s)} "
+                                 f"entries but parameter {p.name} has rank {len(v.shape)} "
+                                 f"(shape {v.shape})")
+            for d, (k, size) in enumerate(zip(s, v.shape)):
+                if size % k:
+                    raise ValueError(f"{name}: parameter_plan[{p.name!r}][{d}]={k} does not "
+                                     f"divide dim {d} (size {size}) of parameter {p.name}")
         param_layouts.append(_layout_of(s, v.shape, n, f"{name}: parameter_plan[{p.name!r}]",
                                         0, "parameter_plan") if s is not None else None)
     for unknown in plan:
@@ -377,7 +386,8 @@ class CompiledGraph:
         for op, attrs, ins, in_lays, out_lays, outs, name in self._plan:
             xs = tuple(env[x] if is_ref else x for is_ref, x in ins)
             if sharded and in_lays is not None:
-                xs = tuple(_to(x, lay, name) if lay is not None else x
+                move = _to if name == "Redistribute" else _place
+                xs = tuple(move(x, lay, name) if lay is not None else x
                            for x, lay in zip(xs, in_lays))
             if op == CALL:
                 attrs["fn"](*xs)
@@ -495,6 +505,18 @@ class CompiledGraph:
 
     def __repr__(self):
         return f"CompiledGraph({len(self.graph.nodes)} nodes)\n{self.graph!r}"
+
+
+def _place(x, lay, name):
+    """`x` in layout `lay` for an op whose strategy was propagated: a parameter not yet
+    sharded comes to live there (its first use); one already stored in another layout
+    lends a moved copy instead (configured strategies, by contrast, must agree)."""
+    from ..strategy import _to, is_sharded_layout
+    if isinstance(x, Parameter) and is_sharded_layout(x._layout) and x._layout != lay:
+        from ..dtensor import moved
+        from ..redistribute_bridge import redistribute_tensor
+        return moved(x, redistribute_tensor(x, lay, name), lay)
+    return _to(x, lay, name)
 
 
 def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name="ops.shard",
