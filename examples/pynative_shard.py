@@ -90,7 +90,15 @@ def main(argv=None):
             print(f"  {name:<10} {info['strategy']}")
     for p in (net.block.w1, net.block.w2):
         print(f"{p.name}: global {tuple(p.shape)}, each device stores {local_shape(p)}")
-    print(report)
+    print(f"communication per step ({report.count() // args.steps} collectives, "
+          f"{report.bytes() / args.steps / 1024:.1f} KiB per device; peak memory "
+          f"{report.peak_memory / 1024:.1f} KiB per device):")
+    for reason in ("forward", "backward", "redistribution", "gradient"):
+        for kind in ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll"):
+            count = report.count(kind=kind, reason=reason) // args.steps
+            if count:
+                print(f"  {reason:<15} {kind:<14} {count:3d} x  "
+                      f"{report.bytes(kind=kind, reason=reason) / args.steps / 1024:8.1f} KiB")
     if args.dump:
         net.run_block.dump(args.dump)
         print(f"graph written to {args.dump}")

@@ -197,6 +197,7 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
     model = CostModel()
     values = graph.values()
     known = _input_layouts(graph, n, arg_sources or {})
+    trained = {v.id for p, v in graph.params if p.requires_grad}
     # pseudo-nodes: one per argument / parameter (a single fixed candidate)
     cand_in, cand_out, node_costs, fixed, labels = [], [], [], [], []
     producer = {}                         # value id -> (problem node, output index)
@@ -234,7 +235,8 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
                 continue
             cands_in = [c.in_layouts for c in cands]
             cands_out = [c.out_layouts for c in cands]
-            costs = np.array([c.cost for c in cands], dtype=np.float64)
+            costs = np.array([c.cost + _gradient_cost(node, c, trained, values, model)
+                              for c in cands], dtype=np.float64)
             fix = -1
         index_of[k] = len(cand_out)
         for j, v in enumerate(node.outputs):
@@ -279,6 +281,18 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
         nodes[k] = nodes[k].replace(in_layouts=tuple(cand.in_layouts), cost=float(cand.cost),
                                     chosen=cand.strategy)
     return verify(graph.replace(nodes=tuple(nodes)))
+
+
+def _gradient_cost(node, cand, trained, values, model) -> float:
+    """The backward communication a candidate implies for the trained parameters it
+    reads: their gradients are summed (AllReduce) over the devices that replicate them."""
+    from .cost import allreduce_cost
+    total = 0.0
+    for x, lay in zip(node.inputs, cand.in_layouts):
+        if isinstance(x, Ref) and x.id in trained and lay is not None:
+            total += allreduce_cost(lay, lay.replicated_axes, values[x.id].dtype.itemsize,
+                                    model)
+    return total
 
 
 # ---------------------------------------------------------------------------
@@ -339,10 +353,7 @@ def plan_communication(graph: Graph, n: int, *, arg_sources=None) -> Graph:
 
 def _redistribution_costs(steps) -> float:
     """Alpha-beta cost of the redistributions among a node's communication steps."""
-    try:  # TEMP until cost.py lands
-        from .cost import CostModel, redistribution_cost
-    except ImportError:
-        return sum(plan.bytes for kind, _, plan in steps if kind == "redistribution")
+    from .cost import CostModel, redistribution_cost
     model = CostModel()
     return sum(redistribution_cost(plan.src, plan.dst, plan.itemsize, model)
                for kind, _, plan in steps if kind == "redistribution")
