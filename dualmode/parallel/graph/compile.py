@@ -41,7 +41,10 @@ import numpy as np
 from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
 from ...tensor import Parameter
-from ..layout import LayoutSpec, TensorLayout
+from ..dtensor import moved
+from ..layout import TensorLayout
+from ..redistribute_bridge import redistribute_tensor
+from ..strategy import _to, is_sharded_layout
 from .ir import CALL, Const, Graph, GraphError, Ref, flatten_refs, verify
 
 __all__ = ["apply_strategies", "propagate_strategies", "plan_communication",
@@ -380,7 +383,6 @@ class CompiledGraph:
                    tuple(v.id for v in node.outputs), node.op_name)
 
     def __call__(self, args):
-        from ..strategy import _to
         g = self.graph
         env = {}
         sharded = self.sharded
@@ -522,10 +524,9 @@ def _place(x, lay, name):
     """`x` in layout `lay` for an op whose strategy was propagated: a parameter not yet
     sharded comes to live there (its first use); one already stored in another layout
     lends a moved copy instead (configured strategies, by contrast, must agree)."""
-    from ..strategy import _to, is_sharded_layout
-    if isinstance(x, Parameter) and is_sharded_layout(x._layout) and x._layout != lay:
-        from ..dtensor import moved
-        from ..redistribute_bridge import redistribute_tensor
+    if isinstance(x, TensorBase) and x._layout == lay:
+        return x
+    if isinstance(x, Parameter) and is_sharded_layout(x._layout):
         return moved(x, redistribute_tensor(x, lay, name), lay)
     return _to(x, lay, name)
 
