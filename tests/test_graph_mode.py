@@ -356,3 +356,28 @@ def test_data_parallel_input_gradient_equals_single_device():
     ref = _outer_run(1, None)
     got = _outer_run(8, None, mode="data_parallel")
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-4, atol=1e-6)
+
+
+def _model_run(graph, devices):
+    _setup(devices, "data_parallel")
+    dm.set_context(mode=dm.GRAPH_MODE if graph else dm.PYNATIVE_MODE)
+    dm.set_seed(1)
+    net = nn.SequentialCell([nn.Dense(8, 16), nn.ReLU(), nn.Dense(16, 3)])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    y = rng.integers(0, 3, 64).astype(np.int32)
+    ds = dm.dataset.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(16)
+    model = dm.train.Model(net, nn.CrossEntropyLoss(), nn.SGD(net.trainable_params(), 0.1),
+                           metrics={"accuracy"})
+    model.train(2, ds)
+    acc = model.eval(ds)["accuracy"]
+    dm.set_context(mode=dm.PYNATIVE_MODE)
+    return [p.asnumpy() for p in net.trainable_params()], acc
+
+
+def test_model_train_in_graph_mode_data_parallel_equals_single_device():
+    ref_w, ref_acc = _model_run(False, 1)
+    w, acc = _model_run(True, 8)
+    assert acc == ref_acc
+    for a, b in zip(w, ref_w):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
