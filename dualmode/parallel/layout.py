@@ -422,9 +422,30 @@ class TensorLayout:
 
     def local_blocks(self, array) -> np.ndarray:
         """Split a global array into the stack ``(device_num, *local_shape)`` of local shards."""
+        y = self._blocks_grid(array, "local_blocks")
+        return np.ascontiguousarray(y).reshape((self.device_num,) + self.local_shape)
+
+    def local_blocks_view(self, array) -> np.ndarray:
+        """:meth:`local_blocks` as a read-only view of ``array`` when its strides allow one
+        (e.g. columns split over one axis: device d sees columns d*k:(d+1)*k in place;
+        nothing split: every device sees the whole array, stride 0), else a fresh copy."""
+        y = self._blocks_grid(array, "local_blocks_view")
+        shape = (self.device_num,) + self.local_shape
+        try:
+            out = np.reshape(y, shape, copy=False)
+        except ValueError:                      # the blocks are not one strided grid
+            return np.ascontiguousarray(y).reshape(shape)
+        if out.flags.writeable:
+            out = out.view()
+            out.flags.writeable = False
+        return out
+
+    def _blocks_grid(self, array, what) -> np.ndarray:
+        """The global array viewed as ``device_matrix + local_shape`` (no copy): the block
+        of each device at its coordinates, stride 0 along axes that split nothing."""
         x = np.asarray(array)
         if tuple(x.shape) != self.shape:
-            raise LayoutError(f"{self!r}: local_blocks got an array of shape {x.shape}, expected "
+            raise LayoutError(f"{self!r}: {what} got an array of shape {x.shape}, expected "
                               f"the global shape {self.shape}")
         if self.partial:
             raise LayoutError(f"{self!r}: a global value has no pending partial sums to split "
@@ -440,8 +461,7 @@ class TensorLayout:
         order = [pos[a] for a in self.split_axes] + local_pos
         y = x.reshape(ext).transpose(order)
         y = y.reshape(tuple(dm[a] if a in pos else 1 for a in range(len(dm))) + self.local_shape)
-        y = np.broadcast_to(y, dm + self.local_shape)
-        return np.ascontiguousarray(y).reshape((self.device_num,) + self.local_shape)
+        return np.broadcast_to(y, dm + self.local_shape)
 
     def assemble(self, stack) -> np.ndarray:
         """The global value from a stack ``(device_num, *local_shape)`` of local shards:
@@ -456,7 +476,8 @@ class TensorLayout:
         s = s[tuple(0 if a in self.replicated_axes else slice(None) for a in range(len(dm)))]
         kept = [a for a in range(len(dm)) if a not in self.replicated_axes]
         if self.partial:
-            s = s.sum(axis=tuple(kept.index(a) for a in self.partial))
+            s = np.add.reduce(s, axis=tuple(kept.index(a) for a in self.partial),
+                              dtype=s.dtype)
             kept = [a for a in kept if a not in self.partial]
         pos = {a: i for i, a in enumerate(kept)}
         order = []

@@ -53,7 +53,8 @@ from .layout import LayoutError, LayoutSpec, TensorLayout
 
 __all__ = ["Step", "LocalSlice", "AllGather", "AllToAll", "ReduceScatter", "AllReduce",
            "Remesh", "Plan", "RedistributionError", "plan_redistribution", "plan_uncached",
-           "reference_plan", "redistribute", "run_plan", "unify_device_matrices",
+           "reference_plan", "redistribute", "run_plan", "run_plan_direct", "execute",
+           "unify_device_matrices",
            "plan_cache_info", "clear_plan_cache", "SEARCH_BUDGET"]
 
 #: Expansions of the search before it settles for the direct plan (both planners).
@@ -804,3 +805,95 @@ def run_plan(plan: Plan, stack: np.ndarray, backend=None, *,
             else:                                       # Remesh
                 mesh = plan._mesh(step.device_matrix)
     return x
+
+
+# ============================================================================ direct executor
+
+_RECORD_KIND = {"AllGather": "AllGather", "AllToAll": "AlltoAll",
+                "ReduceScatter": "ReduceScatter", "AllReduce": "AllReduce"}
+
+
+def _record_steps(plan: Plan, itemsize: int) -> None:
+    """Record ``plan``'s collectives exactly as :func:`run_plan` makes the backend record
+    them (kind, group size, groups, input bytes per device, and input plus output bytes
+    as the memory note), without running them."""
+    from ..communication import trace
+    if not trace._STATE.reports:
+        return
+    n = plan.src.device_num
+    local = list(plan.src.local_shape)
+    for step in plan:
+        kind, dims, parts = step[0], step[1], step[3]
+        if kind in ("LocalSlice", "Remesh"):
+            if kind == "LocalSlice":
+                local[dims[0]] //= parts
+            continue
+        before = math.prod(local) * itemsize
+        if kind == "AllGather":
+            local[dims[0]] *= parts
+        elif kind == "AllToAll":
+            local[dims[1]] //= parts
+            local[dims[0]] *= parts
+        elif kind == "ReduceScatter":
+            local[dims[0]] //= parts
+        trace.record(_RECORD_KIND[kind], parts, n // parts, before)
+        trace.note_memory(before + math.prod(local) * itemsize)
+
+
+def global_value(stack: np.ndarray, layout: TensorLayout) -> np.ndarray:
+    """The global value held by a stack of every device's shards in ``layout`` (pending
+    sums added up). A stride-0 stack (one buffer viewed by every device) is read once;
+    a batch split is a view."""
+    if stack.strides[0] == 0 and stack.shape[0] > 1 and not layout.split_axes:
+        one = stack[0]
+        if not layout.partial:
+            return one
+        parts = math.prod(layout.device_matrix[a] for a in layout.partial)
+        return np.multiply(one, parts, dtype=stack.dtype)
+    return layout.assemble(stack)
+
+
+def blocks_of(value: np.ndarray, layout: TensorLayout) -> np.ndarray:
+    """The stack of every device's block of the global ``value`` in ``layout`` (no
+    partial axes): a read-only view of ``value`` when its strides allow (one buffer
+    viewed by every device when nothing is split; a split of one dim over the device
+    axes in order), else one copy."""
+    if not layout.split_axes:
+        return np.broadcast_to(value[None], (layout.device_num,) + tuple(value.shape))
+    return layout.local_blocks_view(value)
+
+
+def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
+                    op_name: Optional[str] = None,
+                    reason: str = "redistribution") -> np.ndarray:
+    """The result of :func:`run_plan`, computed through the global value when this
+    process holds every device ("sim"): the source blocks are assembled (pending sums
+    added) and the destination blocks cut from it, one or two numpy passes whatever the
+    number of steps. CommReport records exactly the collectives :func:`run_plan` would
+    run. Plans that keep partial sums, or processes that hold only some devices, run
+    step by step."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"run_plan_direct: expected a Plan, got {plan!r}")
+    if not isinstance(stack, np.ndarray):
+        stack = np.asarray(stack)
+    src, dst = plan.src, plan.dst
+    backend = _resolve_backend(backend, src, stack)
+    if not len(plan) or dst.partial or len(backend.local_ranks) != src.device_num:
+        return run_plan(plan, stack, backend, op_name=op_name, reason=reason)
+    want = (src.device_num,) + src.local_shape
+    if stack.shape != want:
+        raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
+                         f"{want} (local devices, *local shape of {src!r})")
+    with comm_cause(op_name, reason):
+        _record_steps(plan, stack.itemsize)
+    return blocks_of(global_value(stack, src), dst)
+
+
+def execute(plan: Plan, stack: np.ndarray, backend=None, *, op_name: Optional[str] = None,
+            reason: str = "redistribution") -> np.ndarray:
+    """Run ``plan`` the cheapest way for this process: LocalSlice-only plans step by
+    step (one indexing each), anything that communicates through
+    :func:`run_plan_direct` when every device is local, else :func:`run_plan`."""
+    if any(s.communicates for s in plan):
+        return run_plan_direct(plan, stack, backend, op_name=op_name, reason=reason)
+    return run_plan(plan, stack, backend, op_name=op_name, reason=reason)

@@ -28,15 +28,12 @@ def _report_gather(src: TensorLayout, nbytes: int, op_name, reason):
 
 @functools.lru_cache(maxsize=1)
 def _planner():
-    """The planner's executor (parallel/redistribute.py), looked up once."""
+    """(plan_redistribution, execute) of parallel/redistribute.py, looked up once."""
     try:
-        from .redistribute import redistribute
+        from .redistribute import execute, plan_redistribution
     except ImportError:
         return None
-    import inspect
-    if "reason" not in inspect.signature(redistribute).parameters:
-        return None
-    return redistribute
+    return plan_redistribution, execute
 
 
 def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistribution"):
@@ -44,9 +41,11 @@ def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistributi
     the collectives are reported with `reason`."""
     if isinstance(x, TensorBase) and x._layout is not None:
         src = x._layout
-        redistribute = _planner()
-        if redistribute is not None and src.device_num == dst.device_num:
-            return redistribute(x._data, src, dst, op_name=op_name, reason=reason)
+        planner = _planner()
+        if planner is not None and src.device_num == dst.device_num:
+            stack = x._data
+            plan = planner[0](src, dst, stack.itemsize or 1)
+            return planner[1](plan, stack, op_name=op_name, reason=reason)
         global_value = src.assemble(x._data)
         _report_gather(src, x._data[0].nbytes, op_name, reason)
     else:
