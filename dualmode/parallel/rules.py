@@ -93,9 +93,14 @@ def _matmul(attrs, lays, dtypes):
     b_map[bk], b_map[bn] = K, N
     m, n = a.shape[am], b.shape[bn]
     out = layout(dm, (M, N), (m, n), K)
+    devices = math.prod(dm)
+    every_axis_contracted = devices > 1 and len(K) == len(dm)
 
     def local(attrs, stacks):
-        return stack_matmul(_swap(stacks[0], ta), _swap(stacks[1], tb))
+        sa, sb = _swap(stacks[0], ta), _swap(stacks[1], tb)
+        if every_axis_contracted and sa.shape[0] == devices:
+            return contract_all(sa, sb)
+        return stack_matmul(sa, sb)
 
     return ShardPlan((layout(dm, a_map, a.shape), layout(dm, b_map, b.shape)), (out,), local)
 
@@ -108,6 +113,18 @@ def stack_matmul(a, b):
         out = np.matmul(a.reshape(n * m, k), b[0])
         return out.reshape(n, m, out.shape[-1])
     return np.matmul(a, b)
+
+
+def contract_all(a, b):
+    """The stack of pending sums of sum_d a[d] @ b[d] when the stacks (n, m, k) and
+    (n, k, c) hold every device: the devices' blocks of the contracted dim are
+    concatenated (in device order for both, so the total is the same) into one GEMM,
+    and the total is kept as n equal shares (a stride-0 view; any split of a pending
+    sum is valid)."""
+    n, m, k = a.shape
+    total = np.matmul(np.moveaxis(a, 0, 1).reshape(m, n * k), b.reshape(n * k, b.shape[-1]))
+    np.true_divide(total, n, out=total)
+    return np.broadcast_to(total[None], (n,) + total.shape)
 
 
 @register_rule("BatchMatMul")
