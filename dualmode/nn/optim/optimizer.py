@@ -13,7 +13,8 @@ import numbers
 import numpy as np
 
 from ...parallel.grad_reduce import reduce_gradients
-from ...parallel.strategy import gradient_in_layout, is_sharded_layout
+from ...parallel.redistribute_bridge import redistribute_tensor
+from ...parallel.strategy import is_sharded_layout
 
 from ..._core._tensor import TensorBase
 from ...tensor import Parameter
@@ -77,6 +78,15 @@ def _as_params(owner, params, where):
             raise TypeError(f"{owner}: {where}[{i}] is a {type(p).__name__}; expected a "
                             f"Parameter")
     return params
+
+
+def _gradient_stack(g, layout, name):
+    """The local stack of gradient `g` in `layout`, its pending sums resolved (the
+    gradient's ReduceScatter/AllReduce, reported as "gradient"). Updates only read it,
+    so it may be a read-only view."""
+    if isinstance(g, TensorBase) and g._layout == layout:
+        return g._data
+    return redistribute_tensor(g, layout, name, reason="gradient")
 
 
 class _Group:
@@ -203,7 +213,7 @@ class Optimizer(Cell):
                 if p._layout is not None and is_sharded_layout(p._layout):
                     # a sharded weight: its gradient moves into the weight's layout (the
                     # gradient communication) and the update runs on the local shards
-                    g = gradient_in_layout(g, p._layout, p.name)
+                    g = _gradient_stack(g, p._layout, p.name)
                     w = p._data
                 else:
                     g = g._value() if isinstance(g, TensorBase) else np.asarray(g)
