@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import weakref
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from ._core import _tensor as _core
 from ._core._tensor import TensorBase
 from .common import dtype as _dt
 
-__all__ = ["Tensor", "Parameter", "no_init_parameters"]
+__all__ = ["Tensor", "Parameter", "no_init_parameters", "live_parameters"]
 
 
 def _default_array(data, dtype):
@@ -267,6 +268,21 @@ def no_init_parameters():
         _InitState.delay -= 1
 
 
+# every Parameter alive in the process (by id, weakly): CommReport's per-device memory
+# reads their storage
+_LIVE = {}
+
+
+def _forget(key, ref):
+    if _LIVE.get(key) is ref:
+        del _LIVE[key]
+
+
+def live_parameters() -> list:
+    """The Parameters alive in this process (in creation order)."""
+    return [p for p in (r() for r in list(_LIVE.values())) if p is not None]
+
+
 class DeclaredShape:
     """Mixin for tensors whose shape and dtype are known before their value exists
     (delayed creation): reads `_shape` / `_dtype` instead of the data."""
@@ -316,6 +332,8 @@ class Parameter(DeclaredShape, Tensor):
         self.requires_grad = requires_grad
         self.layerwise_parallel = layerwise_parallel
         self._node = None
+        key = id(self)
+        _LIVE[key] = weakref.ref(self, lambda r, key=key: _forget(key, r))
         init = getattr(default_input, "_init", None) if isinstance(default_input, TensorBase) \
             else None
         if init is not None and default_input._data is None:
@@ -342,6 +360,17 @@ class Parameter(DeclaredShape, Tensor):
         self._data = self._init(self._shape, self._dtype)
         self._init = None
 
+    def _init_blocks(self, starts, block_shape):
+        """The stack ``(len(starts), *block_shape)`` of the blocks of the delayed value
+        starting at the rows of `starts`, made by the initializer without building the
+        whole tensor (the caller stores them; the parameter stays delayed)."""
+        if self._init is None:
+            raise RuntimeError(f"Parameter {self.name}: has no value and no initializer")
+        try:
+            return self._init.blocks(self._shape, self._dtype, starts, block_shape)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"Parameter {self.name}: {e}") from None
+
     def init_data(self):
         """Create the value now (no-op when it exists). Returns self."""
         if self._data is None:
@@ -366,8 +395,12 @@ class Parameter(DeclaredShape, Tensor):
         else:
             from .common.initializer import initializer
             value = initializer(init, self._shape, self._dtype)
-        return Parameter(value, name=f"{prefix}.{self.name}", requires_grad=self.requires_grad,
-                         layerwise_parallel=self.layerwise_parallel)
+        # a clone of a delayed parameter (an optimizer state) stays delayed as well, so
+        # it too can be made in the layout its parameter ends up in
+        with no_init_parameters() if self._data is None else contextlib.nullcontext():
+            return Parameter(value, name=f"{prefix}.{self.name}",
+                             requires_grad=self.requires_grad,
+                             layerwise_parallel=self.layerwise_parallel)
 
     def __repr__(self):
         return (f"Parameter(name={self.name}, shape={self._shape}, dtype={self._dtype}, "

@@ -20,19 +20,42 @@ AllReduce ``2 (n-1)/n S`` (ring), AllGather ``(n-1) S_in``, ReduceScatter
 of one device moves 0 bytes and is still recorded, so counts do not depend on group
 sizes.
 
-``peak_memory`` is the largest per-device byte count offered through
-:func:`dualmode.communication.trace.note_memory` while the report was active: backends
-offer, for each collective, its input plus output buffer per device; the layers holding
-tensors offer their live totals.
+``peak_memory`` is the largest per-device live total seen while the report was active:
+the parameter storage of one device (:func:`parameter_bytes_per_device`: each live
+parameter's local block when it is stored sharded, its whole value when plain, nothing
+while its initialisation is delayed) plus the largest byte count offered at that moment
+through :func:`dualmode.communication.trace.note_memory` (backends offer, for each
+collective, its input plus output buffer per device; the sharding engine offers 0 when it
+stores a parameter, so the change is seen at once). ``parameter_memory`` is the largest
+parameter storage alone, also taken when the report is entered and left.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import math
+from typing import Iterable, List, Optional
 
 from ..communication.trace import (KINDS, REASONS, CommRecord, activate, comm_cause,
                                    deactivate, note_memory)
 
-__all__ = ["CommReport", "CommRecord", "comm_cause", "note_memory"]
+__all__ = ["CommReport", "CommRecord", "comm_cause", "note_memory",
+           "parameter_bytes_per_device"]
+
+
+def parameter_bytes_per_device(params: Optional[Iterable] = None) -> int:
+    """Bytes one device stores for `params` (default: every live Parameter): the local
+    block of a parameter stored in a layout (its distinct local data, once), the whole
+    value of a plain one, nothing while its initialisation is delayed."""
+    if params is None:
+        from ..tensor import live_parameters
+        params = live_parameters()
+    total = 0
+    for p in params:
+        data = p._data
+        if data is None:
+            continue
+        local = getattr(p._layout, "local_shape", None)
+        total += data.nbytes if local is None else math.prod(local) * data.itemsize
+    return total
 
 
 def _fmt_bytes(b: float) -> str:
@@ -50,18 +73,24 @@ class CommReport:
     records : list of CommRecord
         In execution order.
     peak_memory : int
-        Largest live bytes per device noted while active (0 if none).
+        Largest live bytes per device seen while active: parameter storage plus the
+        buffers of the collective running at that moment (0 if nothing was seen).
+    parameter_memory : int
+        Largest parameter storage per device seen while active.
     """
 
     def __init__(self) -> None:
         self.records: List[CommRecord] = []
         self.peak_memory: int = 0
+        self.parameter_memory: int = 0
 
     def __enter__(self) -> "CommReport":
         activate(self)
+        self._note_memory(0)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._note_memory(0)
         deactivate(self)
 
     # hooks called by dualmode.communication.trace
@@ -69,8 +98,11 @@ class CommReport:
         self.records.append(rec)
 
     def _note_memory(self, nbytes: int) -> None:
-        if nbytes > self.peak_memory:
-            self.peak_memory = nbytes
+        params = parameter_bytes_per_device()
+        if params > self.parameter_memory:
+            self.parameter_memory = params
+        if params + nbytes > self.peak_memory:
+            self.peak_memory = params + nbytes
 
     def _select(self, func: str, kind: Optional[str], reason: Optional[str]):
         if kind is not None and kind not in KINDS:

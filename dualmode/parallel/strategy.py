@@ -5,6 +5,13 @@ Layout) gives; the op's sharding rule then computes on the shards. An out_strate
 moves the output the same way afterwards (e.g. a MatMul's pending sums into a row
 split: a ReduceScatter). In stand-alone mode, or without a parallel backend,
 strategies are checked but do not change how the op runs.
+
+A parameter consumed by a sharded op is stored in that op's layout from then on. A
+delayed parameter (``no_init_parameters()``) is then made directly in that layout:
+its initializer builds one block per distinct slice this process's devices hold
+(devices that replicate a slice share one generated block) and the whole tensor is
+never built; random initializers give every block the values of the same slice of the
+whole tensor, so the numbers equal the single-device run's.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
+from ..communication.trace import note_memory
 from ..tensor import Parameter
 from .dtensor import device_num, moved, parallel_active
 from .layout import TensorLayout
@@ -40,6 +48,29 @@ def gradient_in_layout(g, layout, name):
     return np.array(redistribute_tensor(g, layout, name, reason="gradient"))
 
 
+def _local_ranks(lay: TensorLayout) -> np.ndarray:
+    """The ranks of `lay` whose shards this process stores (every rank under "sim")."""
+    from ..communication import _live_backend
+    b = _live_backend()
+    if b is not None and b.world_size == lay.device_num:
+        return np.asarray(b.local_ranks, np.int64)
+    return np.arange(lay.device_num, dtype=np.int64)
+
+
+def delayed_local_shards(param, lay: TensorLayout) -> np.ndarray:
+    """The local shards ``(local devices, *lay.local_shape)`` of a delayed parameter in
+    `lay`, made by its initializer one block per distinct slice (never the whole tensor).
+
+    The stack is written in place by optimizers, so each device gets its own (writable)
+    copy of its block; the generator runs once per distinct block only.
+    """
+    ranks = _local_ranks(lay)
+    starts = lay.block_index[ranks] * np.asarray(lay.local_shape, np.int64)
+    distinct, which = np.unique(starts, axis=0, return_inverse=True)
+    blocks = param._init_blocks(distinct, lay.local_shape)
+    return blocks[which.reshape(-1)]
+
+
 def _store_sharded(param, lay, op_name):
     """A parameter lives in the layout of the first sharded op that consumes it."""
     owner = param.__dict__.get("_sharded_by")
@@ -50,10 +81,14 @@ def _store_sharded(param, lay, op_name):
             f"Parameter {param.name}: {op_name} needs it in layout {lay!r} but it is stored "
             f"as {param._layout!r} for {owner}; a parameter used by several ops must get one "
             f"consistent layout (give both ops the same strategy for it)")
-    stack = redistribute_tensor(param, lay, op_name)
-    param._data = np.array(stack)               # writable local shards
+    if param._data is None and param._init is not None:
+        param._data = delayed_local_shards(param, lay)      # delayed: only local blocks
+        param._init = None
+    else:
+        param._data = np.array(redistribute_tensor(param, lay, op_name))   # writable shards
     param._layout = lay
     param.__dict__["_sharded_by"] = op_name
+    note_memory(0)                  # active reports see the parameter storage change
     return param
 
 
