@@ -440,9 +440,16 @@ class TensorLayout:
             out.flags.writeable = False
         return out
 
-    def _blocks_grid(self, array, what) -> np.ndarray:
+    def local_blocks_grid(self, array) -> np.ndarray:
+        """The global array viewed (no copy) with shape ``device_matrix + local_shape``,
+        except that device axes splitting nothing have size 1: it broadcasts against a
+        stack reshaped to ``device_matrix + local_shape`` (replicas share one block)."""
+        return self._blocks_grid(array, "local_blocks_grid", broadcast=False)
+
+    def _blocks_grid(self, array, what, broadcast=True) -> np.ndarray:
         """The global array viewed as ``device_matrix + local_shape`` (no copy): the block
-        of each device at its coordinates, stride 0 along axes that split nothing."""
+        of each device at its coordinates, stride 0 along axes that split nothing (size 1
+        there when not ``broadcast``)."""
         x = np.asarray(array)
         if tuple(x.shape) != self.shape:
             raise LayoutError(f"{self!r}: {what} got an array of shape {x.shape}, expected "
@@ -461,7 +468,7 @@ class TensorLayout:
         order = [pos[a] for a in self.split_axes] + local_pos
         y = x.reshape(ext).transpose(order)
         y = y.reshape(tuple(dm[a] if a in pos else 1 for a in range(len(dm))) + self.local_shape)
-        return np.broadcast_to(y, dm + self.local_shape)
+        return np.broadcast_to(y, dm + self.local_shape) if broadcast else y
 
     def assemble(self, stack) -> np.ndarray:
         """The global value from a stack ``(device_num, *local_shape)`` of local shards:

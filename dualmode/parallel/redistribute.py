@@ -53,7 +53,8 @@ from .layout import LayoutError, LayoutSpec, TensorLayout
 
 __all__ = ["Step", "LocalSlice", "AllGather", "AllToAll", "ReduceScatter", "AllReduce",
            "Remesh", "Plan", "RedistributionError", "plan_redistribution", "plan_uncached",
-           "reference_plan", "redistribute", "run_plan", "run_plan_direct", "execute",
+           "reference_plan", "redistribute", "run_plan", "run_plan_direct", "run_plan_grid",
+           "execute",
            "unify_device_matrices",
            "plan_cache_info", "clear_plan_cache", "SEARCH_BUDGET"]
 
@@ -887,6 +888,31 @@ def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
     with comm_cause(op_name, reason):
         _record_steps(plan, stack.itemsize)
     return blocks_of(global_value(stack, src), dst)
+
+
+def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
+                  op_name: Optional[str] = None,
+                  reason: str = "redistribution") -> Optional[np.ndarray]:
+    """The destination blocks of :func:`run_plan_direct` without writing the replicas:
+    an array broadcastable to ``dst.device_matrix + dst.local_shape``, of size 1 along
+    the device axes that split nothing (usually a view of the global value). Records
+    the same collectives. None when this process does not hold every device or the
+    destination keeps partial sums (use :func:`execute` then)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"run_plan_grid: expected a Plan, got {plan!r}")
+    src, dst = plan.src, plan.dst
+    backend = _resolve_backend(backend, src, stack)
+    if dst.partial or len(backend.local_ranks) != src.device_num:
+        return None
+    want = (src.device_num,) + src.local_shape
+    if stack.shape != want:
+        raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
+                         f"{want} (local devices, *local shape of {src!r})")
+    if not len(plan):
+        return stack.reshape(dst.device_matrix + dst.local_shape)
+    with comm_cause(op_name, reason):
+        _record_steps(plan, stack.itemsize)
+    return dst.local_blocks_grid(global_value(stack, src))
 
 
 def execute(plan: Plan, stack: np.ndarray, backend=None, *, op_name: Optional[str] = None,

@@ -53,3 +53,23 @@ def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistributi
     if not any(dst.tensor_map):
         return np.broadcast_to(global_value[None], (dst.device_num,) + tuple(global_value.shape))
     return dst.local_blocks(global_value)
+
+
+def redistribute_grid(x, dst: TensorLayout, op_name=None, reason="redistribution"):
+    """`x` (a Tensor, distributed or not) in `dst` as an array broadcastable to
+    ``dst.device_matrix + dst.local_shape`` (size 1 along device axes that split nothing,
+    so replicas are neither written nor computed twice); the collectives are reported
+    with `reason`. None when this process does not hold every device (use
+    :func:`redistribute_tensor`)."""
+    if dst.partial:
+        return None
+    if isinstance(x, TensorBase) and x._layout is not None:
+        src = x._layout
+        if not isinstance(src, TensorLayout) or src.device_num != dst.device_num:
+            return None
+        from .redistribute import plan_redistribution, run_plan_grid
+        stack = x._data
+        plan = plan_redistribution(src, dst, stack.itemsize or 1)
+        return run_plan_grid(plan, stack, op_name=op_name, reason=reason)
+    value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+    return dst.local_blocks_grid(value)                 # a plain value: local slices only

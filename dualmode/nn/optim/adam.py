@@ -51,8 +51,8 @@ class Adam(Optimizer):
         b1, b2 = self.beta1, self.beta2
         t = self.global_step + 1
         lr_t = lr * math.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t)
-        m = _storage(self.moment1[i])
-        v = _storage(self.moment2[i])
+        m = _storage(self.moment1[i], w)
+        v = _storage(self.moment2[i], w)
         m *= b1
         m += (1.0 - b1) * g
         v *= b2

@@ -35,7 +35,7 @@ class Momentum(Optimizer):
         self.moments = self._states("moments")
 
     def _update(self, i, w, g, lr):
-        v = _storage(self.moments[i])
+        v = _storage(self.moments[i], w)
         v *= self.momentum
         v += g
         if self.use_nesterov:

@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 
 from ...parallel.grad_reduce import reduce_gradients
-from ...parallel.redistribute_bridge import redistribute_tensor
+from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
 from ...parallel.strategy import is_sharded_layout
 
 from ..._core._tensor import TensorBase
@@ -78,6 +78,27 @@ def _as_params(owner, params, where):
             raise TypeError(f"{owner}: {where}[{i}] is a {type(p).__name__}; expected a "
                             f"Parameter")
     return params
+
+
+def _sharded_pair(g, p):
+    """(gradient, weight) of a sharded parameter for an in-place update. When this
+    process holds every device both are viewed over ``device_matrix + local_shape``,
+    the gradient with size 1 along axes that split nothing: replicated blocks are
+    updated by broadcasting, without writing the gradient once per replica."""
+    layout = p._layout
+    w = _view_as(p._data, layout.device_matrix + layout.local_shape)
+    grid = redistribute_grid(g, layout, p.name, reason="gradient") if w is not None else None
+    if grid is None:
+        return _gradient_stack(g, layout, p.name), p._data
+    return grid, w
+
+
+def _view_as(a, shape):
+    """`a` viewed with `shape` (None when that needs a copy: updates must write `a`)."""
+    try:
+        return np.reshape(a, shape, copy=False)
+    except ValueError:
+        return None
 
 
 def _gradient_stack(g, layout, name):
@@ -213,8 +234,14 @@ class Optimizer(Cell):
                 if p._layout is not None and is_sharded_layout(p._layout):
                     # a sharded weight: its gradient moves into the weight's layout (the
                     # gradient communication) and the update runs on the local shards
-                    g = _gradient_stack(g, p._layout, p.name)
-                    w = p._data
+                    self._match_states(i, p, p._data)
+                    g, w = _sharded_pair(g, p)
+                    if scale != 1.0:
+                        g = g * scale
+                    if decay[i]:
+                        g = g + decay[i] * w
+                    self._update(i, w, g, lr)
+                    continue
                 else:
                     g = g._value() if isinstance(g, TensorBase) else np.asarray(g)
                     w = p._value()
@@ -260,7 +287,15 @@ def _decays(p):
     return "beta" not in name and "gamma" not in name
 
 
-def _storage(t):
+def _storage(t, like=None):
     """The array an optimizer updates in place: the local shards of a distributed
-    state or parameter, the value of a plain one."""
-    return t._data if t._layout is not None else t._value()
+    state or parameter, the value of a plain one; viewed with the shape of the weight
+    array `like` when given (a sharded weight is updated over its device grid)."""
+    a = t._data if t._layout is not None else t._value()
+    if like is not None and a.shape != like.shape:
+        view = _view_as(a, like.shape)
+        if view is None:                       # not one strided block: make it one
+            t._data = a = np.ascontiguousarray(a)
+            view = a.reshape(like.shape)
+        a = view
+    return a

@@ -47,7 +47,7 @@ class SGD(Optimizer):
         if self.momentum == 0.0:
             w -= lr * g
             return
-        v = _storage(self.accum[i])
+        v = _storage(self.accum[i], w)
         if self._fresh[i]:
             np.copyto(v, g)
             self._fresh[i] = False
