@@ -13,7 +13,8 @@ import numpy as np
 
 from ..ops import REGISTRY
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
-from .sharding import ShardPlan, expand_stack, layout, register_rule, run_kernel
+from .sharding import (ShardPlan, expand_stack, layout, per_device_op, register_rule,
+                       run_kernel)
 
 
 def _parts(dm, axes):
@@ -62,6 +63,7 @@ def _register_elementwise():
         if op.kind in (KIND_UNARY, KIND_BINARY) or name == "Cast":
             register_rule(name)(lambda attrs, lays, dtypes, _op=op:
                                 _elementwise_plan(_op, attrs, lays, dtypes))
+            per_device_op(name)
 
 
 # ---------------------------------------------------------------------------
@@ -256,6 +258,7 @@ def _along_axis_whole(name):
 
 for _name in ("Softmax", "LogSoftmax"):
     register_rule(_name)(_along_axis_whole(_name))
+per_device_op("Softmax", "LogSoftmax", "BiasAdd", "Transpose")
 
 
 # ---------------------------------------------------------------------------

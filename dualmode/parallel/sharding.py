@@ -27,7 +27,7 @@ from .._core._tensor import KIND_GENERIC, TensorBase
 from .layout import TensorLayout
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "refine", "reexpress",
-           "common_device_matrix"]
+           "common_device_matrix", "PER_DEVICE_OPS", "per_device_op"]
 
 
 @dataclass(frozen=True)
@@ -159,19 +159,21 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     plan = rule(attrs, lays, dtypes)
     if plan is None:
         return None
-    stacks = []
-    for x, have, need in zip(inputs, lays, plan.inputs):
-        if need is None:
-            stacks.append(x._value() if isinstance(x, TensorBase) else x)
-        elif have == need and isinstance(x, TensorBase) and x._layout is not None:
-            stacks.append(x._data)
-        else:
-            stacks.append(to_layout(x, need, op.name))
-    # validate on global-shaped stand-ins (zero-strided: no memory)
-    _core.infer(op, attrs, *[np.broadcast_to(np.zeros((), d), lay.shape) if lay is not None
-                             else s for s, d, lay in zip(stacks, dtypes, plan.inputs)])
-    out = plan.local(attrs, stacks)
-    outs = list(out) if op.multi_output else [out]
+    reps = _shared_replicas(op.name, plan, dm)
+    if reps:
+        outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
+    else:
+        stacks = []
+        for x, have, need in zip(inputs, lays, plan.inputs):
+            if need is None:
+                stacks.append(x._value() if isinstance(x, TensorBase) else x)
+            elif have == need and isinstance(x, TensorBase) and x._layout is not None:
+                stacks.append(x._data)
+            else:
+                stacks.append(to_layout(x, need, op.name))
+        _validate(op, attrs, stacks, dtypes, plan)
+        out = plan.local(attrs, stacks)
+        outs = list(out) if op.multi_output else [out]
     for i, post in enumerate(plan.post):
         if post is not None:
             red_op, axes = post
@@ -188,6 +190,91 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
             lays_out.append(lay)
     res = tuple(outs) if op.multi_output else outs[0]
     return _core.finish(op, attrs, inputs, res, rec, tuple(lays_out))
+
+
+def _validate(op, attrs, stacks, dtypes, plan):
+    """Shape/dtype inference on global-shaped stand-ins (zero-strided: no memory)."""
+    _core.infer(op, attrs, *[np.broadcast_to(np.zeros((), d), lay.shape) if lay is not None
+                             else s for s, d, lay in zip(stacks, dtypes, plan.inputs)])
+
+
+# ---------------------------------------------------------------------------
+# replicated device axes: compute once, not once per replica
+# ---------------------------------------------------------------------------
+#: ops whose rule computes each device's outputs from that device's input blocks alone,
+#: the same way on every device (so devices holding equal blocks compute equal results)
+PER_DEVICE_OPS: set = set()
+
+
+def per_device_op(*names):
+    """Mark ops whose sharding rule is a pure per-device map (see PER_DEVICE_OPS)."""
+    PER_DEVICE_OPS.update(names)
+
+
+def _all_devices_local(n) -> bool:
+    from .dtensor import _live_backend
+    b = _live_backend()
+    return b is not None and len(b.local_ranks) == n
+
+
+def _shared_replicas(op_name, plan, dm) -> tuple:
+    """Device axes along which every input and output of `plan` is replicated (neither
+    split nor partial), when `op_name` is a per-device op and this process holds every
+    device; () otherwise."""
+    if op_name not in PER_DEVICE_OPS or plan.post or len(dm) < 2:
+        return ()
+    common = None
+    for lay in plan.inputs + plan.outputs:
+        if lay is None:
+            continue
+        if lay.device_matrix != dm:
+            return ()
+        axes = set(lay.replicated_axes)
+        common = axes if common is None else common & axes
+        if not common:
+            return ()
+    if not common or len(common) == len(dm) or not _all_devices_local(math.prod(dm)):
+        return ()
+    return tuple(sorted(common))
+
+
+def _compact(grid, dm_c, local):
+    """A grid broadcastable to ``dm_c + local`` as a stack ``(prod(dm_c), *local)``."""
+    g = np.broadcast_to(grid, dm_c + tuple(local))
+    return g.reshape((math.prod(dm_c),) + tuple(local))
+
+
+def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps):
+    """Run `plan.local` on one replica of the blocks along the device axes `reps` (every
+    input and output is replicated along them), then give every replica the results.
+    Inputs are moved as device grids (redistribute_grid), so their replicas are never
+    written either."""
+    from .redistribute_bridge import redistribute_grid
+    dm_c = tuple(1 if a in reps else s for a, s in enumerate(dm))
+    first = tuple(slice(0, 1) if a in reps else slice(None) for a in range(len(dm)))
+    stacks = []
+    for x, have, need in zip(inputs, lays, plan.inputs):
+        if need is None:
+            stacks.append(x._value() if isinstance(x, TensorBase) else x)
+            continue
+        if have == need and isinstance(x, TensorBase) and x._layout is not None:
+            grid = x._data.reshape(dm + need.local_shape)[first]
+        else:
+            grid = redistribute_grid(x, need, op.name)
+            if grid is None:                        # cannot happen with every device local
+                grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)[first]
+        stacks.append(_compact(grid, dm_c, need.local_shape))
+    _validate(op, attrs, stacks, dtypes, plan)
+    out = plan.local(attrs, stacks)
+    outs = list(out) if op.multi_output else [out]
+    n = math.prod(dm)
+    for i, lay in enumerate(plan.outputs):
+        o = np.asarray(outs[i])
+        if not lay.partial and not any(lay.tensor_map):
+            continue                                # a replicated result: kept as one value
+        full = np.broadcast_to(o.reshape(dm_c + lay.local_shape), dm + lay.local_shape)
+        outs[i] = np.ascontiguousarray(full).reshape((n,) + lay.local_shape)
+    return outs
 
 
 # ---------------------------------------------------------------------------

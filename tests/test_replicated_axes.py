@@ -1,0 +1,58 @@
+"""Per-device ops on layouts with repeated calculation (device axes that split nothing):
+they run once per set of replicas, and every device still holds its block, equal to the
+single-device result."""
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Tensor, communication, ops
+from dualmode.parallel import CommReport, TensorLayout
+from dualmode.parallel import sharding
+from dualmode.parallel.sharding import PER_DEVICE_OPS, ShardPlan, _shared_replicas
+
+
+@pytest.fixture
+def eight():
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    communication.init()
+    yield
+    dm.reset_auto_parallel_context()
+    communication.init()
+
+
+def test_elementwise_on_repeated_layout_runs_once_per_replica_set(eight, monkeypatch):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((16, 12)).astype(np.float32)
+    w = rng.standard_normal((12, 8)).astype(np.float32)
+    seen = []
+    orig = sharding._apply_once_per_replica_set
+    monkeypatch.setattr(sharding, "_apply_once_per_replica_set",
+                        lambda op, *args: seen.append(op.name) or orig(op, *args))
+    h = ops.MatMul().shard(((2, 4), (4, 1)))(Tensor(a), Tensor(w))
+    relu = ops.ReLU().shard(((4, 1),))            # (4, 1) on 8 devices: repeated twice
+    with CommReport() as rep:
+        out = relu(h)
+    assert seen == ["ReLU"]
+    lay = out.layout
+    assert lay.device_matrix == (2, 4) and lay.replicated_axes == (0,)
+    blocks = out._data.reshape((2, 4) + lay.local_shape)
+    np.testing.assert_array_equal(blocks[0], blocks[1])
+    np.testing.assert_allclose(out.asnumpy(), np.maximum(a @ w, 0), rtol=1e-5, atol=1e-5)
+    assert [r.kind for r in rep.records] == ["AlltoAll", "ReduceScatter", "AllGather"]
+    # a second per-device op on the same layout reads one replica of its input
+    out2 = ops.Mul().shard(((4, 1), (4, 1)))(out, out)
+    np.testing.assert_allclose(out2.asnumpy(), np.maximum(a @ w, 0) ** 2, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_shared_replicas_needs_a_per_device_op_without_post_collectives(eight):
+    dm8 = (2, 4)
+    x = TensorLayout(dm8, ((1,), ()), (8, 4))
+    plan = ShardPlan((x,), (x,), lambda attrs, stacks: stacks[0])
+    assert "ReLU" in PER_DEVICE_OPS
+    assert _shared_replicas("ReLU", plan, dm8) == (0,)
+    assert _shared_replicas("Gather", plan, dm8) == ()             # not a per-device op
+    post = ShardPlan((x,), (x,), plan.local, (("max", (1,)),))
+    assert _shared_replicas("ReLU", post, dm8) == ()
+    split = TensorLayout(dm8, ((0,), (1,)), (8, 4))
+    assert _shared_replicas("ReLU", ShardPlan((split,), (split,), plan.local), dm8) == ()
