@@ -301,6 +301,65 @@ class TensorLayout:
                 tmap.append(())
         return cls._checked(dm or (1,), tuple(tmap), shape, owner=op_name or "strategy")
 
+    @classmethod
+    def from_op_strategy(cls, strategies, shapes, device_num: int, shared=(),
+                         op_name: str = "") -> Tuple["TensorLayout", ...]:
+        """MindSpore semantics of an op's whole in_strategy: ONE device matrix for the op.
+
+        Each op dim gets one device axis (in order of first appearance over the inputs'
+        dims; dims split 1 way get none); the dims inputs share (``shared``: tuples
+        ``(i, di, j, dj, ...)``, dim ``di`` of input ``i`` is dim ``dj`` of input ``j``)
+        map to the same axis; the leftover factor of ``device_num`` is repeated
+        calculation, the highest axis. ``MatMul((2, 2), (2, 2))`` on 8 devices: device
+        matrix ``(2, 2, 2)`` = (rows, contracted, columns), input 0 on axes (0, 1), input
+        1 on axes (1, 2), so both inputs already agree on the contracted dim. Entries
+        that are applied Layouts are taken as they are (then every entry is).
+        """
+        strategies, shapes = tuple(strategies), [tuple(s) for s in shapes]
+        if len(strategies) != len(shapes):
+            raise LayoutError(f"{op_name or 'strategy'}: in_strategy has {len(strategies)} "
+                              f"entries for {len(shapes)} inputs")
+        if any(isinstance(s, LayoutSpec) for s in strategies):
+            return tuple(cls.from_strategy(s, shape, device_num, op_name, i)
+                         for i, (s, shape) in enumerate(zip(strategies, shapes)))
+        checked = [check_strategy(s, shape, device_num, op_name, i)[0]
+                   for i, (s, shape) in enumerate(zip(strategies, shapes))]
+        device_num = int(device_num)
+        parent = {}
+
+        def find(k):
+            while parent.get(k, k) != k:
+                k = parent[k]
+            return k
+
+        for i, di, j, dj, *_ in shared:
+            if checked[i][di] == checked[j][dj]:
+                a, b = find((i, di)), find((j, dj))
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+        axis_of, sizes = {}, []
+        for i, st in enumerate(checked):
+            for d, v in enumerate(st):
+                root = find((i, d))
+                if v > 1 and root not in axis_of:
+                    axis_of[root] = len(sizes)
+                    sizes.append(v)
+        total = math.prod(sizes)
+        if device_num % total:
+            raise LayoutError(f"{op_name or 'strategy'}: in_strategy={strategies} needs a "
+                              f"device matrix of {total} devices (one axis per op dim, "
+                              f"shared dims on one axis) but device_num is {device_num}; "
+                              f"its product must divide device_num")
+        repeat = device_num // total
+        off = 1 if repeat > 1 else 0
+        dm = ((repeat,) if repeat > 1 else ()) + tuple(sizes)
+        out = []
+        for i, (st, shape) in enumerate(zip(checked, shapes)):
+            tmap = tuple((axis_of[find((i, d))] + off,) if v > 1 else ()
+                         for d, v in enumerate(st))
+            out.append(cls._checked(dm or (1,), tmap, shape, owner=op_name or "strategy"))
+        return tuple(out)
+
     def replace(self, **changes) -> "TensorLayout":
         """A new layout with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -27,7 +27,7 @@ from .._core._tensor import KIND_GENERIC, TensorBase
 from .layout import TensorLayout
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "refine", "reexpress",
-           "common_device_matrix", "PER_DEVICE_OPS", "per_device_op"]
+           "common_device_matrix", "PER_DEVICE_OPS", "per_device_op", "op_strategy_layouts"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,18 @@ def common_device_matrix(layouts) -> tuple:
         if lay is not None:
             dm = lay.device_matrix if dm is None else refine(dm, lay.device_matrix)
     return dm
+
+
+def op_strategy_layouts(prim, tensors, device_num: int) -> tuple:
+    """The layouts of `prim`'s tensor inputs under its in_strategy with ONE device matrix
+    for the op (MindSpore's rule, :meth:`TensorLayout.from_op_strategy`): the dims the
+    inputs share (contracted, batch, broadcast, channel dims; the pairs the strategy
+    checks use) sit on the same device axis, so inputs that agree move no data."""
+    from .strategy_checks import _pairs_for
+    tensors = list(tensors)
+    shapes = [tuple(x.shape) for x in tensors]
+    return TensorLayout.from_op_strategy(prim.in_strategy, shapes, device_num,
+                                         _pairs_for(prim, tensors), prim.name)
 
 
 # ---------------------------------------------------------------------------
