@@ -24,6 +24,7 @@ __all__ = ["GlobalComm", "HCCL_WORLD_COMM_GROUP", "init", "release", "get_backen
 
 HCCL_WORLD_COMM_GROUP = "hccl_world_group"
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_MPI_RANK_VARS = {"OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_RANK", "PMI_SIZE": "PMI_RANK"}
 # MindSpore's backend names: they select the default backend here.
 _MINDSPORE_NAMES = ("hccl", "nccl", "mccl")
 _MAX_DEVICE_NUM = 4096
@@ -85,6 +86,23 @@ def _configured_device_num() -> int:
     return value
 
 
+def _check_mpi_launch(launched: Optional[Tuple[str, str]]) -> None:
+    """Refuse "mpi" in a process that mpiexec did not start (before MPI is initialised)."""
+    if launched is None:
+        raise RuntimeError("init: backend_name='mpi' was given, but this process was not "
+                           "started by mpiexec (PMI_SIZE / OMPI_COMM_WORLD_SIZE are unset); "
+                           "run it with mpiexec -n N python script.py or python -m "
+                           "dualmode.run --worker_num N script.py, or use backend 'sim' to "
+                           "simulate the devices in one process")
+    var, value = launched
+    rank_var = _MPI_RANK_VARS[var]
+    if not os.environ.get(rank_var):
+        raise RuntimeError(f"init: this process looks launched under MPI ({var}={value}) but "
+                           f"{rank_var} is not set, so mpiexec did not start it; run it with "
+                           f"mpiexec -n {value} python script.py, or unset {var} to use "
+                           "backend 'sim'")
+
+
 def init(backend_name: Optional[str] = None) -> None:
     """Start the communication backend.
 
@@ -92,24 +110,29 @@ def init(backend_name: Optional[str] = None) -> None:
     ----------
     backend_name : str or None
         ``None`` (default) picks ``"sim"`` unless the process was launched under MPI
-        (``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE`` set), which needs ``"mpi"``.
-        MindSpore's ``"hccl"``, ``"nccl"`` and ``"mccl"`` mean the same default; any
-        other name must have been registered with :func:`register_backend`.
+        (``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE`` set, as ``mpiexec`` does), which picks
+        ``"mpi"`` (one device per rank). MindSpore's ``"hccl"``, ``"nccl"`` and ``"mccl"``
+        mean the same default; any other name must have been registered with
+        :func:`register_backend`.
 
     Notes
     -----
-    The device count is the current ``device_num`` of
+    Under "sim" the device count is the current ``device_num`` of
     :func:`dualmode.set_auto_parallel_context`; when it was never set, the environment
-    variable ``RANK_SIZE``, else 1. Calling ``init()`` again builds a new backend
-    following the current ``device_num`` and removes the groups made by
-    :func:`create_group`.
+    variable ``RANK_SIZE``, else 1. Under "mpi" it is the MPI world size, and a
+    ``device_num``, ``global_rank``, ``RANK_SIZE``, ``RANK_ID`` or ``RANK_TABLE_FILE``
+    that disagrees with the world is an error raised on every rank before any collective.
+    Calling ``init()`` again builds a new backend following the current ``device_num``
+    and removes the groups made by :func:`create_group`.
 
     Raises
     ------
     RuntimeError
-        Launched under MPI, or ``backend_name="mpi"``, while no "mpi" backend is available.
+        ``"mpi"`` is asked for but mpi4py cannot be imported, or the MPI world does not
+        match the launcher's environment.
     ValueError
-        An unknown backend name, or an invalid ``RANK_SIZE``.
+        An unknown backend name, an invalid ``RANK_SIZE``, or (under "mpi") settings that
+        do not match the MPI world.
     """
     if backend_name is not None and not isinstance(backend_name, str):
         raise TypeError(f"init: backend_name={backend_name!r} has type "
@@ -120,21 +143,28 @@ def init(backend_name: Optional[str] = None) -> None:
         name = "mpi" if launched else "sim"
     factory = backend_factory(name)
     if factory is None:
-        if name == "mpi":
-            how = (f"this process was launched under MPI ({launched[0]}={launched[1]})"
-                   if launched else "backend_name='mpi' was given")
-            raise RuntimeError(f"init: {how}, but the 'mpi' backend is not available yet in "
-                               "this version of dualmode; run the script without mpiexec to "
-                               "simulate the devices in one process (backend 'sim', "
-                               "device_num from set_auto_parallel_context)")
         raise ValueError(f"init: backend_name={backend_name!r} is not a registered backend; "
                          "expected None or one of "
                          + ", ".join(repr(b) for b in registered_backends() + _MINDSPORE_NAMES))
-    device_num = _configured_device_num()
+    if name == "mpi":
+        _check_mpi_launch(launched)
+        # the world size comes from MPI; a configured device_num is only checked
+        device_num = context._STATE.auto_parallel.device_num
+    else:
+        device_num = _configured_device_num()
     backend = factory(device_num)
     if not isinstance(backend, Backend):
         raise TypeError(f"init: the factory registered for {name!r} returned "
                         f"{type(backend).__name__}; expected a dualmode.communication.Backend")
+    set_rank = context._STATE.auto_parallel.global_rank
+    if (set_rank is not None and len(backend.local_ranks) < backend.world_size
+            and set_rank not in backend.local_ranks):
+        raise ValueError(f"init: global_rank={set_rank} (set_auto_parallel_context) does not "
+                         f"match this process's rank {backend.local_ranks[0]} in the "
+                         f"{backend.name} backend; leave global_rank unset under "
+                         f"{backend.name!r}")
+    if _STATE.backend is not backend:
+        _close(_STATE.backend)
     _STATE.backend = backend
     _STATE.groups = {HCCL_WORLD_COMM_GROUP: tuple(range(backend.world_size))}
     _STATE.member_arrays = {}
@@ -142,8 +172,16 @@ def init(backend_name: Optional[str] = None) -> None:
     GlobalComm.INITED = True
 
 
+def _close(backend: Optional[Backend]) -> None:
+    """Let a backend free what it holds (MPI sub-communicators), if it can."""
+    close = getattr(backend, "close", None)
+    if callable(close):
+        close()
+
+
 def release() -> None:
     """Stop the backend and forget every group (``init()`` starts again)."""
+    _close(_STATE.backend)
     _STATE.backend = None
     _STATE.groups = {}
     _STATE.member_arrays = {}
@@ -221,10 +259,28 @@ def get_rank(group: str = HCCL_WORLD_COMM_GROUP) -> int:
     return ranks.index(rank)
 
 
+def _node_members(func: str, group: str) -> Tuple[int, ...]:
+    """The ranks of ``group`` on this process's node, in group order."""
+    ranks = _ranks(func, group)
+    nodes = getattr(_STATE.backend, "node_ids", None)
+    if nodes is None:                      # every device in this process: one node
+        return ranks
+    mine = nodes[_my_rank(func)]
+    arr = np.asarray(ranks, dtype=np.int64)
+    return tuple(arr[nodes[arr] == mine].tolist())
+
+
 def get_local_rank(group: str = HCCL_WORLD_COMM_GROUP) -> int:
-    """This process's rank among the devices of its node in ``group``; under "sim" every
+    """This process's rank among the ranks of ``group`` on its node; under "sim" every
     device is on this node, so it equals :func:`get_rank`."""
-    return get_rank(group)
+    if getattr(_STATE.backend, "node_ids", None) is None:
+        return get_rank(group)
+    rank = _my_rank("get_local_rank")
+    local = _node_members("get_local_rank", group)
+    if rank not in local:
+        raise ValueError(f"get_local_rank: this process (world rank {rank}) is not a member "
+                         f"of group {group!r} (ranks {list(_STATE.groups[group])})")
+    return local.index(rank)
 
 
 def get_group_size(group: str = HCCL_WORLD_COMM_GROUP) -> int:
@@ -233,8 +289,8 @@ def get_group_size(group: str = HCCL_WORLD_COMM_GROUP) -> int:
 
 
 def get_local_rank_size(group: str = HCCL_WORLD_COMM_GROUP) -> int:
-    """Ranks of ``group`` on this node; under "sim", all of them."""
-    return len(_ranks("get_local_rank_size", group))
+    """Ranks of ``group`` on this process's node; under "sim", all of them."""
+    return len(_node_members("get_local_rank_size", group))
 
 
 # ------------------------------------------------------------------ groups

@@ -1,0 +1,180 @@
+"""One rank of a job started by :mod:`dualmode.run` (``mpiexec ... python -m
+dualmode._rank_wrapper --log_dir DIR [--echo_rank 0] -- script.py args``).
+
+It reads its rank from the MPI launcher (``PMI_RANK`` / ``OMPI_COMM_WORLD_RANK``), sets
+``RANK_ID``, ``RANK_SIZE`` and ``DEVICE_ID`` (the rank's index on its node, or its
+``device_id`` in ``RANK_TABLE_FILE``), sends its stdout and stderr to
+``DIR/worker_<rank>.log`` (the echo rank also to the terminal), initialises MPI and runs
+the script as ``__main__``.
+
+When the script raises (or exits with a non-zero code) the wrapper writes the traceback
+to the log, prints one line ``[dualmode.run] rank R failed: <Type>: <message>`` on the
+job's stderr (the launcher collects it, also from other machines) and into
+``DIR/worker_<rank>.failed``, and calls
+``MPI.COMM_WORLD.Abort``: MPICH's mpiexec then kills every other rank at once, including
+ranks blocked in a collective (a rank that merely exits, even non-zero, is not enough:
+the others would wait for it forever).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+from typing import List, Optional, Tuple
+
+FAIL_MARK = "[dualmode.run] rank "
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+_LOCAL_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def _env_first(names, default: Optional[str] = None) -> Optional[str]:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return default
+
+
+def _identity() -> Tuple[int, int, int]:
+    """(rank, size, local rank) from the MPI launcher's environment."""
+    rank = _env_first(_RANK_VARS)
+    size = _env_first(_SIZE_VARS)
+    if rank is None or size is None:
+        raise RuntimeError("dualmode._rank_wrapper: PMI_RANK/PMI_SIZE are not set; this "
+                           "module is started by python -m dualmode.run through mpiexec")
+    return int(rank), int(size), int(_env_first(_LOCAL_VARS, rank))
+
+
+class _Tee:
+    """Copy everything written to fd ``fd`` into the log and the original ``fd``."""
+
+    def __init__(self, fd: int, log_fd: int):
+        self.original = os.dup(fd)
+        read, write = os.pipe()
+        os.dup2(write, fd)
+        os.close(write)
+        self.log_fd = log_fd
+        self.thread = threading.Thread(target=self._pump, args=(read,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, read: int) -> None:
+        # the log gets whole lines only, so stdout and stderr lines do not interleave
+        pending = b""
+        while True:
+            chunk = os.read(read, 65536)
+            if not chunk:
+                break
+            os.write(self.original, chunk)
+            pending += chunk
+            cut = pending.rfind(b"\n") + 1
+            if cut:
+                os.write(self.log_fd, pending[:cut])
+                pending = pending[cut:]
+        if pending:
+            os.write(self.log_fd, pending)
+        os.close(read)
+
+
+class _Output:
+    """This rank's stdout/stderr: to the log file, and for the echo rank also echoed."""
+
+    def __init__(self, log_path: str, echo: bool):
+        self.log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                              0o644)
+        self.err = os.dup(2)                    # the job's stderr, for the failure line
+        self.tees: List[_Tee] = []
+        if echo:
+            self.tees = [_Tee(1, self.log_fd), _Tee(2, self.log_fd)]
+        else:
+            os.dup2(self.log_fd, 1)
+            os.dup2(self.log_fd, 2)
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True)
+
+    def close(self) -> None:
+        """Flush, end the echo (later output goes to the log only) and wait for it."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if self.tees:
+            os.dup2(self.log_fd, 1)
+            os.dup2(self.log_fd, 2)
+            for tee in self.tees:
+                tee.thread.join(timeout=5)
+            self.tees = []
+
+    def report(self, line: str, status_path: str) -> None:
+        """Write ``line`` to the log, to ``status_path`` (read by a launcher on this
+        machine) and to the job's stderr (forwarded by mpiexec from any machine)."""
+        data = (line + "\n").encode("utf-8", "replace")
+        os.write(self.log_fd, data)
+        with open(status_path, "wb") as fh:
+            fh.write(data)
+        os.write(self.err, data)
+
+
+def _summary(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: exit code {exc.code!r}"
+    text = " ".join(str(exc).split())
+    if len(text) > 500:
+        text = text[:500] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _device_id(rank: int, local: int) -> int:
+    path = os.environ.get("RANK_TABLE_FILE")
+    if not path:
+        return local
+    from .communication.rank_table import load_rank_table
+    table = load_rank_table(path, "RANK_TABLE_FILE")
+    flat = [d for ids in table.device_ids for d in ids]
+    return flat[rank] if rank < len(flat) else local
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dualmode._rank_wrapper")
+    parser.add_argument("--log_dir", required=True)
+    parser.add_argument("--echo_rank", type=int, default=0)
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    rank, size, local = _identity()
+    os.makedirs(ns.log_dir, exist_ok=True)
+    out = _Output(os.path.join(ns.log_dir, f"worker_{rank}.log"), rank == ns.echo_rank)
+    mpi = None
+    try:
+        try:
+            from mpi4py import MPI as mpi     # initialise MPI first: Abort needs it
+        except ImportError:
+            mpi = None
+        os.environ["RANK_ID"] = str(rank)
+        os.environ["RANK_SIZE"] = str(size)
+        os.environ["DEVICE_ID"] = str(_device_id(rank, local))
+        script = os.path.abspath(ns.script)
+        sys.argv = [ns.script] + list(ns.args)
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+    except BaseException as exc:            # noqa: BLE001 -- every failure ends the job
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            out.close()
+            return
+        traceback.print_exc()
+        out.close()
+        out.report(f"{FAIL_MARK}{rank} failed: {_summary(exc)}",
+                   os.path.join(ns.log_dir, f"worker_{rank}.failed"))
+        time.sleep(0.2)                     # let mpiexec forward the line before the abort
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.COMM_WORLD.Abort(1)
+        os._exit(1)
+    out.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,462 @@
+"""Backend "mpi": one device per MPI rank (mpi4py over MPICH).
+
+Launch the script with ``mpiexec -n N python train.py`` (or ``python -m dualmode.run
+--worker_num N train.py``); ``init()`` then picks this backend. Each process holds one
+device, its own rank, so a stack has shape ``(1, *buffer shape)`` and
+``local_ranks == (rank,)``.
+
+Every collective is one MPI collective on the raw, contiguous numpy buffer of this rank
+(the capital-letter mpi4py methods; nothing is pickled):
+
+============== ===========================================================
+collective     MPI call (on the group's sub-communicator)
+============== ===========================================================
+all_reduce     ``Allreduce`` (``algorithm="ring"`` too: MPI picks its algorithm)
+all_gather     ``Allgather``, then the parts concatenated along ``axis``
+reduce_scatter ``Reduce_scatter_block`` on the parts moved to a leading axis
+all_to_all     ``Alltoall`` on the parts moved to a leading axis
+broadcast      ``Bcast``
+reduce         ``Reduce``
+scatter        ``Scatter``
+gather         ``Gather`` (non-root ranks get zeros, as under "sim")
+send_recv      one ``Alltoallv`` over the world (zero counts for ranks not in a pair)
+============== ===========================================================
+
+Group specs: the world group in rank order is ``COMM_WORLD``; any other spec gets a
+sub-communicator made once with ``Comm.Split`` (color = the row of the group that holds
+this rank, key = its position in the row, so group rank = member order) and cached by
+value. A rank in no group calls ``Split`` with ``MPI.UNDEFINED`` and keeps its buffer.
+Groups of one rank move nothing and make no communicator.
+
+Reductions map ``sum``/``mean`` to ``MPI.SUM`` (``mean`` then divides by the group size,
+as "sim" does), ``max``/``min``/``prod`` to ``MAX``/``MIN``/``PROD``, and on bool
+buffers ``sum``/``max`` to ``LOR`` and ``min``/``prod`` to ``LAND`` (what numpy's ufuncs
+compute on bools). Dtypes MPI cannot reduce (float16, long double, complex max/min,
+non-native byte order) are gathered as bytes and reduced with numpy, in member order.
+
+Integer results, max and min equal the "sim" backend's exactly; float sums may be added
+in another order by MPI and agree within rounding (as ``algorithm="ring"`` under "sim").
+
+Checks at construction, on every rank and before any communication, so a misconfigured
+job fails with a named error instead of hanging: ``device_num`` (when set) and the
+environment variables ``RANK_SIZE``, ``RANK_ID``, ``DEVICE_ID`` and ``RANK_TABLE_FILE``
+(when set) must agree with the MPI world. A rank whose script raises an uncaught
+exception aborts the whole job (``MPI.COMM_WORLD.Abort``) after printing its traceback,
+so the other ranks never wait forever in a collective.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from .backend import Backend, register_backend
+from .groups import GroupPlan
+from .rank_table import load_rank_table
+
+__all__ = ["MPIBackend", "load_mpi"]
+
+_UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
+          "prod": np.multiply}
+_RING_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64))
+_LAUNCH_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_MAX_DEVICE_NUM = 4096
+
+
+def load_mpi():
+    """The ``mpi4py.MPI`` module (importing it initialises MPI); RuntimeError naming what
+    to install when mpi4py or its MPI library is missing."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RuntimeError("init: the 'mpi' backend needs mpi4py and an MPI library; install "
+                           "them with pip install 'dualmode[mpi]' (mpi4py and the mpich "
+                           f"wheel); importing mpi4py failed: {exc}") from None
+    return MPI
+
+
+# --------------------------------------------------------------- buffer helpers
+
+
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    """A uint8 view of a C-contiguous array (any dtype, any rank, also 0-d)."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def _mine(stack: np.ndarray) -> np.ndarray:
+    """This rank's buffer (``stack[0]``, also for 0-d buffers), C-contiguous; not a copy
+    when it already is: do not write into it."""
+    buf = stack[0, ...]
+    return buf if buf.flags.c_contiguous else buf.copy()
+
+
+def _parts(buf: np.ndarray, axis: int, n: int) -> np.ndarray:
+    """(*local) -> (n, *local with local[axis] // n), C-contiguous: part j along ``axis``
+    at index j."""
+    shape = buf.shape
+    y = buf.reshape(shape[:axis] + (n, shape[axis] // n) + shape[axis + 1:])
+    return np.ascontiguousarray(np.moveaxis(y, axis, 0))
+
+
+def _concat(parts: np.ndarray, axis: int) -> np.ndarray:
+    """(n, *part) -> (*part with part[axis] * n): the parts concatenated along ``axis``."""
+    n, part = parts.shape[0], parts.shape[1:]
+    y = np.moveaxis(parts, 0, axis)
+    return y.reshape(part[:axis] + (n * part[axis],) + part[axis + 1:])
+
+
+def _env_int(name: str, low: int, high: int) -> Optional[int]:
+    """The int value of environment variable ``name`` in ``[low, high]``, None if unset."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ValueError(f"init: environment variable {name}={raw!r} is not valid; expected "
+                         f"an int in [{low}, {high}]")
+    return value
+
+
+def _install_abort_hook(mpi) -> None:
+    """Make an uncaught exception print its traceback, then abort the whole job."""
+    previous = sys.excepthook
+    if getattr(previous, "_dualmode_abort", False):
+        return
+
+    def hook(kind, value, tb):
+        try:
+            previous(kind, value, tb)
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            mpi.COMM_WORLD.Abort(1)
+
+    hook._dualmode_abort = True
+    sys.excepthook = hook
+
+
+# ---------------------------------------------------------------------- backend
+
+
+class MPIBackend(Backend):
+    """One device per MPI rank; stacks have shape ``(1, *buffer shape)``.
+
+    Parameters
+    ----------
+    device_num : int or None
+        The configured device count (``set_auto_parallel_context(device_num=...)``);
+        None takes the MPI world size. A value that differs from the world size is a
+        ValueError naming both.
+    comm : mpi4py communicator or None
+        The world of the job; default ``MPI.COMM_WORLD``.
+
+    Attributes
+    ----------
+    device_id : int
+        ``DEVICE_ID`` when set, else this rank's index among the ranks of its node.
+    node_ids : ndarray (world_size,), int64
+        For each rank, the lowest world rank on the same node (ranks on one node share it).
+    mpi_calls : dict
+        How many times each MPI function was called by this backend (for tests and
+        benchmarks: a fused bucket is one ``Allreduce``).
+    """
+
+    name = "mpi"
+    all_reduce_algorithms = ("direct", "ring")
+
+    def __init__(self, device_num: Optional[int] = None, comm=None):
+        mpi = load_mpi()
+        self._mpi = mpi
+        self._comm = mpi.COMM_WORLD if comm is None else comm
+        size, rank = self._comm.Get_size(), self._comm.Get_rank()
+        self._check_environment(device_num, size, rank)
+        super().__init__(size, (rank,))
+        self._rank = rank
+        self._calls: Counter = Counter()
+        self._subs: Dict[tuple, Tuple[object, int]] = {}
+        if size > 1:
+            _install_abort_hook(mpi)
+        self.node_ids = self._find_nodes()
+        on_node = np.flatnonzero(self.node_ids == self.node_ids[rank])
+        local_rank = int(np.searchsorted(on_node, rank))
+        env_device = _env_int("DEVICE_ID", 0, _MAX_DEVICE_NUM - 1)
+        self.device_id = local_rank if env_device is None else env_device
+
+    # ------------------------------------------------------------ set-up
+
+    @staticmethod
+    def _check_environment(device_num, size: int, rank: int) -> None:
+        for var in _LAUNCH_SIZE_VARS:
+            raw = os.environ.get(var)
+            if raw and raw.strip().isdigit() and int(raw) != size:
+                raise RuntimeError(f"init: environment variable {var}={raw} says the job has "
+                                   f"{raw} ranks, but MPI.COMM_WORLD has {size}; start the "
+                                   f"script with mpiexec -n {raw} (from the same MPI as "
+                                   "mpi4py) or unset it")
+        if device_num is not None and device_num != size:
+            raise ValueError(f"init: device_num={device_num} (set_auto_parallel_context) does "
+                             f"not match the MPI world size {size} (mpiexec -n {size}); set "
+                             f"device_num={size}, leave it unset, or launch {device_num} ranks")
+        env_size = _env_int("RANK_SIZE", 1, _MAX_DEVICE_NUM)
+        if env_size is not None and env_size != size:
+            raise ValueError(f"init: environment variable RANK_SIZE={env_size} does not match "
+                             f"the MPI world size {size}; expected RANK_SIZE={size} or unset")
+        env_rank = _env_int("RANK_ID", 0, _MAX_DEVICE_NUM - 1)
+        if env_rank is not None and env_rank != rank:
+            raise ValueError(f"init: environment variable RANK_ID={env_rank} does not match "
+                             f"this process's MPI rank {rank}; expected RANK_ID={rank} or unset")
+        path = os.environ.get("RANK_TABLE_FILE")
+        if path:
+            table = load_rank_table(path, "RANK_TABLE_FILE")
+            if table.world_size != size:
+                raise ValueError(f"init: rank table RANK_TABLE_FILE={path!r} lists "
+                                 f"{table.world_size} devices, but the MPI world size is "
+                                 f"{size}; launch {table.world_size} ranks or fix the table")
+
+    def _find_nodes(self) -> np.ndarray:
+        """For each rank, the lowest world rank on its node (two small collectives)."""
+        mpi = self._mpi
+        if self.world_size == 1:
+            return np.zeros(1, dtype=np.int64)
+        node = self._comm.Split_type(mpi.COMM_TYPE_SHARED, key=self._rank)
+        mine = np.array([self._rank], dtype=np.int64)
+        leader = np.empty(1, dtype=np.int64)
+        node.Allreduce(mine, leader, op=mpi.MIN)
+        node.Free()
+        ids = np.empty(self.world_size, dtype=np.int64)
+        self._comm.Allgather(leader, ids)
+        self._calls.update(("Comm_split_type", "Allreduce", "Allgather"))
+        return ids
+
+    def close(self) -> None:
+        """Free the cached sub-communicators (collective: every rank calls it)."""
+        for comm, _ in self._subs.values():
+            if comm is not None and comm != self._comm:
+                comm.Free()
+        self._subs.clear()
+
+    @property
+    def comm(self):
+        """The world communicator (``MPI.COMM_WORLD`` unless given)."""
+        return self._comm
+
+    @property
+    def mpi_calls(self) -> Dict[str, int]:
+        """MPI function name -> calls made so far by this backend."""
+        return dict(self._calls)
+
+    def barrier(self) -> None:
+        self._calls["Barrier"] += 1
+        self._comm.Barrier()
+
+    # ------------------------------------------------------------ groups
+
+    def _group(self, plan: GroupPlan):
+        """This rank's communicator for ``plan`` (None when in no group) and its position
+        in its group. ``Split`` runs once per distinct spec, on every rank."""
+        key = (plan.world_size, plan.members.shape, plan.members.tobytes())
+        hit = self._subs.get(key)
+        if hit is not None:
+            return hit
+        where = np.flatnonzero(plan.members.ravel() == self._rank)
+        g, j = divmod(int(where[0]), plan.group_size) if where.size else (-1, 0)
+        if plan.identity and plan.num_groups == 1:
+            comm = self._comm
+        else:
+            color = g if g >= 0 else self._mpi.UNDEFINED
+            comm = self._comm.Split(color, j)
+            self._calls["Comm_split"] += 1
+            if comm == self._mpi.COMM_NULL:
+                comm = None
+        hit = (comm, j) if g >= 0 else (None, 0)
+        self._subs[key] = hit
+        return hit
+
+    def _mpi_op(self, op: str, dtype: np.dtype):
+        """The MPI reduction op for ``op`` on ``dtype``, or None when MPI cannot reduce it."""
+        mpi = self._mpi
+        if not dtype.isnative:
+            return None
+        kind, size = dtype.kind, dtype.itemsize
+        if kind == "b":
+            return mpi.LOR if op in ("sum", "max") else mpi.LAND
+        ok = (kind in "iu" or (kind == "f" and size in (4, 8))
+              or (kind == "c" and size in (8, 16) and op in ("sum", "mean", "prod")))
+        if not ok:
+            return None
+        return {"sum": mpi.SUM, "mean": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN,
+                "prod": mpi.PROD}[op]
+
+    # ------------------------------------------------------- raw transfers
+
+    def _allgather(self, comm, buf: np.ndarray, n: int) -> np.ndarray:
+        """(n, *buf.shape): every member's buffer, in member order."""
+        out = np.empty((n,) + buf.shape, dtype=buf.dtype)
+        self._calls["Allgather"] += 1
+        comm.Allgather([_flat_bytes(buf), self._mpi.BYTE], [_flat_bytes(out), self._mpi.BYTE])
+        return out
+
+    def _alltoall(self, comm, parts: np.ndarray) -> np.ndarray:
+        """(n, *part) -> (n, *part): index j of the result is member j's part for me."""
+        out = np.empty_like(parts)
+        self._calls["Alltoall"] += 1
+        comm.Alltoall([_flat_bytes(parts), self._mpi.BYTE], [_flat_bytes(out), self._mpi.BYTE])
+        return out
+
+    @staticmethod
+    def _finish_mean(red: np.ndarray, op: str, n: int) -> np.ndarray:
+        if op == "mean":
+            np.divide(red, n, out=red)
+        return red
+
+    # ---------------------------------------------------------- collectives
+
+    def _all_reduce(self, stack, plan, op, algorithm):
+        if algorithm == "ring" and stack.dtype not in _RING_DTYPES:
+            raise TypeError(f"all_reduce: algorithm='ring' supports float32, float64, int32 "
+                            f"and int64 buffers, got dtype {stack.dtype}; use "
+                            "algorithm='direct'")
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        send = _mine(stack)
+        mop = self._mpi_op(op, stack.dtype)
+        if mop is None:
+            red = _UFUNC[op].reduce(self._allgather(comm, send, n), axis=0, dtype=stack.dtype)
+        else:
+            red = np.empty_like(send)
+            self._calls["Allreduce"] += 1
+            comm.Allreduce(send.reshape(-1), red.reshape(-1), op=mop)
+        return self._finish_mean(red, op, n)[None]
+
+    def _all_gather(self, stack, plan, axis):
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        got = self._allgather(comm, _mine(stack), n)
+        return _concat(got, axis)[None]
+
+    def _reduce_scatter(self, stack, plan, axis, op):
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        parts = _parts(_mine(stack), axis, n)
+        mop = self._mpi_op(op, stack.dtype)
+        if mop is None:
+            red = _UFUNC[op].reduce(self._alltoall(comm, parts), axis=0, dtype=stack.dtype)
+        else:
+            red = np.empty(parts.shape[1:], dtype=stack.dtype)
+            self._calls["Reduce_scatter_block"] += 1
+            comm.Reduce_scatter_block(parts.reshape(-1), red.reshape(-1), op=mop)
+        return self._finish_mean(red, op, n)[None]
+
+    def _all_to_all(self, stack, plan, split_axis, concat_axis):
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        got = self._alltoall(comm, _parts(_mine(stack), split_axis, n))
+        return _concat(got, concat_axis)[None]
+
+    def _broadcast(self, stack, plan, root):
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        buf = _mine(stack).copy()
+        self._calls["Bcast"] += 1
+        comm.Bcast([_flat_bytes(buf), self._mpi.BYTE], root=root)
+        return buf[None]
+
+    def _reduce(self, stack, plan, root, op):
+        n = plan.group_size
+        comm, me = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        send = _mine(stack)
+        mop = self._mpi_op(op, stack.dtype)
+        if mop is None:
+            got = np.empty((n,) + send.shape, dtype=send.dtype) if me == root else None
+            self._calls["Gather"] += 1
+            comm.Gather([_flat_bytes(send), self._mpi.BYTE],
+                        None if got is None else [_flat_bytes(got), self._mpi.BYTE], root=root)
+            if me != root:
+                return stack.copy()
+            red = _UFUNC[op].reduce(got, axis=0, dtype=stack.dtype)
+        else:
+            red = np.empty_like(send) if me == root else None
+            self._calls["Reduce"] += 1
+            comm.Reduce(send.reshape(-1), None if red is None else red.reshape(-1), op=mop,
+                        root=root)
+            if me != root:
+                return stack.copy()
+        return self._finish_mean(red, op, n)[None]
+
+    def _scatter(self, stack, plan, root, axis):
+        n = plan.group_size
+        comm, me = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        local = stack.shape[1:]
+        part = local[:axis] + (local[axis] // n,) + local[axis + 1:]
+        out = np.empty(part, dtype=stack.dtype)
+        send = _parts(_mine(stack), axis, n) if me == root else None
+        self._calls["Scatter"] += 1
+        comm.Scatter(None if send is None else [_flat_bytes(send), self._mpi.BYTE],
+                     [_flat_bytes(out), self._mpi.BYTE], root=root)
+        return out[None]
+
+    def _gather(self, stack, plan, root, axis):
+        n = plan.group_size
+        comm, me = self._group(plan) if n > 1 else (None, 0)
+        if comm is None:
+            return stack.copy()
+        send = _mine(stack)
+        got = np.empty((n,) + send.shape, dtype=send.dtype) if me == root else None
+        self._calls["Gather"] += 1
+        comm.Gather([_flat_bytes(send), self._mpi.BYTE],
+                    None if got is None else [_flat_bytes(got), self._mpi.BYTE], root=root)
+        if me == root:
+            return _concat(got, axis)[None]
+        local = send.shape
+        shape = local[:axis] + (n * local[axis],) + local[axis + 1:]
+        return np.zeros((1,) + shape, dtype=stack.dtype)
+
+    def _send_recv(self, stack, src, dst):
+        if not len(src):
+            return stack.copy()
+        mpi = self._mpi
+        send = _mine(stack)
+        nbytes = send.nbytes
+        targets = np.sort(dst[src == self._rank])
+        sources = src[dst == self._rank]
+        scounts = np.zeros(self.world_size, dtype=np.int64)
+        sdispls = np.zeros(self.world_size, dtype=np.int64)
+        scounts[targets] = nbytes
+        sdispls[targets] = np.arange(targets.size, dtype=np.int64) * nbytes
+        rcounts = np.zeros(self.world_size, dtype=np.int64)
+        rcounts[sources] = nbytes
+        sendbuf = np.ascontiguousarray(
+            np.broadcast_to(_flat_bytes(send), (targets.size, nbytes))).reshape(-1)
+        out = send.copy()
+        recvbuf = _flat_bytes(out) if sources.size else np.empty(0, dtype=np.uint8)
+        self._calls["Alltoallv"] += 1
+        self._comm.Alltoallv([sendbuf, (scounts.tolist(), sdispls.tolist()), mpi.BYTE],
+                             [recvbuf, (rcounts.tolist(), [0] * self.world_size), mpi.BYTE])
+        return out[None]
+
+
+def _factory(device_num: Optional[int] = None) -> MPIBackend:
+    return MPIBackend(device_num)
+
+
+register_backend("mpi", _factory)

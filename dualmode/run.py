@@ -1,0 +1,354 @@
+"""Launch a script as N ranks with backend "mpi": ``python -m dualmode.run``.
+
+::
+
+    python -m dualmode.run --worker_num 4 [--log_dir DIR] train.py args...
+    # several machines (run on each; node 0 starts the job):
+    python -m dualmode.run --worker_num 8 --nnodes 2 --node_rank R \\
+        --master_addr HOST0 --master_port 29500 train.py args...
+
+The ranks are started by MPICH's ``mpiexec`` (from the ``mpich`` wheel), each through
+:mod:`dualmode._rank_wrapper`, which sets ``RANK_ID``, ``RANK_SIZE`` and ``DEVICE_ID``,
+writes ``DIR/worker_<rank>.log`` (default ``log_output/``) and echoes rank 0 to this
+terminal. When a rank fails it aborts the job: every rank is killed within about a
+second and the launcher exits with status 1, printing
+``dualmode.run: rank R failed: <Type>: <message>``.
+
+Machines: ``--nnodes K`` with ``--node_rank/--master_addr/--master_port`` (node 0 waits
+for the others on ``master_addr:master_port``, writes a hostfile of the addresses they
+connected from and runs mpiexec, which starts the remote ranks over ssh; the other nodes
+wait and exit with the job's status), or ``--hostfile FILE`` (MPICH's format,
+``host:slots`` per line), or a ``RANK_TABLE_FILE`` whose ``server_list`` names several
+servers.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from ._rank_wrapper import FAIL_MARK
+from .communication.rank_table import RankTable, load_rank_table
+
+__all__ = ["main", "build_command", "parse_args", "LaunchConfig"]
+
+_PREFIX = "dualmode.run"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The validated command line."""
+
+    worker_num: int
+    log_dir: str
+    nnodes: int
+    node_rank: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+    hostfile: Optional[str]
+    rank_table: Optional[RankTable]
+    rdzv_timeout: float
+    mpiexec: str
+    script: str
+    args: Tuple[str, ...]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):              # argparse's own errors, with our prefix
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{_PREFIX}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m dualmode.run", allow_abbrev=False,
+                description="Run a dualmode script as N MPI ranks (backend 'mpi').")
+    p.add_argument("--worker_num", type=int, default=None,
+                   help="ranks in the job (all machines); default: the devices of "
+                        "RANK_TABLE_FILE")
+    p.add_argument("--log_dir", default="log_output",
+                   help="directory of the per-rank logs worker_<rank>.log")
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    p.add_argument("--node_rank", type=int, default=0, help="this machine's index")
+    p.add_argument("--master_addr", default=None, help="address of node 0")
+    p.add_argument("--master_port", type=int, default=None, help="port node 0 listens on")
+    p.add_argument("--hostfile", default=None,
+                   help="MPICH hostfile (host:slots per line) for a job over several "
+                        "machines started from this one")
+    p.add_argument("--rdzv_timeout", type=float, default=120.0,
+                   help="seconds node 0 waits for the other nodes (and they for it)")
+    p.add_argument("--mpiexec", default=None,
+                   help="the mpiexec to use; default: the one on PATH (mpich wheel)")
+    p.add_argument("script", help="the Python script to run on every rank")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def _find_mpiexec(given: Optional[str]) -> str:
+    path = shutil.which(given or "mpiexec")
+    if path is None:
+        what = f"--mpiexec={given!r}" if given else "mpiexec"
+        raise RuntimeError(f"{_PREFIX}: {what} was not found on PATH; install MPICH with "
+                           "pip install 'dualmode[mpi]' (the mpich and mpi4py wheels)")
+    return path
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
+    """Parse and validate the command line (ValueError naming the flag)."""
+    ns = _parser().parse_args(argv)
+    table = None
+    table_path = os.environ.get("RANK_TABLE_FILE")
+    if table_path:
+        table = load_rank_table(table_path, "RANK_TABLE_FILE")
+    worker_num = ns.worker_num
+    if worker_num is None:
+        if table is None:
+            raise ValueError(f"{_PREFIX}: --worker_num is required (the number of ranks), "
+                             "unless RANK_TABLE_FILE lists the devices")
+        worker_num = table.world_size
+    if worker_num < 1:
+        raise ValueError(f"{_PREFIX}: --worker_num={worker_num} is not valid; expected an "
+                         "int >= 1")
+    if table is not None and table.world_size != worker_num:
+        raise ValueError(f"{_PREFIX}: --worker_num={worker_num} does not match the "
+                         f"{table.world_size} devices of RANK_TABLE_FILE={table_path!r}")
+    if ns.nnodes < 1:
+        raise ValueError(f"{_PREFIX}: --nnodes={ns.nnodes} is not valid; expected an int >= 1")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        raise ValueError(f"{_PREFIX}: --node_rank={ns.node_rank} is out of range for "
+                         f"--nnodes={ns.nnodes}; expected 0 <= node_rank < {ns.nnodes}")
+    if ns.nnodes > 1:
+        if not ns.master_addr:
+            raise ValueError(f"{_PREFIX}: --nnodes={ns.nnodes} needs --master_addr (the "
+                             "address of node 0)")
+        if ns.master_port is None or not 1 <= ns.master_port <= 65535:
+            raise ValueError(f"{_PREFIX}: --nnodes={ns.nnodes} needs --master_port, an int "
+                             f"in [1, 65535]; got {ns.master_port!r}")
+        if worker_num % ns.nnodes:
+            raise ValueError(f"{_PREFIX}: --worker_num={worker_num} is not divisible by "
+                             f"--nnodes={ns.nnodes}; every node runs the same number of "
+                             "ranks")
+        if ns.hostfile or (table is not None and table.server_count > 1):
+            raise ValueError(f"{_PREFIX}: --nnodes={ns.nnodes} finds the hosts itself; do "
+                             "not combine it with --hostfile or a multi-server "
+                             "RANK_TABLE_FILE (run those from one machine with --nnodes 1)")
+    elif ns.master_port is not None and not 1 <= ns.master_port <= 65535:
+        raise ValueError(f"{_PREFIX}: --master_port={ns.master_port} is not valid; expected "
+                         "an int in [1, 65535]")
+    if ns.hostfile and not os.path.isfile(ns.hostfile):
+        raise ValueError(f"{_PREFIX}: --hostfile={ns.hostfile!r} does not exist")
+    if ns.rdzv_timeout <= 0:
+        raise ValueError(f"{_PREFIX}: --rdzv_timeout={ns.rdzv_timeout} is not valid; expected "
+                         "a number of seconds > 0")
+    if not os.path.isfile(ns.script):
+        raise ValueError(f"{_PREFIX}: script {ns.script!r} does not exist")
+    args = list(ns.args)
+    if args and args[0] == "--":
+        args = args[1:]
+    return LaunchConfig(worker_num, os.path.abspath(ns.log_dir), ns.nnodes, ns.node_rank,
+                        ns.master_addr, ns.master_port, ns.hostfile, table,
+                        ns.rdzv_timeout, _find_mpiexec(ns.mpiexec),
+                        os.path.abspath(ns.script), tuple(args))
+
+
+def build_command(cfg: LaunchConfig, hostfile: Optional[str] = None) -> List[str]:
+    """The mpiexec command line of the job (``hostfile`` overrides ``cfg.hostfile``)."""
+    cmd = [cfg.mpiexec]
+    hostfile = hostfile or cfg.hostfile
+    if hostfile:
+        cmd += ["-f", hostfile]
+    cmd += ["-n", str(cfg.worker_num), sys.executable, "-m", "dualmode._rank_wrapper",
+            "--log_dir", cfg.log_dir, cfg.script, *cfg.args]
+    return cmd
+
+
+def _write_hostfile(cfg: LaunchConfig, hosts: Sequence[Tuple[str, int]]) -> str:
+    os.makedirs(cfg.log_dir, exist_ok=True)
+    path = os.path.join(cfg.log_dir, "hostfile")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("".join(f"{h}:{n}\n" for h, n in hosts))
+    return path
+
+
+# ------------------------------------------------------------------ the job
+
+
+def _run_job(cmd: List[str], cfg: LaunchConfig) -> Tuple[int, List[str]]:
+    """Run mpiexec; forward its output; return its exit code and the failure lines."""
+    os.makedirs(cfg.log_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(cfg.log_dir, "worker_*.failed")):
+        os.remove(stale)
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
+    failures: List[str] = []
+
+    def pump():
+        for raw in proc.stderr:
+            line = raw.decode("utf-8", "replace")
+            if line.startswith(FAIL_MARK):
+                failures.append("rank " + line[len(FAIL_MARK):].strip())
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    reader.join(timeout=5)
+    # lines mpiexec had no time to forward before the abort: the ranks' status files
+    files = sorted(glob.glob(os.path.join(cfg.log_dir, "worker_*.failed")),
+                   key=os.path.getmtime)
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            line = fh.readline().strip()
+        if line.startswith(FAIL_MARK):
+            line = "rank " + line[len(FAIL_MARK):]
+            if line not in failures:
+                failures.append(line)
+    return rc, failures
+
+
+def _report(rc: int, failures: List[str], cfg: LaunchConfig) -> int:
+    sys.stdout.flush()
+    if failures:
+        first = failures[0]
+        rank = first.split()[1]
+        log = os.path.join(cfg.log_dir, f"worker_{rank}.log")
+        more = f" ({len(failures) - 1} other rank(s) failed too)" if len(failures) > 1 else ""
+        sys.stderr.write(f"{_PREFIX}: {first}; traceback in {log}{more}\n")
+        return 1
+    if rc != 0:
+        sys.stderr.write(f"{_PREFIX}: the job failed (mpiexec exit code {rc}) without a rank "
+                         f"reporting an error; see the logs in {cfg.log_dir}\n")
+        return rc if 0 < rc < 256 else 1
+    return 0
+
+
+# ----------------------------------------------------------- several machines
+
+
+def _rendezvous_master(cfg: LaunchConfig) -> Tuple[List[Tuple[str, int]], list]:
+    """Node 0: wait for the other nodes; their addresses and open connections."""
+    per_node = cfg.worker_num // cfg.nnodes
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        server.bind(("", cfg.master_port))
+    except OSError as exc:
+        raise RuntimeError(f"{_PREFIX}: node 0 cannot listen on --master_port="
+                           f"{cfg.master_port} ({exc.strerror or exc})") from None
+    server.listen(cfg.nnodes)
+    deadline = time.monotonic() + cfg.rdzv_timeout
+    joined = {}
+    try:
+        while len(joined) < cfg.nnodes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"{_PREFIX}: only {len(joined)} of the {cfg.nnodes - 1} "
+                                   f"other nodes joined {cfg.master_addr}:{cfg.master_port} "
+                                   f"within --rdzv_timeout={cfg.rdzv_timeout:g} s (joined: "
+                                   f"{sorted(joined) or 'none'})")
+            server.settimeout(left)
+            try:
+                conn, addr = server.accept()
+            except socket.timeout:
+                continue
+            conn.settimeout(10)
+            words = conn.makefile("r").readline().split()
+            if len(words) != 2 or words[0] != "JOIN" or not words[1].isdigit():
+                conn.close()
+                continue
+            rank = int(words[1])
+            if not 1 <= rank < cfg.nnodes or rank in joined:
+                conn.sendall(f"EXIT 1 node_rank {rank} is out of range or taken\n".encode())
+                conn.close()
+                continue
+            joined[rank] = (addr[0], conn)
+    finally:
+        server.close()
+    hosts = [(cfg.master_addr, per_node)] + [(joined[r][0], per_node)
+                                             for r in range(1, cfg.nnodes)]
+    return hosts, [joined[r][1] for r in range(1, cfg.nnodes)]
+
+
+def _follow_master(cfg: LaunchConfig) -> int:
+    """Nodes 1..K-1: join node 0, then wait for the job's end and return its status."""
+    deadline = time.monotonic() + cfg.rdzv_timeout
+    while True:
+        try:
+            conn = socket.create_connection((cfg.master_addr, cfg.master_port), timeout=5)
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{_PREFIX}: node {cfg.node_rank} could not reach "
+                                   f"--master_addr={cfg.master_addr} --master_port="
+                                   f"{cfg.master_port} within --rdzv_timeout="
+                                   f"{cfg.rdzv_timeout:g} s ({exc})") from None
+            time.sleep(0.2)
+    conn.sendall(f"JOIN {cfg.node_rank}\n".encode())
+    conn.settimeout(None)
+    print(f"{_PREFIX}: node {cfg.node_rank} joined {cfg.master_addr}:{cfg.master_port}; "
+          f"node 0 starts the ranks over ssh; logs of this node's ranks go to {cfg.log_dir}",
+          flush=True)
+    line = conn.makefile("r").readline().split(maxsplit=2)
+    conn.close()
+    if len(line) >= 2 and line[0] == "EXIT" and line[1].lstrip("-").isdigit():
+        if len(line) == 3:
+            sys.stderr.write(f"{_PREFIX}: {line[2]}\n")
+        return int(line[1])
+    sys.stderr.write(f"{_PREFIX}: node {cfg.node_rank} lost node 0 before the job ended\n")
+    return 1
+
+
+# -------------------------------------------------------------------- main
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the job; the exit status (0, or non-zero naming the failed rank)."""
+    try:
+        cfg = parse_args(argv)
+        if cfg.nnodes > 1 and cfg.node_rank > 0:
+            return _follow_master(cfg)
+        peers = []
+        hostfile = None
+        if cfg.nnodes > 1:
+            hosts, peers = _rendezvous_master(cfg)
+            hostfile = _write_hostfile(cfg, hosts)
+        elif cfg.rank_table is not None and cfg.rank_table.server_count > 1:
+            hostfile = _write_hostfile(cfg, list(zip(cfg.rank_table.hosts,
+                                                     cfg.rank_table.slots)))
+    except (ValueError, RuntimeError) as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 2
+    rc, failures = _run_job(build_command(cfg, hostfile), cfg)
+    status = _report(rc, failures, cfg)
+    note = failures[0] if failures else f"mpiexec exit code {rc}"
+    for conn in peers:
+        try:
+            conn.sendall(f"EXIT {status} {note if status else 'ok'}\n".encode())
+            conn.close()
+        except OSError:
+            pass
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
