@@ -522,14 +522,24 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     _STATE.auto_parallel = _merge_auto_parallel(func, values)
 
 
+def _process_backend():
+    """The live backend when it is one device per process ("mpi"), else None: a "sim"
+    backend follows ``device_num`` rather than defining it."""
+    from .communication.management import _live_backend
+    b = _live_backend()
+    return b if b is not None and len(b.local_ranks) == 1 and b.world_size > 1 else None
+
+
 def _backend_device_num() -> int:
-    """Device count of the communication backend (hook; replaced when the backend lands)."""
-    return 1
+    """Device count when ``device_num`` was not set: the MPI world size, else 1."""
+    b = _process_backend()
+    return 1 if b is None else b.world_size
 
 
 def _backend_global_rank() -> int:
-    """Rank of this process in the communication backend (hook, as above)."""
-    return 0
+    """This process's rank when ``global_rank`` was not set: its MPI rank, else 0."""
+    b = _process_backend()
+    return 0 if b is None else b.local_ranks[0]
 
 
 def get_auto_parallel_context(key: str) -> Any:

@@ -529,10 +529,12 @@ def test_init_without_device_num_uses_rank_size_then_one(monkeypatch):
 
 
 @pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
-def test_init_under_mpi_says_the_mpi_backend_is_missing(monkeypatch, var):
+def test_init_under_partial_mpi_environment_is_refused(monkeypatch, var):
+    rank_var = {"OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_RANK", "PMI_SIZE": "PMI_RANK"}[var]
     monkeypatch.setenv(var, "4")
+    monkeypatch.delenv(rank_var, raising=False)
     with pytest.raises(RuntimeError, match=E(f"launched under MPI ({var}=4)") + ".*"
-                       + E("'mpi' backend is not available yet")):
+                       + E(f"{rank_var} is not set")):
         comm.init()
     comm.init("sim")                                   # an explicit "sim" still works
     assert comm.get_backend().name == "sim"
