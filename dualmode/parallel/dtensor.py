@@ -35,7 +35,7 @@ from .._core._tensor import KIND_GENERIC, TensorBase
 from .. import context
 from ..ops._registry import register, same_as_input
 from ..tensor import Parameter
-from .layout import TensorLayout
+from .layout import TensorLayout, stand_in
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
            "is_batch_layout", "resolve_partial"]
@@ -217,7 +217,7 @@ def dist_apply(op, attrs, inputs, rec):
             lay is not None or np.ndim(_merged(x)) == 0 for x, lay in zip(inputs, layouts)):
         # elementwise on one shared layout (scalars aside): run on the stacks as they are
         stacks = [x._data if lay is not None else _merged(x) for x, lay in zip(inputs, layouts)]
-        _core.infer(op, attrs, *[np.broadcast_to(np.zeros((), s.dtype), dist[0].shape)
+        _core.infer(op, attrs, *[stand_in(s.dtype, dist[0].shape)
                                  if lay is not None else s for s, lay in zip(stacks, layouts)])
         out = op.kernel(*stacks)
         return _core.finish(op, attrs, inputs, np.asarray(out), rec, (dist[0],))
@@ -501,7 +501,7 @@ def _partial_linear(op, attrs, inputs, layouts, rec):
     else:
         return None
     # validate on global-shaped stand-ins (zero-strided, no memory)
-    _core.infer(op, attrs, *[np.broadcast_to(np.zeros((), x.dtype), lay.shape)
+    _core.infer(op, attrs, *[stand_in(x.dtype, lay.shape)
                              if lay is not None else x for lay, x in zip(layouts, stacks)])
     shared = all(s.strides[0] == 0 for s, lay in zip(stacks, layouts)
                  if lay is not None and lay.partial)
@@ -520,7 +520,7 @@ def _partial_linear(op, attrs, inputs, layouts, rec):
 
 def _partial_reduce(op, attrs, inputs, lay0, n, rec):
     x = inputs[0]
-    _core.infer(op, attrs, np.broadcast_to(np.zeros((), x._data.dtype), lay0.shape))
+    _core.infer(op, attrs, stand_in(x._data.dtype, lay0.shape))
     stack = x._data
     shared = stack.strides[0] == 0
     axes = tuple(a + 1 for a in attrs["axis"])

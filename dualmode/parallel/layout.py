@@ -22,6 +22,7 @@ axis nothing maps to (``(2, 1)`` on 8 devices: device matrix ``(4, 2)``, dim 0 o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -34,7 +35,7 @@ from ._layout_checks import (NONE, IndivisibleError, LayoutError, _is_int,
                              check_strategy, check_tensor_layout)
 
 __all__ = ["Layout", "LayoutSpec", "TensorLayout", "LayoutError", "IndivisibleError",
-           "format_table"]
+           "format_table", "stand_in"]
 
 Axes = Tuple[int, ...]
 
@@ -42,6 +43,13 @@ Axes = Tuple[int, ...]
 def _readonly(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
+
+
+@functools.lru_cache(maxsize=4096)
+def stand_in(dtype, shape) -> np.ndarray:
+    """A read-only zero array of ``shape`` and ``dtype`` that takes no memory (stride 0):
+    what shape/dtype inference runs on in place of a distributed value (cached)."""
+    return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
 # ============================================================================ Layout
@@ -288,6 +296,15 @@ class TensorLayout:
                                   f"device_num is {device_num}; a layout's device matrix must "
                                   f"hold exactly device_num devices")
             return cls.from_spec(strategy, shape, owner=owner)
+        try:
+            return _from_strategy_cached(cls, tuple(strategy), tuple(shape), device_num,
+                                         op_name, input_index, param)
+        except TypeError:                   # unhashable arguments: let the checks name them
+            pass
+        return cls._from_strategy(strategy, shape, device_num, op_name, input_index, param)
+
+    @classmethod
+    def _from_strategy(cls, strategy, shape, device_num, op_name, input_index, param):
         strategy, shape, device_num = check_strategy(strategy, shape, device_num, op_name,
                                                      input_index, param)
         repeat = device_num // math.prod(strategy)
@@ -516,6 +533,15 @@ class TensorLayout:
         if self.partial:
             raise LayoutError(f"{self!r}: a global value has no pending partial sums to split "
                               f"into; use without_partial() first")
+        ext, order, grid = self._grid_plan
+        y = x.reshape(ext).transpose(order).reshape(grid)
+        if not broadcast or grid == self.device_matrix + self.local_shape:
+            return y
+        return np.broadcast_to(y, self.device_matrix + self.local_shape)
+
+    @cached_property
+    def _grid_plan(self):
+        """(shape splitting each dim by its axes, transpose order, grid shape)."""
         dm = self.device_matrix
         ext, pos, local_pos = [], {}, []    # x viewed as (axes of dim 0..., local 0, ...)
         for d, axes in enumerate(self.tensor_map):
@@ -525,9 +551,8 @@ class TensorLayout:
             local_pos.append(len(ext))
             ext.append(self.local_shape[d])
         order = [pos[a] for a in self.split_axes] + local_pos
-        y = x.reshape(ext).transpose(order)
-        y = y.reshape(tuple(dm[a] if a in pos else 1 for a in range(len(dm))) + self.local_shape)
-        return np.broadcast_to(y, dm + self.local_shape) if broadcast else y
+        grid = tuple(dm[a] if a in pos else 1 for a in range(len(dm))) + self.local_shape
+        return tuple(ext), tuple(order), grid
 
     def assemble(self, stack) -> np.ndarray:
         """The global value from a stack ``(device_num, *local_shape)`` of local shards:
@@ -537,19 +562,26 @@ class TensorLayout:
         if tuple(s.shape) != want:
             raise LayoutError(f"{self!r}: assemble got a stack of shape {s.shape}, expected "
                               f"{want} (device_num, *local_shape)")
+        index, sum_axes, order = self._assemble_plan
+        s = s.reshape(self.device_matrix + self.local_shape)[index]
+        if sum_axes:
+            s = np.add.reduce(s, axis=sum_axes, dtype=s.dtype)
+        return s.transpose(order).reshape(self.shape)
+
+    @cached_property
+    def _assemble_plan(self):
+        """(index keeping replica 0 of replicated axes, axes to sum, transpose order)."""
         dm = self.device_matrix
-        s = s.reshape(dm + self.local_shape)
-        s = s[tuple(0 if a in self.replicated_axes else slice(None) for a in range(len(dm)))]
-        kept = [a for a in range(len(dm)) if a not in self.replicated_axes]
-        if self.partial:
-            s = np.add.reduce(s, axis=tuple(kept.index(a) for a in self.partial),
-                              dtype=s.dtype)
-            kept = [a for a in kept if a not in self.partial]
+        rep = self.replicated_axes
+        index = tuple(0 if a in rep else slice(None) for a in range(len(dm)))
+        kept = [a for a in range(len(dm)) if a not in rep]
+        sum_axes = tuple(kept.index(a) for a in self.partial)
+        kept = [a for a in kept if a not in self.partial]
         pos = {a: i for i, a in enumerate(kept)}
         order = []
         for d, axes in enumerate(self.tensor_map):
             order += [pos[a] for a in axes] + [len(kept) + d]
-        return s.transpose(order).reshape(self.shape)
+        return index, sum_axes, tuple(order)
 
     # ------------------------------------------------------------ groups
 
@@ -640,6 +672,13 @@ class TensorLayout:
 
     def __str__(self):
         return self.table(max_rows=64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_strategy_cached(cls, strategy, shape, device_num, op_name, input_index, param):
+    """TensorLayout.from_strategy for tuple arguments (layouts are immutable values, so the
+    validated result is shared; errors are raised again on every call)."""
+    return cls._from_strategy(strategy, shape, device_num, op_name, input_index, param)
 
 
 def format_table(layouts: dict, max_rows: Optional[int] = None) -> str:

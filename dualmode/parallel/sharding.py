@@ -24,7 +24,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from .layout import TensorLayout
+from .layout import TensorLayout, stand_in
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "refine", "reexpress",
            "common_device_matrix", "PER_DEVICE_OPS", "per_device_op", "op_strategy_layouts"]
@@ -206,7 +206,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
 
 def _validate(op, attrs, stacks, dtypes, plan):
     """Shape/dtype inference on global-shaped stand-ins (zero-strided: no memory)."""
-    _core.infer(op, attrs, *[np.broadcast_to(np.zeros((), d), lay.shape) if lay is not None
+    _core.infer(op, attrs, *[stand_in(d, lay.shape) if lay is not None
                              else s for s, d, lay in zip(stacks, dtypes, plan.inputs)])
 
 
