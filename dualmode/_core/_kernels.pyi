@@ -6,8 +6,3 @@ def sparse_softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndar
 
     Raises ValueError naming the first row whose label is outside [0, C)."""
     ...
-
-def relu_grad(y: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """``dy * (y > 0)`` in one pass for C-contiguous float32/float64 arrays of one shape
-    and dtype; ValueError otherwise."""
-    ...

@@ -112,39 +112,3 @@ cdef Py_ssize_t _run_d_l(const double[:, ::1] x, const long long[::1] y,
                          double[:, ::1] p, double[::1] l):
     with nogil:
         return _sparse_xent(x, y, p, l)
-
-
-cdef void _relu_grad(const floating_t[::1] y, const floating_t[::1] dy,
-                     floating_t[::1] out) noexcept nogil:
-    """out = dy * (y > 0), elementwise in one pass (0 * inf/nan stays nan, as in numpy)."""
-    cdef Py_ssize_t i, n = y.shape[0]
-    for i in range(n):
-        out[i] = dy[i] * <floating_t>(y[i] > 0)
-
-
-def relu_grad(y, dy):
-    """ReLU's input gradient ``dy * (y > 0)`` for C-contiguous float32/float64 arrays of
-    one shape and dtype (one pass, no boolean temporary)."""
-    import numpy as np
-    if not (isinstance(y, np.ndarray) and isinstance(dy, np.ndarray)) or y.shape != dy.shape \
-            or y.dtype != dy.dtype or y.dtype not in (np.float32, np.float64) \
-            or not (y.flags.c_contiguous and dy.flags.c_contiguous):
-        raise ValueError(f"relu_grad: expected two C-contiguous float32/float64 arrays of one "
-                         f"shape and dtype; got {getattr(y, 'shape', y)!r} "
-                         f"{getattr(y, 'dtype', '')} and {getattr(dy, 'shape', dy)!r} "
-                         f"{getattr(dy, 'dtype', '')}")
-    out = np.empty_like(y)
-    yf, df, of = y.reshape(-1), dy.reshape(-1), out.reshape(-1)
-    cdef const float[::1] yf32, df32
-    cdef const double[::1] yf64, df64
-    cdef float[::1] of32
-    cdef double[::1] of64
-    if y.dtype == np.float32:
-        yf32, df32, of32 = yf, df, of
-        with nogil:
-            _relu_grad(yf32, df32, of32)
-    else:
-        yf64, df64, of64 = yf, df, of
-        with nogil:
-            _relu_grad(yf64, df64, of64)
-    return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import numpy as np
 
-from .._core import _kernels
 from ..common import dtype as _dt
 from . import _array as A
 from ._registry import (KIND_BINARY, KIND_UNARY, apply, binary, check_float, check_nin,
@@ -195,20 +194,8 @@ def _relu_kernel(x):
 
 
 # internal gradient ops: (forward output y, incoming gradient dy) -> input gradient
-def relu_grad_reference(y, dy):
-    """ReLU's input gradient in numpy: the reference of ``_kernels.relu_grad``."""
-    return dy * (y > 0)
-
-
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-
 def _relu_grad_kernel(y, dy):
-    if (isinstance(y, np.ndarray) and isinstance(dy, np.ndarray) and y.shape == dy.shape
-            and y.dtype == dy.dtype and y.dtype in _FLOATS and y.flags.c_contiguous
-            and dy.flags.c_contiguous):
-        return _kernels.relu_grad(y, dy)          # one pass, no boolean temporary
-    return relu_grad_reference(y, dy)
+    return dy * (y > 0)
 
 
 def _tanh_grad_kernel(y, dy):
