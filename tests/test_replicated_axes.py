@@ -56,3 +56,36 @@ def test_shared_replicas_needs_a_per_device_op_without_post_collectives(eight):
     assert _shared_replicas("ReLU", post, dm8) == ()
     split = TensorLayout(dm8, ((0,), (1,)), (8, 4))
     assert _shared_replicas("ReLU", ShardPlan((split,), (split,), plan.local), dm8) == ()
+
+
+def _records(rep):
+    return [(r.kind, r.group_size, r.num_groups, r.bytes_per_device) for r in rep.records]
+
+
+def test_matmul_on_device_grids_equals_the_stack_path(eight, monkeypatch):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 24)).astype(np.float32)
+    g = rng.standard_normal((16, 8)).astype(np.float32)
+    h = ops.ReLU().shard(((4, 1),))                    # rows over 4, repeated over 2
+
+    def grad_w():
+        xt = dm.parallel.dtensor.distribute(Tensor(x), TensorLayout((2, 4), ((0,), (1,)),
+                                                                    (16, 24)))
+        gt = h(Tensor(g))                              # rows on axis 1, repeated on axis 0
+        with CommReport() as rep:
+            out = ops.MatMul(transpose_a=True)(xt, gt)  # needs g's rows on axis 0
+        return out, rep
+
+    calls = []
+    orig = sharding._apply_on_grids
+    monkeypatch.setattr(sharding, "_apply_on_grids",
+                        lambda *a: calls.append(1) or orig(*a))
+    out, rep = grad_w()
+    assert calls == [1]
+    np.testing.assert_allclose(out.asnumpy(), x.T @ np.maximum(g, 0), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(sharding, "_wants_grids", lambda *a: False)
+    out2, rep2 = grad_w()
+    assert calls == [1]
+    assert out2.layout == out.layout
+    np.testing.assert_allclose(out._data, out2._data, rtol=1e-6, atol=1e-6)
+    assert _records(rep) == _records(rep2)

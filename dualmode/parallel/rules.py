@@ -13,8 +13,8 @@ import numpy as np
 
 from ..ops import REGISTRY
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
-from .sharding import (ShardPlan, expand_stack, layout, per_device_op, register_rule,
-                       run_kernel)
+from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
+                       per_device_op, register_rule, run_kernel)
 
 
 def _parts(dm, axes):
@@ -97,9 +97,14 @@ def _matmul(attrs, lays, dtypes):
     out = layout(dm, (M, N), (m, n), K)
     devices = math.prod(dm)
     every_axis_contracted = devices > 1 and len(K) == len(dm)
+    grid_ndim = len(dm) + 2
 
+    @accepts_grids
     def local(attrs, stacks):
         sa, sb = _swap(stacks[0], ta), _swap(stacks[1], tb)
+        if sa.ndim == grid_ndim and sb.ndim == grid_ndim and grid_ndim > 3:
+            # device grids: the per-device products broadcast over repeated blocks
+            return grid_to_stack(np.matmul(sa, sb), dm)
         if every_axis_contracted and sa.shape[0] == devices:
             return contract_all(sa, sb)
         return stack_matmul(sa, sb)

@@ -27,7 +27,8 @@ from .._core._tensor import KIND_GENERIC, TensorBase
 from .layout import TensorLayout, stand_in
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "refine", "reexpress",
-           "common_device_matrix", "PER_DEVICE_OPS", "per_device_op", "op_strategy_layouts"]
+           "common_device_matrix", "PER_DEVICE_OPS", "per_device_op", "op_strategy_layouts",
+           "accepts_grids", "grid_to_stack"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,8 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     reps = _shared_replicas(op.name, plan, dm)
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
+    elif _wants_grids(plan, lays, inputs, dm):
+        outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm)
     else:
         stacks = []
         for x, have, need in zip(inputs, lays, plan.inputs):
@@ -287,6 +290,52 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
         full = np.broadcast_to(o.reshape(dm_c + lay.local_shape), dm + lay.local_shape)
         outs[i] = np.ascontiguousarray(full).reshape((n,) + lay.local_shape)
     return outs
+
+
+def accepts_grids(local):
+    """Mark a rule's `local` as also accepting device grids: inputs shaped
+    ``device_matrix + local_shape`` with size 1 along device axes where the input is
+    replicated (broadcast, never written per replica); it still returns stacks."""
+    local.accepts_grids = True
+    return local
+
+
+def _wants_grids(plan, lays, inputs, dm) -> bool:
+    """Grids pay off when an input must be moved into a layout that repeats its blocks
+    over some (not all) device axes, and this process holds every device."""
+    if not getattr(plan.local, "accepts_grids", False) or plan.post or len(dm) < 2:
+        return False
+    found = False
+    for x, have, need in zip(inputs, lays, plan.inputs):
+        if need is None:
+            return False
+        if have != need and 0 < len(need.replicated_axes) < len(dm) and not need.partial:
+            found = True
+    return found and _all_devices_local(math.prod(dm))
+
+
+def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
+    """Run a grid-accepting `plan.local` with every input as a device grid."""
+    from .redistribute_bridge import redistribute_grid
+    grids = []
+    for x, have, need in zip(inputs, lays, plan.inputs):
+        if have == need and isinstance(x, TensorBase) and x._layout is not None:
+            grids.append(x._data.reshape(dm + need.local_shape))
+            continue
+        grid = redistribute_grid(x, need, op.name)
+        if grid is None:                            # cannot happen with every device local
+            grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)
+        grids.append(grid)
+    _validate(op, attrs, grids, dtypes, plan)
+    out = plan.local(attrs, grids)
+    return list(out) if op.multi_output else [out]
+
+
+def grid_to_stack(out, dm):
+    """A result over the device grid (size 1 where it repeats) as a stack (n, *local)."""
+    k = len(dm)
+    full = np.broadcast_to(out, tuple(dm) + out.shape[k:])
+    return full.reshape((math.prod(dm),) + out.shape[k:])
 
 
 # ---------------------------------------------------------------------------
