@@ -29,3 +29,13 @@ def test_assemble_with_replicated_and_partial_axes():
     g = np.arange(12.0).reshape(4, 3)
     blocks = lay.without_partial().local_blocks(g).reshape((2, 2, 2, 2, 3)) / 2
     np.testing.assert_array_equal(lay.assemble(blocks.reshape(8, 2, 3)), g)
+
+
+def test_cached_constructors_still_reject_bools():
+    TensorLayout.from_strategy((1, 4), (8, 8), 4, "MatMul", 0)
+    with pytest.raises(TypeError, match=r"MatMul: in_strategy\[0\]=\(True, 4\) must be a tuple "
+                                        r"of ints"):
+        TensorLayout.from_strategy((True, 4), (8, 8), 4, "MatMul", 0)
+    assert TensorLayout.batch_split([16, 4], 8) is TensorLayout.batch_split((16, 4), 8)
+    with pytest.raises(LayoutError, match="batch_split"):
+        TensorLayout.batch_split((16, 4), True)

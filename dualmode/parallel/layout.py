@@ -255,6 +255,13 @@ class TensorLayout:
     @classmethod
     def batch_split(cls, shape: Sequence[int], device_num: int, dim: int = 0) -> "TensorLayout":
         """Data parallel: ``dim`` split over all ``device_num`` devices (one axis)."""
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else shape
+        if _plain_ints(shape, (device_num, dim)):
+            return _batch_split_cached(cls, shape, device_num, dim)
+        return cls._batch_split(shape, device_num, dim)      # the checks name the problem
+
+    @classmethod
+    def _batch_split(cls, shape, device_num, dim):
         device_num = check_device_num("batch_split", device_num)
         shape = tuple(shape)
         if not _is_int(dim) or not -len(shape) <= dim < len(shape):
@@ -296,11 +303,12 @@ class TensorLayout:
                                   f"device_num is {device_num}; a layout's device matrix must "
                                   f"hold exactly device_num devices")
             return cls.from_spec(strategy, shape, owner=owner)
-        try:
-            return _from_strategy_cached(cls, tuple(strategy), tuple(shape), device_num,
-                                         op_name, input_index, param)
-        except TypeError:                   # unhashable arguments: let the checks name them
-            pass
+        if isinstance(strategy, (tuple, list)) and isinstance(shape, (tuple, list)):
+            strategy, shape = tuple(strategy), tuple(shape)
+            if _plain_ints(strategy, shape, (device_num, input_index)) and \
+                    isinstance(op_name, str) and isinstance(param, str):
+                return _from_strategy_cached(cls, strategy, shape, device_num, op_name,
+                                             input_index, param)
         return cls._from_strategy(strategy, shape, device_num, op_name, input_index, param)
 
     @classmethod
@@ -672,6 +680,18 @@ class TensorLayout:
 
     def __str__(self):
         return self.table(max_rows=64)
+
+
+def _plain_ints(*groups) -> bool:
+    """Every value an exact int (no bool, no numpy scalar): safe as a cache key, since
+    the checks treat those differently while they hash alike."""
+    return all(isinstance(g, tuple) and all(type(v) is int for v in g) for g in groups)
+
+
+@functools.lru_cache(maxsize=4096)
+def _batch_split_cached(cls, shape, device_num, dim):
+    """TensorLayout.batch_split for hashable arguments (a shared, validated value)."""
+    return cls._batch_split(shape, device_num, dim)
 
 
 @functools.lru_cache(maxsize=4096)
