@@ -37,6 +37,12 @@ tests compare the two.
 collective goes through the backend (so :class:`~dualmode.parallel.CommReport` records
 it, attributed to ``(op_name, "redistribution")``) over the groups
 ``group_members(axes)`` of the unified device matrix, whose ranks are the original ones.
+When this process holds every device ("sim"), :func:`execute` (the sharding engine's
+route) runs a communicating plan through the global value instead
+(:func:`run_plan_direct`: assemble the source blocks, adding pending sums, then cut the
+destination blocks, as views where strides allow) and records exactly the collectives
+:func:`run_plan` would run; :func:`run_plan_grid` returns the destination blocks as a
+device grid without writing replicas (the optimizers' gradients).
 """
 from __future__ import annotations
 

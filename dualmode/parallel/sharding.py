@@ -11,7 +11,16 @@ rules are written with ops) and, later, graph mode.
 
 Device matrices: layouts of different inputs may use different device matrices with
 the same rank order (e.g. (8,) and (2, 4)); they are re-expressed over their common
-refinement first, which moves no data.
+refinement first, which moves no data. :func:`op_strategy_layouts` builds the layouts
+of an op's whole in_strategy over ONE device matrix (MindSpore's rule: shared dims on
+one axis, leftover factor repeated), so inputs that agree need no move.
+
+Repeated calculation (device axes that split nothing), when this process holds every
+device: ops in :data:`PER_DEVICE_OPS` whose inputs and outputs all repeat over some
+axes compute one replica and copy the results to the others; a `local` marked with
+:func:`accepts_grids` (MatMul) receives inputs moved into a repeating layout as device
+grids (``device_matrix + local_shape``, size 1 where they repeat), broadcast instead of
+copied per replica.
 """
 from __future__ import annotations
 
