@@ -141,11 +141,19 @@ def op_strategy_layouts(prim, tensors, device_num: int) -> tuple:
     for the op (MindSpore's rule, :meth:`TensorLayout.from_op_strategy`): the dims the
     inputs share (contracted, batch, broadcast, channel dims; the pairs the strategy
     checks use) sit on the same device axis, so inputs that agree move no data."""
+    from .layout import LayoutError
     from .strategy_checks import _pairs_for
     tensors = list(tensors)
     shapes = [tuple(x.shape) for x in tensors]
-    return TensorLayout.from_op_strategy(prim.in_strategy, shapes, device_num,
-                                         _pairs_for(prim, tensors), prim.name)
+    try:
+        return TensorLayout.from_op_strategy(prim.in_strategy, shapes, device_num,
+                                             _pairs_for(prim, tensors), prim.name)
+    except LayoutError:
+        # the op's matrix would need more devices than there are (e.g. MatMul
+        # ((2, 4), (2, 4)) with transpose_b on 8: MindSpore refuses it); each input is
+        # then placed on its own matrix, which is still exact, only moves more data
+        return tuple(TensorLayout.from_strategy(st, shape, device_num, prim.name, i)
+                     for i, (st, shape) in enumerate(zip(prim.in_strategy, shapes)))
 
 
 # ---------------------------------------------------------------------------

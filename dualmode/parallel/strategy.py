@@ -25,6 +25,7 @@ from ..tensor import Parameter
 from .dtensor import device_num, moved, parallel_active
 from .layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
+from .sharding import op_strategy_layouts
 from .strategy_checks import check_strategy_for
 
 _MODES = ("semi_auto_parallel", "auto_parallel")
@@ -105,23 +106,21 @@ def _to(x, lay, op_name):
 def apply_in_strategy(prim, args):
     """`args` with each tensor input in its strategy's layout."""
     check_strategy_for(prim, args)            # before anything moves (SPEC §9)
-    n = device_num()
+    args = tuple(_core.wrap(a) if isinstance(a, np.ndarray) else a for a in args)
+    tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) and a
+                                         and isinstance(a[0], TensorBase) else (a,))
+               if isinstance(t, TensorBase)]
+    lays = op_strategy_layouts(prim, tensors, device_num())   # one device matrix per op
     out, k = [], 0
     for a in args:
         if isinstance(a, (tuple, list)) and a and isinstance(a[0], TensorBase):
             moved = []
             for t in a:
-                lay = TensorLayout.from_strategy(prim.in_strategy[k], tuple(t.shape), n,
-                                                 prim.name, k)
-                moved.append(_to(t, lay, prim.name))
+                moved.append(_to(t, lays[k], prim.name))
                 k += 1
             out.append(type(a)(moved))
-        elif isinstance(a, (TensorBase, np.ndarray)):
-            if not isinstance(a, TensorBase):
-                a = _core.wrap(a)
-            lay = TensorLayout.from_strategy(prim.in_strategy[k], tuple(a.shape), n,
-                                             prim.name, k)
-            out.append(_to(a, lay, prim.name))
+        elif isinstance(a, TensorBase):
+            out.append(_to(a, lays[k], prim.name))
             k += 1
         else:
             out.append(a)

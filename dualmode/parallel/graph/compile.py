@@ -116,8 +116,8 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
     for node in graph.nodes:
         if node.op_name == "Redistribute":          # a strategy's move
             a = node.attrs
-            lay = _layout_of(a["strategy"], node.outputs[0].shape, n, a["owner"], a["index"],
-                             a["param"])
+            lay = a.get("layout") or _layout_of(a["strategy"], node.outputs[0].shape, n,
+                                                a["owner"], a["index"], a["param"])
             nodes.append(node.replace(in_layouts=(lay,)))
             continue
         if node.op != CALL and node.op_name not in RULES:

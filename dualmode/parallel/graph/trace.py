@@ -215,28 +215,39 @@ class _Trace:
                              f"so the strategy has nothing to apply to")
         return out
 
-    def _move(self, x, strategy, owner, index, param):
+    def _move(self, x, strategy, owner, index, param, layout=None):
         """`x` moved into a strategy's layout, as a recorded Redistribute node (its
         layout is fixed at compile time; the tape sees the moved value, as in PyNative)."""
         if not is_abstract(x) and not isinstance(x, Parameter):
             return x
         from ..dtensor import REDISTRIBUTE
         return _core.apply(REDISTRIBUTE, {"strategy": strategy, "owner": owner,
-                                          "index": index, "param": param}, (x,))
+                                          "index": index, "param": param, "layout": layout},
+                           (x,))
 
     def _moved_args(self, prim, args):
+        from ..strategy import strategies_active
+        lays = None
+        if strategies_active():             # the op's layouts over ONE device matrix
+            from ..dtensor import device_num
+            from ..sharding import op_strategy_layouts
+            tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) and a
+                                                 and isinstance(a[0], TensorBase) else (a,))
+                       if isinstance(t, (TensorBase, np.ndarray))]
+            lays = op_strategy_layouts(prim, tensors, device_num())
         out, k = [], 0
         for a in args:
             if isinstance(a, (tuple, list)) and a and isinstance(a[0], TensorBase):
                 moved = []
                 for t in a:
                     moved.append(self._move(t, prim.in_strategy[k], prim.name, k,
-                                            "in_strategy"))
+                                            "in_strategy", lays and lays[k]))
                     k += 1
                 out.append(type(a)(moved))
             elif isinstance(a, (TensorBase, np.ndarray)):
                 if isinstance(a, TensorBase):
-                    a = self._move(a, prim.in_strategy[k], prim.name, k, "in_strategy")
+                    a = self._move(a, prim.in_strategy[k], prim.name, k, "in_strategy",
+                                   lays and lays[k])
                 out.append(a)
                 k += 1
             else:
