@@ -381,3 +381,27 @@ def test_model_train_in_graph_mode_data_parallel_equals_single_device():
     assert acc == ref_acc
     for a, b in zip(w, ref_w):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_backward_pass_is_derived_at_compile_time():
+    _setup(8, "auto_parallel")
+    rng = np.random.default_rng(0)
+    w = Parameter(Tensor(rng.standard_normal((8, 16)).astype(np.float32)), name="w")
+    f = ops.shard(lambda x: ops.tanh(ops.matmul(x, w)), in_strategy=((2, 4),))
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+    f(Tensor(x))
+    bw = f.compiled.backward_graph
+    names = [n.op_name for n in bw.nodes if n.backward]
+    assert names.count("MatMul") == 2 and "TanhGrad" in names     # dx and dw, tanh'
+    dot = f.dump(backward=True)
+    assert 'style=dashed' in dot and "pending sum" in dot
+    # what the derived backward computes is what the tape computes at run time
+    gx, gw = dm.grad(lambda x: ops.reduce_sum(f(x)), 0, [w])(Tensor(x))
+    t = np.tanh(x @ w.asnumpy())
+    np.testing.assert_allclose(gx.asnumpy(), (1 - t * t) @ w.asnumpy().T, rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(gw[0].asnumpy(), x.T @ (1 - t * t), rtol=1e-4, atol=1e-5)
+    g = ops.shard(lambda x: ops.cast(x, dm.int32), in_strategy=((2, 1),))
+    g(Tensor(np.ones((4, 4), np.float32)))
+    with pytest.raises(ValueError, match=r"dump: backward=True but this graph has no derived"):
+        g.dump(backward=True)

@@ -92,13 +92,13 @@ class _PausedRecording:
 
     def __enter__(self):
         global _record_depth
-        self._saved = _record_depth
+        self._saved = (_record_depth, _tape_id)
         _record_depth = 0
         return self
 
     def __exit__(self, *exc):
-        global _record_depth
-        _record_depth = self._saved
+        global _record_depth, _tape_id
+        _record_depth, _tape_id = self._saved
         return False
 
 

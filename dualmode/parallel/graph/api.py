@@ -215,9 +215,10 @@ class ShardFunction:
         """The chosen strategy per op of the last compiled graph, and its cost."""
         return self._last().strategies()
 
-    def dump(self, path=None) -> str:
-        """The last compiled graph as graphviz dot text (written to `path` if given)."""
-        return self._last().dump(path)
+    def dump(self, path=None, backward=False) -> str:
+        """The last compiled graph as graphviz dot text (written to `path` if given);
+        ``backward=True`` adds the backward pass derived at compile time."""
+        return self._last().dump(path, backward=backward)
 
     def __repr__(self):
         return f"{self.owner}({getattr(self.fn, '__name__', type(self.fn).__name__)})"

@@ -371,6 +371,7 @@ class CompiledGraph:
     def __init__(self, graph: Graph, sharded: bool):
         self.graph = graph
         self.sharded = sharded
+        self.backward_graph = None      # forward + backward, when derived at compile time
         self._plan = tuple(self._prepare(graph))
 
     @staticmethod
@@ -455,14 +456,22 @@ class CompiledGraph:
                               "backward": node.backward}
         return out
 
-    def dump(self, path=None) -> str:
+    def dump(self, path=None, backward=False) -> str:
         """The graph as graphviz dot text (collectives marked in red); written to `path`
-        when given. Needs no graphviz binary."""
+        when given. Needs no graphviz binary. ``backward=True``: the forward graph with
+        the backward pass derived at compile time (dashed nodes) and its communication."""
         g = self.graph
+        if backward:
+            if self.backward_graph is None:
+                raise ValueError("dump: backward=True but this graph has no derived backward "
+                                 "pass (it is not sharded, holds its own backward already, or "
+                                 "nothing in it is differentiable)")
+            g = self.backward_graph
         comm = g.meta.get("comm", {})
         lines = [f'digraph "{g.meta.get("name", "graph")}" {{', "  rankdir=TB;",
                  '  node [shape=box, fontname="monospace"];']
         producer = {}
+        chosen = self.strategies()
         for k, v in enumerate(g.args):
             lines.append(f'  v{v.id} [label="arg {k}\\n{list(v.shape)} {v.dtype}", '
                          f'shape=ellipse];')
@@ -473,8 +482,7 @@ class CompiledGraph:
             producer[v.id] = f"v{v.id}"
         for k, node in enumerate(g.nodes):
             nid = f"n{k}"
-            st = self.strategies().get(node.name, {}).get("strategy") if node.op != CALL \
-                else None
+            st = chosen.get(node.name, {}).get("strategy") if node.op != CALL else None
             label = node.name + (f"\\nstrategy={st}" if st is not None else "")
             style = ', style=dashed' if node.backward else ''
             lines.append(f'  {nid} [label="{label}"{style}];')
@@ -542,4 +550,65 @@ def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name=
             graph = propagate_strategies(graph, n, arg_sources=arg_sources,
                                          fully_use_devices=fully_use_devices)
         graph = plan_communication(graph, n, arg_sources=arg_sources)
-    return CompiledGraph(graph, sharded)
+    compiled = CompiledGraph(graph, sharded)
+    if sharded and not any(node.backward for node in graph.nodes):
+        with _core.paused_recording():      # compiling may happen inside a caller's grad
+            compiled.backward_graph = derive_backward(compiled, n, arg_sources=arg_sources)
+    return compiled
+
+
+def derive_backward(compiled: CompiledGraph, n: int, *, arg_sources=None) -> Optional[Graph]:
+    """The forward graph and its backward pass, traced at compile time: the tape of
+    ``value_and_grad`` over a replay of the graph on abstract values, with respect to its
+    floating arguments and trained parameters. Forward nodes keep their compiled layouts;
+    the communication of every node, backward ones included, is then planned from the
+    sharding rules (what ``dump(backward=True)`` shows). None when nothing is
+    differentiable. At run time the same backward runs on the caller's tape."""
+    from ...autograd import value_and_grad
+    from ...tensor import Tensor
+    from .trace import trace
+    g = compiled.graph
+    positions = tuple(k for k, v in enumerate(g.args) if v.dtype.kind == "f")
+    weights = [p for p, v in g.params if p.requires_grad and v.dtype.kind == "f"]
+    leaves = [x for x in flatten_refs(g.outputs) if isinstance(x, Ref)]
+    values = g.values()
+    if not leaves or not all(values[x.id].dtype.kind == "f" for x in leaves) or             not (positions or weights):
+        return None
+    replay = CompiledGraph(g, sharded=False)
+
+    def forward(*xs):
+        out = replay(list(xs))
+        flat = [t for t in _leaves(out) if isinstance(t, TensorBase)]
+        return tuple(flat) if len(flat) > 1 else flat[0]
+
+    fn = value_and_grad(forward, positions or None, weights or None)
+    stand_ins = [Tensor(np.broadcast_to(np.zeros((), v.dtype), v.shape)) for v in g.args]
+    both = trace(fn, stand_ins, name=f"{g.meta.get('name', 'graph')} backward",
+                 params=[p for p, _ in g.params])
+    by_name = {node.name: node for node in g.nodes}
+    nodes = tuple(node.replace(in_layouts=by_name[node.name].in_layouts,
+                               out_layouts=by_name[node.name].out_layouts,
+                               chosen=by_name[node.name].chosen, cost=by_name[node.name].cost)
+                  if not node.backward and node.name in by_name else node
+                  for node in both.nodes)
+    both = verify(both.replace(nodes=nodes, arg_layouts=g.arg_layouts,
+                               param_layouts=_param_layouts_for(both, g)))
+    return plan_communication(both, n, arg_sources={
+        v.id: (arg_sources or {}).get(old.id) for v, old in zip(both.args, g.args)})
+
+
+def _param_layouts_for(new, old):
+    by_param = {id(p): lay for (p, _), lay in zip(old.params, old.param_layouts or
+                                                 (None,) * len(old.params))}
+    return tuple(by_param.get(id(p)) for p, _ in new.params)
+
+
+def _leaves(tree):
+    if isinstance(tree, (tuple, list)):
+        for t in tree:
+            yield from _leaves(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from _leaves(t)
+    else:
+        yield tree
