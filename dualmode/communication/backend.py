@@ -229,6 +229,19 @@ class Backend(abc.ABC):
         self._record("AllGather", plan, stack, out)
         return out
 
+    def world_stack(self, stack: np.ndarray) -> np.ndarray:
+        """The stack ``(world_size, *buffer)`` of every device's buffer, in rank order, for
+        *observing* a global value (``Tensor.asnumpy()``, ``print``): an AllGather over the
+        world when this process holds only some devices (every process must call it, in
+        the same order, as for any collective), the stack itself when it holds them all.
+        Not recorded in CommReport: reading a value is not a collective of the program."""
+        stack = self._check_stack("world_stack", stack)
+        if len(self._local_ranks) == self._world_size:
+            return stack
+        plan = self.plan("all_gather", None)
+        out = self._all_gather(np.ascontiguousarray(stack)[:, None], plan, 0)
+        return out[0]
+
     def reduce_scatter(self, stack: np.ndarray, members=None, axis: int = 0,
                        op: str = "sum") -> np.ndarray:
         """Reduce each group's buffers, then member j gets part j of ``n`` along ``axis``."""

@@ -92,10 +92,31 @@ def _is_partial_only(layout) -> bool:
             and all(m == () for m in layout.tensor_map))
 
 
+def _some_devices() -> bool:
+    """Does this process hold only some of the job's devices (backend "mpi": stacks of
+    one device)? The sim fast paths that view a stack as every device's shards are
+    taken only when it does not."""
+    b = _live_backend()
+    return b is not None and len(b.local_ranks) < b.world_size
+
+
+def local_rows(arr, layout: TensorLayout) -> np.ndarray:
+    """The stack of this process's blocks of the global value `arr` in `layout` (every
+    device's under "sim"; only ``backend.local_ranks``' otherwise, the others never
+    built)."""
+    b = _live_backend()
+    if b is not None and len(b.local_ranks) < layout.device_num == b.world_size:
+        return layout.local_blocks_of(arr, b.local_ranks)
+    return layout.local_blocks(arr)
+
+
 def distribute(x, layout: TensorLayout):
     """A distributed Tensor holding `x` (a Tensor or array with the global value)
-    in `layout`. Batch splits are views; other layouts copy the local blocks."""
+    in `layout`: this process's blocks of it. Batch splits are views; other layouts
+    copy the local blocks."""
     arr = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+    if _some_devices():
+        return _core.wrap_dist(local_rows(arr, layout), layout)
     if is_batch_layout(layout):
         n = layout.device_matrix[0]
         stack = arr.reshape((n, arr.shape[0] // n) + arr.shape[1:])
@@ -104,13 +125,26 @@ def distribute(x, layout: TensorLayout):
     return _core.wrap_dist(stack, layout)
 
 
+def world_stack(stack, layout) -> np.ndarray:
+    """The stack of every device's shards of `layout`, from this process's `stack`: the
+    stack itself when it holds them all ("sim"), else an AllGather over the world that
+    CommReport does not record (an observation; see Backend.world_stack)."""
+    if stack.shape[0] == layout.device_num:
+        return stack
+    return _backend().world_stack(stack)
+
+
 def assemble(t) -> np.ndarray:
-    """The global value of a distributed tensor (an observation, not a collective)."""
+    """The global value of a distributed tensor (an observation, not a collective of the
+    program: under "mpi" an unrecorded AllGather over the world, so every rank must
+    read it, in the same order)."""
     layout = t._layout
+    s = t._data
+    if isinstance(layout, TensorLayout) and s.shape[0] != layout.device_num:
+        s = world_stack(s, layout)
     if is_batch_layout(layout):
-        s = t._data
         return s.reshape((s.shape[0] * s.shape[1],) + s.shape[2:])
-    return layout.assemble(t._data)
+    return layout.assemble(s)
 
 
 def resolve_partial(t, op_name):
@@ -156,6 +190,12 @@ def _gather_global(t, op_name):
         with _cause(op_name, "redistribution"):
             out = backend.all_gather(t._data, members=None, axis=0)
         return np.asarray(out[0])
+    if t._data.shape[0] != layout.device_num:
+        # a process holding some devices: one AllGather of the stacks over the world
+        with _cause(op_name, "redistribution"):
+            out = backend.all_gather(np.ascontiguousarray(t._data)[:, None], members=None,
+                                     axis=0)
+        return layout.assemble(out[0])
     # one AllGather over the axes that split the tensor; under "sim" the blocks are
     # reassembled in place, so only the record is made here
     from ..communication.trace import record
@@ -202,7 +242,10 @@ def dist_apply(op, attrs, inputs, rec):
             return _core.apply(op, attrs, inputs)
     dist = [lay for lay in layouts if lay is not None]
     if all(is_batch_layout(lay) for lay in dist) and len({(lay.device_matrix, lay.shape[0])
-                                                         for lay in dist}) == 1:
+                                                         for lay in dist}) == 1 \
+            and not _some_devices():
+        # the data-parallel fast paths view the stacks as every device's rows; a process
+        # holding some devices runs the sharding rules below (per-device on its stack)
         n, batch = dist[0].device_matrix[0], dist[0].shape[0]
         merged = [_merged(x) for x in inputs]
         kind = _batch_rule(op, attrs, merged, layouts, batch)
@@ -494,7 +537,7 @@ def _partial_linear(op, attrs, inputs, layouts, rec):
     elif name in ("Neg", "Cast"):
         pass
     elif name == "Reshape":
-        out = np.reshape(stacks[0], (n,) + tuple(attrs["shape"]))
+        out = np.reshape(stacks[0], (stacks[0].shape[0],) + tuple(attrs["shape"]))
         return _core.finish(op, attrs, inputs, out, rec, (_partial_layout(out.shape[1:], n),))
     elif name in ("ReduceSum", "ReduceMean"):
         return _partial_reduce(op, attrs, inputs, lay0, n, rec)
@@ -506,6 +549,7 @@ def _partial_linear(op, attrs, inputs, layouts, rec):
     shared = all(s.strides[0] == 0 for s, lay in zip(stacks, layouts)
                  if lay is not None and lay.partial)
     if shared:                 # equal shares stored once: compute one share
+        k = next(s.shape[0] for s, lay in zip(stacks, layouts) if lay is not None)
         stacks = [s[:1] if lay is not None and lay.partial else s
                   for s, lay in zip(stacks, layouts)]
     if op.kind == KIND_GENERIC:
@@ -514,7 +558,7 @@ def _partial_linear(op, attrs, inputs, layouts, rec):
         out = op.kernel(*stacks)
     out = np.asarray(out)
     if shared:
-        out = np.broadcast_to(out, (n,) + out.shape[1:])
+        out = np.broadcast_to(out, (k,) + out.shape[1:])
     return _core.finish(op, attrs, inputs, out, rec, (_partial_layout(out.shape[1:], n),))
 
 
@@ -530,7 +574,7 @@ def _partial_reduce(op, attrs, inputs, lay0, n, rec):
         local = np.true_divide(local, math.prod(lay0.shape[a] for a in attrs["axis"]),
                                dtype=stack.dtype)
     if shared:
-        local = np.broadcast_to(local, (n,) + local.shape[1:])
+        local = np.broadcast_to(local, (stack.shape[0],) + local.shape[1:])
     return _core.finish(op, attrs, inputs, local, rec, (_partial_layout(local.shape[1:], n),))
 
 

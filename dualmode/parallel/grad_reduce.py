@@ -93,14 +93,15 @@ def reduce_gradients(grads, params=None):
         dtype = np.result_type(*[s.dtype for s in stacks])
         widths = [s[0].size for s in stacks]
         shared = all(s.strides[0] == 0 for s in stacks)   # equal shares stored once
-        buf = np.empty((1 if shared else n, sum(widths)), dtype=dtype)
+        local = stacks[0].shape[0]                        # devices this process holds
+        buf = np.empty((1 if shared else local, sum(widths)), dtype=dtype)
         off = 0
         for s, w in zip(stacks, widths):
             # device d's own gradient is n * p_d (the gradient of its local-mean loss)
             np.multiply(s[:buf.shape[0]].reshape(buf.shape[0], w), n, out=buf[:, off:off + w])
             off += w
         if shared:
-            buf = np.broadcast_to(buf, (n, buf.shape[1]))
+            buf = np.broadcast_to(buf, (local, buf.shape[1]))
         with comm_cause(_bucket_name(params, members), "gradient"):
             out = backend.all_reduce(buf, members=None, op="mean" if mean else "sum")
         row = np.asarray(out[0])

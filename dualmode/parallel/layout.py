@@ -509,6 +509,16 @@ class TensorLayout:
         y = self._blocks_grid(array, "local_blocks")
         return np.ascontiguousarray(y).reshape((self.device_num,) + self.local_shape)
 
+    def local_blocks_of(self, array, ranks) -> np.ndarray:
+        """The stack ``(len(ranks), *local_shape)`` of the blocks of ``ranks`` only (the
+        devices one process holds: ``backend.local_ranks``); the other blocks are never
+        built. A fresh, writable copy."""
+        y = self._blocks_grid(array, "local_blocks_of", broadcast=False)
+        coords = self.rank_coords[np.asarray(ranks, np.int64)]
+        index = tuple(coords[:, a] if y.shape[a] > 1 else np.zeros(len(coords), np.int64)
+                      for a in range(len(self.device_matrix)))
+        return y[index]
+
     def local_blocks_view(self, array) -> np.ndarray:
         """:meth:`local_blocks` as a read-only view of ``array`` when its strides allow one
         (e.g. columns split over one axis: device d sees columns d*k:(d+1)*k in place;

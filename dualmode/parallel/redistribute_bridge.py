@@ -46,10 +46,19 @@ def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistributi
             stack = x._data
             plan = planner[0](src, dst, stack.itemsize or 1)
             return planner[1](plan, stack, op_name=op_name, reason=reason)
-        global_value = src.assemble(x._data)
+        from .dtensor import world_stack
+        global_value = src.assemble(world_stack(x._data, src))
         _report_gather(src, x._data[0].nbytes, op_name, reason)
     else:
         global_value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+    from .dtensor import _live_backend
+    b = _live_backend()
+    if b is not None and len(b.local_ranks) < dst.device_num == b.world_size:
+        # a process holding some devices ("mpi"): only its own blocks
+        if not any(dst.tensor_map):
+            return np.broadcast_to(global_value[None], (len(b.local_ranks),)
+                                   + tuple(global_value.shape))
+        return dst.local_blocks_of(global_value, b.local_ranks)
     if not any(dst.tensor_map):
         return np.broadcast_to(global_value[None], (dst.device_num,) + tuple(global_value.shape))
     return dst.local_blocks(global_value)
