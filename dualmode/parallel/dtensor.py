@@ -13,8 +13,7 @@ local devices). The dispatcher hands every op with a distributed input to
    data-parallel layout) and the op treats rows independently (its rule in
    ``_BATCH_LOCAL``), the stacks ``(n, B/n, ...)`` are viewed as the concatenated
    batch ``(B, ...)`` and the op's own kernel runs once over every device's
-   shard; outputs are split on dim 0 again. One numpy call for all devices, and
-   the same code runs one shard per process under MPI.
+   shard; outputs are split on dim 0 again. One numpy call for all devices.
 3. **batch-contracting**: ops that sum over the batch (MatMul contracting dim 0,
    ReduceSum/Mean over dim 0, GatherGrad) run per device on the stacks and give a
    partial result; ReduceMax/Min finish with an AllReduce(max/min).
@@ -22,6 +21,16 @@ local devices). The dispatcher hands every op with a distributed input to
    (an AllGather, reported as "redistribution") and runs as a plain op.
 
 Operator-level sharding rules for every op (issue 4) extend this table.
+
+A process holding only some devices (backend "mpi": stacks of one device) skips the
+data-parallel fast paths 2 and 3, which view a stack as every device's rows, and runs
+the ops' sharding rules instead (their local computations are per device, for a stack
+of any length; the rules' collectives and the redistribution executor go through the
+backend). Global values entering the program are cut into this process's blocks only
+(:func:`local_rows`); reading a global value (``asnumpy``, :func:`assemble`) gathers
+the stacks of the world first, an AllGather every rank must make in the same order
+that CommReport does not record (an observation); the gather fallback (4) is a real,
+recorded AllGather over the world.
 """
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ Every rank builds the same inputs from one seed, runs the op with a strategy (ea
 holds one device's shards) and compares the global values (``asnumpy()``, an AllGather
 every rank makes in the same order) of the output and of the input gradients of
 ``sum(out * w)`` with numpy. A mismatch raises, which aborts the job (non-zero exit).
-Rank 0 prints "<mode> ok: <count> checks" at the end.
+"ops" then runs the same checks on the "sim" backend in the same process and compares
+the collectives CommReport recorded per op (count and bytes per device). Rank 0 prints
+"<mode> ok: <count> checks" at the end.
 """
 import sys
 
@@ -19,16 +21,20 @@ from dualmode.parallel import CommReport
 
 N = 4
 CHECKS = [0]
+REPORTS = []      # (op, collectives, bytes per device) of each check
+RANK = [0]        # this process's MPI rank (the "sim" comparison re-inits the backend)
 
 
-def _setup():
+def _setup(backend=None):
     dm.reset_auto_parallel_context()
-    communication.init()
+    communication.init(backend)
     dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=N)
-    communication.init()
+    communication.init(backend)
     b = communication.get_backend()
-    assert b.name == "mpi" and b.world_size == N, (b, N)
-    assert b.local_ranks == (communication.get_rank(),), b.local_ranks
+    assert b.world_size == N, (b, N)
+    if backend is None:
+        assert b.name == "mpi", b
+        assert b.local_ranks == (communication.get_rank(),), b.local_ranks
 
 
 def _f32(seed, *shape):
@@ -38,10 +44,10 @@ def _f32(seed, *shape):
 def _close(what, got, want, rtol=1e-5, atol=1e-6):
     got = np.asarray(got)
     if got.shape != np.shape(want):
-        raise AssertionError(f"rank {communication.get_rank()}: {what}: shape {got.shape}, "
+        raise AssertionError(f"rank {RANK[0]}: {what}: shape {got.shape}, "
                              f"expected {np.shape(want)}")
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol,
-                               err_msg=f"rank {communication.get_rank()}: {what}")
+                               err_msg=f"rank {RANK[0]}: {what}")
     CHECKS[0] += 1
 
 
@@ -56,9 +62,12 @@ def _check(name, fn, inputs, ref_out, ref_grads, grad_pos):
         return ops.reduce_sum(ops.Mul().shard((ones, ones))(out, Tensor(w))), out
 
     args = [Tensor(x) for x in inputs]
-    (_, out), grads = dm.value_and_grad(loss, grad_pos, has_aux=True)(*args)
+    with CommReport() as rep:
+        (_, out), grads = dm.value_and_grad(loss, grad_pos, has_aux=True)(*args)
+    REPORTS.append((name, rep.count(), rep.bytes()))
     assert out.layout is not None, f"{name}: the output is not distributed"
-    assert out._data.shape[0] == 1, f"{name}: a stack of {out._data.shape[0]} devices"
+    local = len(communication.get_backend().local_ranks)
+    assert out._data.shape[0] == local, f"{name}: a stack of {out._data.shape[0]} devices"
     _close(f"{name} forward", out.asnumpy(), ref_out)
     grads = grads if isinstance(grads, tuple) else (grads,)
     for k, (g, r) in enumerate(zip(grads, ref_grads(w))):
@@ -133,9 +142,24 @@ def run_view():
     _close("asnumpy after an op", (t * 2.0).asnumpy(), x * 2.0)
 
 
+def run_ops_and_compare_with_sim():
+    """run_ops under "mpi", then under "sim" in this process: same numbers, and the same
+    collectives (count and bytes per device) recorded for every op."""
+    run_ops()
+    on_mpi = list(REPORTS)
+    REPORTS.clear()
+    _setup("sim")
+    run_ops()
+    if on_mpi != REPORTS:
+        raise AssertionError(f"rank {RANK[0]}: CommReport under mpi "
+                             f"{on_mpi} differs from sim {REPORTS}")
+    CHECKS[0] += 1
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     _setup()
-    {"ops": run_ops, "view": run_view}[mode]()
-    if communication.get_rank() == 0:
+    RANK[0] = communication.get_rank()
+    {"ops": run_ops_and_compare_with_sim, "view": run_view}[mode]()
+    if RANK[0] == 0:
         print(f"{mode} ok: {CHECKS[0]} checks")
