@@ -58,12 +58,17 @@ def _backend():
     return get_backend()
 
 
+_LIVE = []      # communication's _live_backend, imported once (it imports this package)
+
+
 def _live_backend():
-    try:
-        from ..communication import _live_backend as live
-    except ImportError:
-        return None
-    return live()
+    if not _LIVE:
+        try:
+            from ..communication import _live_backend as live
+        except ImportError:
+            return None
+        _LIVE.append(live)
+    return _LIVE[0]()
 
 
 def device_num() -> int:
