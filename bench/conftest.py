@@ -58,6 +58,23 @@ def record():
     return _record
 
 
+@pytest.fixture
+def record_value():
+    """record_value(key, seconds, baseline_key=None, target=None): like ``record`` for a
+    time measured elsewhere (e.g. inside rank 0 of an MPI job)."""
+
+    def _record(key, seconds, baseline_key=None, target=None):
+        _MEDIANS[key] = seconds
+        base = _MEDIANS.get(baseline_key) if baseline_key is not None else None
+        if base is None:
+            return None
+        ratio = seconds / base
+        _RATIOS.append((key, baseline_key, ratio, target))
+        return ratio
+
+    return _record
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _RATIOS:
         return

@@ -1,0 +1,53 @@
+"""The seed network's train step on 4 MPI ranks (real processes, backend "mpi") vs 4
+simulated devices vs the numpy single-device step. This machine has 2 cores, so 4 ranks
+oversubscribe it: read the MPI figure as overhead, not speedup.
+
+The MPI step is timed inside rank 0 (median over rounds, after a warm-up step), since a
+subprocess launch cannot be timed per step from outside; the others with
+pytest-benchmark. All three are printed in the ratio table.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from test_bench_operator_parallel import NumpySeed
+
+import mpi_seed_step as prog
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SIZE = (256, 512)
+
+
+def test_numpy_step(benchmark, record):
+    benchmark.group = "seed step: 4 MPI ranks vs 4 sim devices vs numpy"
+    x, y, ws = prog.data(*SIZE)
+    benchmark.pedantic(NumpySeed(ws).step, args=(x, y), iterations=1, rounds=20,
+                       warmup_rounds=2)
+    record(benchmark, "numpy seed step (mpi bench)")
+
+
+def test_sim_step(benchmark, record):
+    benchmark.group = "seed step: 4 MPI ranks vs 4 sim devices vs numpy"
+    step = prog.make_step(*SIZE, devices=4)
+    benchmark.pedantic(step, iterations=1, rounds=20, warmup_rounds=2)
+    record(benchmark, "sim 4 devices seed step", "numpy seed step (mpi bench)")
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
+def test_mpi_step(benchmark, record_value):
+    benchmark.group = "seed step: 4 MPI ranks vs 4 sim devices vs numpy"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "RANK_"))}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run(["mpiexec", "-n", "4", sys.executable,
+                           os.path.join(HERE, "mpi_seed_step.py"), *map(str, SIZE), "20"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    med = json.loads(proc.stdout.strip().splitlines()[-1])["median_s"]
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)   # the timing is rank 0's
+    record_value("mpi 4 ranks seed step", med, "numpy seed step (mpi bench)")
+    record_value("mpi 4 ranks / sim 4 devices", med, "sim 4 devices seed step")
