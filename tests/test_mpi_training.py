@@ -1,6 +1,7 @@
 """Training under backend "mpi" (real processes, one device each) equals the same
 program on the "sim" backend: data parallel, the seed network with operator-level
-strategies, and an ops.shard block (tests/mpi_scripts/train.py)."""
+strategies, an ops.shard block, and data parallel with each rank reading its own shard
+of the data set (tests/mpi_scripts/train.py)."""
 import importlib.util
 import os
 import shutil
@@ -38,7 +39,7 @@ def _run_mpi(n, program, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("program", ["dp", "seed", "shard"])
+@pytest.mark.parametrize("program", ["dp", "seed", "shard", "shards"])
 def test_mpi_training_equals_sim(program, n, tmp_path):
     losses, weights = _run_mpi(n, program, tmp_path)
     from dualmode import communication

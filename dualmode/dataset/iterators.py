@@ -24,6 +24,25 @@ def _to_tensor(arr: np.ndarray) -> Any:
     return _tensor_maker()(arr)
 
 
+def _rank_shard_set(dataset):
+    """When `dataset` reads this MPI rank's own shard (a DistributedSampler with
+    num_shards = the world size and shard_id = this rank, one device per process), the
+    set its tensors join so that a network takes them as local batch rows; else None."""
+    from ..parallel.dtensor import RANK_SHARDS, _live_backend
+    b = _live_backend()
+    if b is None or len(b.local_ranks) != 1 or b.world_size == 1:
+        return None
+    stack = [dataset]
+    while stack:
+        d = stack.pop()
+        sampler = getattr(d, "_sampler", None)
+        if getattr(sampler, "num_shards", None) == b.world_size and \
+                getattr(sampler, "shard_id", None) == b.local_ranks[0]:
+            return RANK_SHARDS
+        stack.extend(getattr(d, "_children", None) or ())
+    return None
+
+
 class _EpochIterator:
     """Runs ``num_epochs`` epochs of a dataset; each ``for`` loop consumes one epoch.
 
@@ -43,6 +62,7 @@ class _EpochIterator:
         self._output_numpy = check_bool(self._owner, "output_numpy", output_numpy)
         self._epochs_done = 0
         self._rows: Optional[Iterator[Row]] = None
+        self._rank_shards = None if self._output_numpy else _rank_shard_set(dataset)
 
     def __iter__(self):
         return self
@@ -61,7 +81,12 @@ class _EpochIterator:
 
     def _convert(self, arr: np.ndarray) -> Any:
         arr = owned(arr)
-        return arr if self._output_numpy else _to_tensor(arr)
+        if self._output_numpy:
+            return arr
+        t = _to_tensor(arr)
+        if self._rank_shards is not None and not isinstance(t, np.ndarray):
+            self._rank_shards[id(t)] = t
+        return t
 
     def get_col_names(self):
         return self._dataset.get_col_names()

@@ -37,6 +37,8 @@ from __future__ import annotations
 import functools
 import math
 
+import weakref
+
 import numpy as np
 
 from .._core import _tensor as _core
@@ -104,6 +106,12 @@ def is_batch_layout(layout) -> bool:
 def _is_partial_only(layout) -> bool:
     return (layout is not None and layout.partial
             and all(m == () for m in layout.tensor_map))
+
+
+#: Tensors a data set made from this rank's own shard (``num_shards`` = the MPI world,
+#: ``shard_id`` = this rank): a network takes them as its local rows of the batch.
+#: (by id: tensors compare elementwise)
+RANK_SHARDS = weakref.WeakValueDictionary()
 
 
 def _some_devices() -> bool:
@@ -614,6 +622,13 @@ def distribute_inputs(args):
             out.append(a)
             continue
         shape = tuple(a.shape)
+        if strategy == "data_parallel" and RANK_SHARDS.get(id(a)) is a and _some_devices():
+            # this rank's own shard of the data set (num_shards = ranks): it IS the local
+            # rows of a global batch n times as large
+            layout = TensorLayout.batch_split((shape[0] * n,) + shape[1:], n)
+            out.append(moved(a, a._value()[None], layout))
+            k += 1
+            continue
         if strategy == "data_parallel":
             if shape[0] % n:
                 raise ValueError(

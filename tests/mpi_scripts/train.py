@@ -2,7 +2,7 @@
 (backend "mpi") it writes rank 0's results to OUT.npz; tests import it and run the
 programs on the "sim" backend in-process to compare.
 
-    mpiexec -n 4 python train.py {dp|seed|shard} OUT.npz
+    mpiexec -n 4 python train.py {dp|seed|shard|shards} OUT.npz
 """
 import sys
 
@@ -58,9 +58,27 @@ class Seed(nn.Cell):
         return self.matmul3(x, self.w3)
 
 
+def _shard_batches(n, devices, local=4):
+    """STEPS batches of the "shards" program: under mpi each rank reads its own shard of
+    a data set (num_shards = ranks, shard_id = rank; rows dealt in turn) in batches of
+    `local`; on sim (`devices` given) the same global batches, ranks' rows in rank order."""
+    rng = np.random.default_rng(11)
+    rows = STEPS * local * n
+    xs = rng.standard_normal((rows, 48)).astype(np.float32)
+    ys = rng.integers(0, 10, rows).astype(np.int32)
+    if devices is None:
+        ds = dm.dataset.NumpySlicesDataset({"x": xs, "y": ys}, shuffle=False, num_shards=n,
+                                           shard_id=communication.get_rank()).batch(local)
+        yield from ds
+        return
+    for step in range(STEPS):
+        idx = [(step * local + j) * n + r for r in range(n) for j in range(local)]
+        yield Tensor(xs[idx]), Tensor(ys[idx])
+
+
 def train(program, devices=None):
     """Returns (losses, weights) of STEPS training steps of `program`."""
-    mode = "data_parallel" if program == "dp" else "semi_auto_parallel"
+    mode = "data_parallel" if program in ("dp", "shards") else "semi_auto_parallel"
     _setup(mode if program != "shard" else "auto_parallel", devices)
     n = communication.get_group_size() if devices is None else devices
     net = Seed(n, strategies=program == "seed")
@@ -72,9 +90,10 @@ def train(program, devices=None):
     loss_fn = nn.CrossEntropyLoss()
     grad_fn = dm.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
     losses = []
-    for step in range(STEPS):
-        x, y = _data(step)
-        loss, grads = grad_fn(Tensor(x), Tensor(y))
+    batches = _shard_batches(n, devices) if program == "shards" else \
+        ((Tensor(x), Tensor(y)) for x, y in map(_data, range(STEPS)))
+    for x, y in batches:
+        loss, grads = grad_fn(x, y)
         opt(grads)
         losses.append(float(loss.asnumpy()))
     return np.array(losses), [p.asnumpy() for p in net.trainable_params()]
