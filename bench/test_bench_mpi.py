@@ -1,6 +1,8 @@
 """The seed network's train step on 4 MPI ranks (real processes, backend "mpi") vs 4
 simulated devices vs the numpy single-device step. This machine has 2 cores, so 4 ranks
-oversubscribe it: read the MPI figure as overhead, not speedup.
+oversubscribe it: read the MPI figure as overhead, not speedup. Each rank gets
+``OMP_NUM_THREADS`` = cores / ranks, as ``python -m dualmode.run`` sets it (with numpy's
+BLAS starting a thread per core in every rank, the step is ~20x slower).
 
 The MPI step is timed inside rank 0 (median over rounds, after a warm-up step), since a
 subprocess launch cannot be timed per step from outside; the others with
@@ -43,6 +45,8 @@ def test_mpi_step(benchmark, record_value):
     benchmark.group = "seed step: 4 MPI ranks vs 4 sim devices vs numpy"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "RANK_"))}
     env["PYTHONPATH"] = ROOT
+    from dualmode.run import threads_per_rank
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(4)))   # as dualmode.run does
     proc = subprocess.run(["mpiexec", "-n", "4", sys.executable,
                            os.path.join(HERE, "mpi_seed_step.py"), *map(str, SIZE), "20"],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -311,3 +311,13 @@ def test_launcher_two_nodes_rendezvous_on_one_machine(tmp_path):
     assert (tmp_path / "hostfile").read_text() == "localhost:2\n127.0.0.1:2\n"
     # DEVICE_ID counts on each node
     assert "RANK_ID=3 RANK_SIZE=4 DEVICE_ID=1" in (tmp_path / "worker_3.log").read_text()
+
+
+def test_launcher_shares_the_cores_between_ranks(monkeypatch):
+    from dualmode import run as launcher
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    assert launcher.threads_per_rank(4) == 2
+    assert launcher.threads_per_rank(16) == 1
+    assert launcher.threads_per_rank(8, nnodes=2) == 2          # 4 ranks on each machine
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: None)
+    assert launcher.threads_per_rank(2) == 1

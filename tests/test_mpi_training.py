@@ -31,6 +31,7 @@ def _run_mpi(n, program, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "OMPI_", "RANK_", "DEVICE_ID"))}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")          # ranks share the cores (see dualmode.run)
     proc = subprocess.run(["mpiexec", "-n", str(n), sys.executable, SCRIPT, program, str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
