@@ -8,27 +8,11 @@ program is the execution baseline).
 import numpy as np
 import pytest
 
-import dualmode as dm
-from dualmode import Tensor, nn
+from dualmode import Tensor
 from dualmode.parallel.auto_parallel import AutoParallel
 
-from test_bench_operator_parallel import NumpySeed, SeedNet, _data
-
-LR = 0.01
-
-
-def _step_fn(ws):
-    net = SeedNet(ws)
-    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True)
-    opt = nn.SGD(net.trainable_params(), learning_rate=LR)
-    grad_fn = dm.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
-
-    def train_step(x, y):
-        loss, grads = grad_fn(x, y)
-        opt(grads)
-        return loss
-
-    return net, train_step
+from test_bench_operator_parallel import NumpySeed, _data
+from test_bench_operator_parallel import _dualmode_step as _step_fn
 
 
 def test_compile_seed_train_step(benchmark, record, parallel_context):

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from test_bench_operator_parallel import NumpySeed
+from test_bench_operator_parallel import NumpySeed, _data
 
 import mpi_seed_step as prog
 
@@ -27,7 +27,7 @@ SIZE = (256, 512)
 
 def test_numpy_step(benchmark, record):
     benchmark.group = "seed step: 4 MPI ranks vs 4 sim devices vs numpy"
-    x, y, ws = prog.data(*SIZE)
+    x, y, ws = _data(*SIZE)
     benchmark.pedantic(NumpySeed(ws).step, args=(x, y), iterations=1, rounds=20,
                        warmup_rounds=2)
     record(benchmark, "numpy seed step (mpi bench)")

@@ -51,14 +51,19 @@ class NumpySeed:
         return loss
 
 
+#: the tutorial's strategies for matmul1, relu1, matmul2, relu2 on 8 devices
+STRATEGIES_8 = (((2, 4), (4, 1)), ((4, 1),), ((1, 8), (8, 1)), ((8, 1),))
+
+
 class SeedNet(nn.Cell):
-    def __init__(self, ws):
+    def __init__(self, ws, strategies=STRATEGIES_8):
         super().__init__()
         self.w1, self.w2, self.w3 = (Parameter(Tensor(w.copy())) for w in ws)
-        self.matmul1 = ops.MatMul().shard(((2, 4), (4, 1)))
-        self.relu1 = ops.ReLU().shard(((4, 1),))
-        self.matmul2 = ops.MatMul().shard(((1, 8), (8, 1)))
-        self.relu2 = ops.ReLU().shard(((8, 1),))
+        s1, s2, s3, s4 = strategies
+        self.matmul1 = ops.MatMul().shard(s1)
+        self.relu1 = ops.ReLU().shard(s2)
+        self.matmul2 = ops.MatMul().shard(s3)
+        self.relu2 = ops.ReLU().shard(s4)
         self.matmul3 = ops.MatMul()
 
     def construct(self, x):
@@ -67,8 +72,8 @@ class SeedNet(nn.Cell):
         return self.matmul3(x, self.w3)
 
 
-def _dualmode_step(ws):
-    net = SeedNet(ws)
+def _dualmode_step(ws, strategies=STRATEGIES_8):
+    net = SeedNet(ws, strategies)
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True)
     opt = nn.SGD(net.trainable_params(), learning_rate=LR)
     grad_fn = dm.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)

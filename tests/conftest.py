@@ -10,3 +10,15 @@ def _fresh_context():
     context.set_seed(0)
     yield
     context.reset_context()
+
+
+@pytest.fixture
+def eight():
+    """8 simulated devices under semi_auto_parallel for one test, reset afterwards."""
+    import dualmode as dm
+    from dualmode import communication
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    communication.init()
+    yield
+    dm.reset_auto_parallel_context()
+    communication.init()

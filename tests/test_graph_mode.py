@@ -1,7 +1,5 @@
 """Graph mode (ops.shard, Cell.shard, AutoParallel, GRAPH_MODE) against the
 single-device run of the same program."""
-import warnings
-
 import numpy as np
 import pytest
 

@@ -68,7 +68,7 @@ def test_mpi_collectives_match_sim_row_by_row(n, tmp_path):
     sub-communicators: each rank's result equals its row of the sim result."""
     proc = mpiexec(n, "collectives.py", n, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"collectives ok:" in proc.stdout and f"on {n} ranks" in proc.stdout
+    assert "collectives ok:" in proc.stdout and f"on {n} ranks" in proc.stdout
 
 
 def test_mpi_rank_that_raises_aborts_plain_mpiexec_job(tmp_path):

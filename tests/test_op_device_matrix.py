@@ -5,8 +5,7 @@ import re
 import numpy as np
 import pytest
 
-import dualmode as dm
-from dualmode import Tensor, communication, ops
+from dualmode import Tensor, ops
 from dualmode.parallel import CommReport, LayoutError, TensorLayout
 from dualmode.parallel.dtensor import distribute
 from dualmode.parallel.sharding import op_strategy_layouts
@@ -15,13 +14,6 @@ T = TensorLayout
 MM_SHARED = [(0, 1, 1, 0, "contracted dim")]
 
 
-@pytest.fixture
-def eight():
-    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-    communication.init()
-    yield
-    dm.reset_auto_parallel_context()
-    communication.init()
 
 
 def test_matmul_2x2_2x2_on_8_devices_is_one_2x2x2_matrix():

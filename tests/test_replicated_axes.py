@@ -2,22 +2,14 @@
 they run once per set of replicas, and every device still holds its block, equal to the
 single-device result."""
 import numpy as np
-import pytest
 
 import dualmode as dm
-from dualmode import Tensor, communication, ops
+from dualmode import Tensor, ops
 from dualmode.parallel import CommReport, TensorLayout
 from dualmode.parallel import sharding
 from dualmode.parallel.sharding import PER_DEVICE_OPS, ShardPlan, _shared_replicas
 
 
-@pytest.fixture
-def eight():
-    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-    communication.init()
-    yield
-    dm.reset_auto_parallel_context()
-    communication.init()
 
 
 def test_elementwise_on_repeated_layout_runs_once_per_replica_set(eight, monkeypatch):

@@ -10,8 +10,6 @@ a known signature run the cached graph.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any
 
 from ... import context
 from ..._core._tensor import TensorBase

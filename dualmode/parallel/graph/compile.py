@@ -32,9 +32,8 @@ the communication its rules give (derived from the same rules at compile time in
 """
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -45,7 +44,7 @@ from ..dtensor import moved
 from ..layout import TensorLayout
 from ..redistribute_bridge import redistribute_tensor
 from ..strategy import _to, is_sharded_layout
-from .ir import CALL, Const, Graph, GraphError, Ref, flatten_refs, verify
+from .ir import CALL, Const, Graph, Ref, flatten_refs, verify
 
 __all__ = ["apply_strategies", "propagate_strategies", "plan_communication",
            "CompiledGraph", "compile_graph"]

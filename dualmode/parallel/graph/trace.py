@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import types
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
