@@ -1,9 +1,7 @@
 """Delayed parameters made sharded: the Philox generator, block-wise initializers and
 parameters that only ever build their local shards (issue 4)."""
 import gc
-import importlib.util
 import math
-import pathlib
 import re
 
 import numpy as np
@@ -20,6 +18,8 @@ from dualmode.common.initializer import Initializer, initializer
 from dualmode.nn.utils import no_init_parameters
 from dualmode.parallel import CommReport, local_shape
 from dualmode.parallel.report import parameter_bytes_per_device
+
+from test_operator_parallel import _example
 
 E = re.escape
 KEYS = st.integers(0, 2 ** 64 - 1)
@@ -274,14 +274,6 @@ def test_block_errors_name_the_parameter_and_the_bad_value():
 
 
 # ------------------------------------------------------------------ (c, d) the seed network
-
-def _example():
-    path = pathlib.Path(__file__).parent.parent / "examples" / "operator_parallel.py"
-    spec = importlib.util.spec_from_file_location("operator_parallel_example_init", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 EXAMPLE = _example()
 
