@@ -192,9 +192,8 @@ class ShardFunction:
         sources = {v.id: a._layout for v, a in zip(
             graph.args, [a for a in args if isinstance(a, TensorBase)])}
         fully = context._STATE.algo.fully_use_devices
-        propagate = self.propagate and context._STATE.auto_parallel.search_mode in (
-            "sharding_propagation", "dynamic_programming", "recursive_programming")
-        compiled = compile_graph(graph, device_num(), sharded=sharded, propagate=propagate,
+        # every search_mode runs the one propagation engine (see propagate.py)
+        compiled = compile_graph(graph, device_num(), sharded=sharded, propagate=self.propagate,
                                  name=self.owner, in_strategy=in_strategy,
                                  out_strategy=self.out_strategy,
                                  parameter_plan=self.parameter_plan, arg_sources=sources,
