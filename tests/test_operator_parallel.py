@@ -8,10 +8,10 @@ from dualmode import Parameter, Tensor, communication, nn, ops
 from dualmode.parallel import CommReport
 
 
-def _setup(devices):
+def _setup(devices, mode="semi_auto_parallel"):
     dm.reset_auto_parallel_context()
     if devices > 1:
-        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=devices,
+        dm.set_auto_parallel_context(parallel_mode=mode, device_num=devices,
                                      gradients_mean=True)
     communication.init()
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, communication, context, nn, ops
+from dualmode import Parameter, Tensor, context, nn, ops
 from dualmode._core import _random
 from dualmode._core import random_reference as ref
 from dualmode.common import initializer as init_mod
@@ -19,7 +19,7 @@ from dualmode.nn.utils import no_init_parameters
 from dualmode.parallel import CommReport, local_shape
 from dualmode.parallel.report import parameter_bytes_per_device
 
-from test_operator_parallel import _example
+from test_operator_parallel import _example, _setup
 
 E = re.escape
 KEYS = st.integers(0, 2 ** 64 - 1)
@@ -276,14 +276,6 @@ def test_block_errors_name_the_parameter_and_the_bad_value():
 # ------------------------------------------------------------------ (c, d) the seed network
 
 EXAMPLE = _example()
-
-
-def _setup(devices):
-    dm.reset_auto_parallel_context()
-    if devices > 1:
-        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=devices,
-                                     gradients_mean=True)
-    communication.init()
 
 
 def _train_delayed(devices, layouts=False, steps=3):

@@ -75,32 +75,14 @@ def register_rule(*names):
 # ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
 def refine(dm_a: tuple, dm_b: tuple) -> tuple:
-    """The coarsest device matrix refining both (same device count, row-major ranks)."""
-    if math.prod(dm_a) != math.prod(dm_b):
-        raise ValueError(f"refine: device matrices {dm_a} and {dm_b} hold different numbers "
-                         f"of devices")
-    out, a, b = [], list(dm_a), list(dm_b)
-    while a and b:
-        x, y = a[0], b[0]
-        if x == y:
-            out.append(x)
-            a.pop(0)
-            b.pop(0)
-        elif x < y:
-            if y % x:
-                raise ValueError(f"refine: device matrices {dm_a} and {dm_b} have no common "
-                                 f"refinement ({x} does not divide {y})")
-            out.append(x)
-            a.pop(0)
-            b[0] = y // x
-        else:
-            if x % y:
-                raise ValueError(f"refine: device matrices {dm_a} and {dm_b} have no common "
-                                 f"refinement ({y} does not divide {x})")
-            out.append(y)
-            b.pop(0)
-            a[0] = x // y
-    return tuple(d for d in out if d > 1) or (1,)
+    """The coarsest device matrix refining both (same device count, row-major ranks):
+    the unified matrix of the redistribution planner, without its unit axes."""
+    from .redistribute import unify_device_matrices
+    unified = unify_device_matrices(dm_a, dm_b)     # ValueError on different counts
+    if unified is None:
+        raise ValueError(f"refine: device matrices {dm_a} and {dm_b} have no common "
+                         f"refinement (their rank strides do not nest)")
+    return tuple(d for d in unified[0] if d > 1) or (1,)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -107,9 +107,8 @@ def apply_in_strategy(prim, args):
     """`args` with each tensor input in its strategy's layout."""
     check_strategy_for(prim, args)            # before anything moves (SPEC §9)
     args = tuple(_core.wrap(a) if isinstance(a, np.ndarray) else a for a in args)
-    tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) and a
-                                         and isinstance(a[0], TensorBase) else (a,))
-               if isinstance(t, TensorBase)]
+    from ..ops.primitive import _flat
+    tensors = [t for t in _flat(args) if isinstance(t, TensorBase)]
     lays = op_strategy_layouts(prim, tensors, device_num())   # one device matrix per op
     out, k = [], 0
     for a in args:

@@ -70,6 +70,13 @@ def _tensor_inputs(node, values):
     return out
 
 
+def _dtypes(node, values):
+    """The dtype of each input of `node` (graph values and constants alike)."""
+    return [values[x.id].dtype if isinstance(x, Ref) else
+            np.asarray(x.value._value() if isinstance(x.value, TensorBase)
+                       else x.value).dtype for x in node.inputs]
+
+
 def _shape_of(x, values):
     if isinstance(x, Ref):
         return values[x.id].shape
@@ -211,12 +218,11 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
         fixed.append(0)
         labels.append(None)
     index_of = {}
+    free = {}                             # problem node -> its candidates (free nodes)
     for k, node in enumerate(graph.nodes):
         if node.op == CALL or node.backward:
             continue
-        dtypes = [values[x.id].dtype if isinstance(x, Ref) else
-                  np.asarray(x.value._value() if isinstance(x.value, TensorBase)
-                             else x.value).dtype for x in node.inputs]
+        dtypes = _dtypes(node, values)
         if node.op_name == "Redistribute":
             if node.in_layouts is None:
                 continue
@@ -235,6 +241,7 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
                                   fully_use_devices=fully_use_devices)
             if not cands:
                 continue
+            free[len(cand_out)] = cands
             cands_in = [c.in_layouts for c in cands]
             cands_out = [c.out_layouts for c in cands]
             costs = np.array([c.cost + _gradient_cost(node, c, trained, values, model)
@@ -269,17 +276,9 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
     choice = propagate(node_costs, np.array(edges, dtype=np.int64).reshape(-1, 2), edge_costs,
                        np.array(fixed, dtype=np.int64), impl=impl)
     nodes = list(graph.nodes)
-    for p, k in enumerate(labels):
-        if k is None or fixed[p] >= 0:
-            continue
-        c = int(choice[p])
-        cands = op_candidates(nodes[k].op, nodes[k].attrs,
-                              [_shape_of(x, values) for x in nodes[k].inputs],
-                              [values[x.id].dtype if isinstance(x, Ref) else
-                               np.asarray(x.value._value() if isinstance(x.value, TensorBase)
-                                          else x.value).dtype for x in nodes[k].inputs], n,
-                              fully_use_devices=fully_use_devices)
-        cand = cands[c]
+    for p, cands in free.items():
+        k = labels[p]
+        cand = cands[int(choice[p])]
         nodes[k] = nodes[k].replace(in_layouts=tuple(cand.in_layouts), cost=float(cand.cost),
                                     chosen=cand.strategy)
     return verify(graph.replace(nodes=tuple(nodes)))
@@ -326,9 +325,7 @@ def plan_communication(graph: Graph, n: int, *, arg_sources=None) -> Graph:
             out_lays = list(node.in_layouts) if node.in_layouts is not None else in_lays
         elif node.op != CALL and all(lay is not None for lay, x in zip(in_lays, node.inputs)
                                    if isinstance(x, Ref)):
-            dtypes = [values[x.id].dtype if isinstance(x, Ref) else
-                      np.asarray(x.value._value() if isinstance(x.value, TensorBase)
-                                 else x.value).dtype for x in node.inputs]
+            dtypes = _dtypes(node, values)
             plan = _rule_outputs(node, in_lays, dtypes)
             if plan is not None:
                 out_lays = list(plan.outputs)

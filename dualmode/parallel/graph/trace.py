@@ -19,6 +19,7 @@ dtype with the op's infer rule and records a :class:`~.ir.Node`. Nothing is comp
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import types
@@ -231,9 +232,8 @@ class _Trace:
         if strategies_active():             # the op's layouts over ONE device matrix
             from ..dtensor import device_num
             from ..sharding import op_strategy_layouts
-            tensors = [t for a in args for t in (a if isinstance(a, (tuple, list)) and a
-                                                 and isinstance(a[0], TensorBase) else (a,))
-                       if isinstance(t, (TensorBase, np.ndarray))]
+            from ...ops.primitive import _flat
+            tensors = [t for t in _flat(args) if isinstance(t, (TensorBase, np.ndarray))]
             lays = op_strategy_layouts(prim, tensors, device_num())
         out, k = [], 0
         for a in args:
@@ -295,7 +295,7 @@ def find_parameters(fn, depth=3) -> list:
         elif isinstance(obj, types.MethodType):
             visit(obj.__self__, d)
             visit(obj.__func__, d)
-        elif isinstance(obj, (types.FunctionType, functools_partial_type())):
+        elif isinstance(obj, (types.FunctionType, functools.partial)):
             if isinstance(obj, types.FunctionType):
                 for cell in obj.__closure__ or ():
                     try:
@@ -320,11 +320,6 @@ def find_parameters(fn, depth=3) -> list:
 
     visit(fn, depth)
     return list(found.values())
-
-
-def functools_partial_type():
-    import functools
-    return functools.partial
 
 
 # ---------------------------------------------------------------------------
