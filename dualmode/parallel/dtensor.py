@@ -435,6 +435,14 @@ def _partial_layout(shape, n):
 
 
 @functools.lru_cache(maxsize=4096)
+def _partial_like(lay, shape):
+    """Every dim of `shape` whole, pending sums over the same device axes as `lay` (and
+    repeated over its other axes): what a linear op on a partial-only input gives."""
+    return TensorLayout(lay.device_matrix, ((),) * len(shape), tuple(shape),
+                        partial=lay.partial)
+
+
+@functools.lru_cache(maxsize=4096)
 def _batch_layout(shape, n):
     """Dim 0 split over n devices (cached)."""
     return TensorLayout.batch_split(shape, n)
@@ -560,7 +568,7 @@ def _partial_linear(op, attrs, inputs, layouts, rec):
         pass
     elif name == "Reshape":
         out = np.reshape(stacks[0], (stacks[0].shape[0],) + tuple(attrs["shape"]))
-        return _core.finish(op, attrs, inputs, out, rec, (_partial_layout(out.shape[1:], n),))
+        return _core.finish(op, attrs, inputs, out, rec, (_partial_like(lay0, out.shape[1:]),))
     elif name in ("ReduceSum", "ReduceMean"):
         return _partial_reduce(op, attrs, inputs, lay0, n, rec)
     else:
@@ -581,7 +589,7 @@ def _partial_linear(op, attrs, inputs, layouts, rec):
     out = np.asarray(out)
     if shared:
         out = np.broadcast_to(out, (k,) + out.shape[1:])
-    return _core.finish(op, attrs, inputs, out, rec, (_partial_layout(out.shape[1:], n),))
+    return _core.finish(op, attrs, inputs, out, rec, (_partial_like(lay0, out.shape[1:]),))
 
 
 def _partial_reduce(op, attrs, inputs, lay0, n, rec):
@@ -597,7 +605,7 @@ def _partial_reduce(op, attrs, inputs, lay0, n, rec):
                                dtype=stack.dtype)
     if shared:
         local = np.broadcast_to(local, (stack.shape[0],) + local.shape[1:])
-    return _core.finish(op, attrs, inputs, local, rec, (_partial_layout(local.shape[1:], n),))
+    return _core.finish(op, attrs, inputs, local, rec, (_partial_like(lay0, local.shape[1:]),))
 
 
 _core.set_dist_hooks(dist_apply, assemble)
