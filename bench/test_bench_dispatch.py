@@ -46,3 +46,34 @@ def test_dualmode_add_recording(benchmark, arrays, record):
     benchmark.extra_info["correct"] = recorded and bool(
         np.array_equal(out.asnumpy(), arrays[0] + arrays[1]))
     record(benchmark, "dualmode a+b (recording)", "numpy a+b", target=6.0)
+
+
+@pytest.fixture
+def eight_devices():
+    from dualmode import communication
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    communication.init()
+    yield
+    dm.reset_auto_parallel_context()
+    communication.init()
+
+
+@pytest.mark.benchmark(group="dispatch sharded MatMul (16,16) on 8 devices")
+def test_numpy_matmul_16(benchmark, arrays, record):
+    a = np.tile(arrays[0], (2, 2))
+    out = benchmark(np.matmul, a, a)
+    benchmark.extra_info["correct"] = bool(np.allclose(out, a @ a))
+    record(benchmark, "numpy matmul (16,16)")
+
+
+@pytest.mark.benchmark(group="dispatch sharded MatMul (16,16) on 8 devices")
+def test_dualmode_sharded_matmul_call(benchmark, arrays, record, eight_devices):
+    """One eager MatMul.shard(((2, 4), (4, 1))) call on 8 simulated devices: the
+    dispatch overhead of a sharded op (issue 11 target: <= 60 us per call)."""
+    a = np.tile(arrays[0], (2, 2))
+    x = dm.Tensor(a)
+    w = dm.Parameter(dm.Tensor(a.copy()), name="w")
+    mm = dm.ops.MatMul().shard(((2, 4), (4, 1)))
+    out = benchmark(mm, x, w)
+    benchmark.extra_info["correct"] = bool(np.allclose(out.asnumpy(), a @ a, rtol=1e-5))
+    record(benchmark, "dualmode sharded MatMul call", "numpy matmul (16,16)")

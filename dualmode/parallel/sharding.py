@@ -122,20 +122,32 @@ def op_strategy_layouts(prim, tensors, device_num: int) -> tuple:
     """The layouts of `prim`'s tensor inputs under its in_strategy with ONE device matrix
     for the op (MindSpore's rule, :meth:`TensorLayout.from_op_strategy`): the dims the
     inputs share (contracted, batch, broadcast, channel dims; the pairs the strategy
-    checks use) sit on the same device axis, so inputs that agree move no data."""
-    from .layout import LayoutError
+    checks use) sit on the same device axis, so inputs that agree move no data.
+    Cached per (op, strategy, shapes, shared dims, device_num): layouts are values."""
     from .strategy_checks import _pairs_for
     tensors = list(tensors)
-    shapes = [tuple(x.shape) for x in tensors]
+    shapes = tuple(tuple(x.shape) for x in tensors)
+    shared = tuple(tuple(p) for p in _pairs_for(prim, tensors))
+    strategy = prim.in_strategy
+    exact = isinstance(strategy, tuple) and all(
+        type(st) is tuple and all(type(v) is int for v in st) for st in strategy)
+    # only exact int tuples are cached: 2.0, True or np.int64(2) hash like 2 and must
+    # still reach the checks that refuse (or accept) them by name
+    build = _op_strategy_layouts if exact else _op_strategy_layouts.__wrapped__
+    return build(prim.name, strategy, shapes, int(device_num), shared)
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_strategy_layouts(name, strategy, shapes, device_num, shared):
+    from .layout import LayoutError
     try:
-        return TensorLayout.from_op_strategy(prim.in_strategy, shapes, device_num,
-                                             _pairs_for(prim, tensors), prim.name)
+        return TensorLayout.from_op_strategy(strategy, shapes, device_num, shared, name)
     except LayoutError:
         # the op's matrix would need more devices than there are (e.g. MatMul
         # ((2, 4), (2, 4)) with transpose_b on 8: MindSpore refuses it); each input is
         # then placed on its own matrix, which is still exact, only moves more data
-        return tuple(TensorLayout.from_strategy(st, shape, device_num, prim.name, i)
-                     for i, (st, shape) in enumerate(zip(prim.in_strategy, shapes)))
+        return tuple(TensorLayout.from_strategy(st, shape, device_num, name, i)
+                     for i, (st, shape) in enumerate(zip(strategy, shapes)))
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +180,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
         else:
             lays.append(None)
     dtypes = [x.dtype for x in inputs]
-    plan = rule(attrs, lays, dtypes)
+    plan = _plan(rule, op.name, attrs, lays, dtypes)
     if plan is None:
         return None
     reps = _shared_replicas(op.name, plan, dm)
@@ -204,6 +216,26 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
             lays_out.append(lay)
     res = tuple(outs) if op.multi_output else outs[0]
     return _core.finish(op, attrs, inputs, res, rec, tuple(lays_out))
+
+
+_PLANS: dict = {}
+_PLANS_MAX = 4096
+
+
+def _plan(rule, name, attrs, lays, dtypes):
+    """`rule`'s plan for these layouts, cached when the attrs are hashable values: a
+    plan is a function of (op, attrs, input layouts, dtypes) alone."""
+    try:
+        key = (name, tuple(attrs.items()) if attrs else (), tuple(lays), tuple(dtypes))
+        hash(key)
+    except TypeError:                       # an unhashable attribute (an array, a list)
+        return rule(attrs, lays, dtypes)
+    plan = _PLANS.get(key, _PLANS)
+    if plan is _PLANS:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = rule(attrs, lays, dtypes)
+    return plan
 
 
 def _validate(op, attrs, stacks, dtypes, plan):
