@@ -60,6 +60,10 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, OpDef, TensorBase
+from ..tensor import Parameter
+from . import dtensor
+from .devices import device_num, live_backend, parallel_active
+from .layout import TensorLayout
 
 __all__ = ["DeviceLocalLayout", "set_layerwise_slices", "device_local_tensor",
            "device_local_apply", "to_device_local", "shards_as_device_local",
@@ -204,18 +208,15 @@ def is_device_local(x) -> bool:
 
 def _context_devices() -> int:
     """Devices of the live parallel context; 1 outside one (no backend, stand_alone)."""
-    from . import dtensor
-    return dtensor.device_num() if dtensor.parallel_active() else 1
+    return device_num() if parallel_active() else 1
 
 
 def _require_devices(func: str) -> int:
-    from . import dtensor
-    from ..communication import _live_backend
-    if _live_backend() is None:
+    if live_backend() is None:
         raise RuntimeError(f"{func}: needs an initialised parallel context; call "
                            f"dm.set_auto_parallel_context(parallel_mode='hybrid_parallel', "
                            f"device_num=N) and dm.communication.init() first")
-    return dtensor.device_num() if dtensor.parallel_active() else 1
+    return _context_devices()
 
 
 # ============================================================================ user entry
@@ -257,7 +258,6 @@ def set_layerwise_slices(param, values, dim=None):
     RuntimeError
         No initialised backend.
     """
-    from ..tensor import Parameter
     func = "set_layerwise_slices"
     if not isinstance(param, Parameter):
         raise TypeError(f"{func}: param must be a Parameter created with "
@@ -338,7 +338,6 @@ def _localize_parameter(p, n):
 # ============================================================================ conversions
 
 def _partial_layout(shape, n):
-    from .layout import TensorLayout
     return TensorLayout((n,), ((),) * len(shape), tuple(shape), partial=(0,))
 
 
@@ -347,7 +346,6 @@ def _plain_array(x, op_name):
     resolving as dtensor does)."""
     if x._layout is None:
         return x._value()
-    from . import dtensor
     return dtensor._gather_global(x, op_name)
 
 
@@ -417,7 +415,6 @@ def _unsupported(op_name, why=""):
 
 def device_local_apply(op, attrs, inputs, rec):
     """Run `op` when some input is device-local (see the module docstring)."""
-    from ..tensor import Parameter
     name = op.name
     n = None
     for i, x in enumerate(inputs):
@@ -612,3 +609,6 @@ _RULES = {
     "GetItem": _getitem, "IndexAdd": _index_add, "Gather": _gather,
     "GatherGrad": _gather_grad,
 }
+
+
+dtensor.register_layout_kind(DeviceLocalLayout, device_local_apply)

@@ -45,52 +45,20 @@ from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
 from .. import context
 from ..ops._registry import register, same_as_input
+from ..communication.trace import record
 from ..tensor import Parameter
+from .devices import backend as _backend
+from .devices import device_num, parallel_active
+from .devices import holds_all_devices as _holds_all_devices
+from .devices import live_backend as _live_backend
+from .devices import op_cause as _cause
+from .devices import some_devices as _some_devices
+from .devices import world_stack
 from .layout import TensorLayout, stand_in
+from .sharding import sharded_apply
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
            "is_batch_layout", "resolve_partial"]
-
-
-# ---------------------------------------------------------------------------
-# environment
-# ---------------------------------------------------------------------------
-def _backend():
-    from ..communication import get_backend
-    return get_backend()
-
-
-_LIVE = []      # communication's _live_backend, imported once (it imports this package)
-
-
-def _live_backend():
-    if not _LIVE:
-        try:
-            from ..communication import _live_backend as live
-        except ImportError:
-            return None
-        _LIVE.append(live)
-    return _LIVE[0]()
-
-
-def device_num() -> int:
-    """Devices of the live parallel context (1 when none)."""
-    b = _live_backend()
-    return b.world_size if b is not None else 1
-
-
-def parallel_active() -> bool:
-    """True when ops should run distributed: a parallel mode, a backend, >1 device."""
-    mode = context.get_auto_parallel_context("parallel_mode")
-    if mode == "stand_alone":
-        return False
-    b = _live_backend()
-    return b is not None and b.world_size > 1
-
-
-def _cause(op_name, reason=None):
-    from .report import comm_cause
-    return comm_cause(op_name, reason or ("backward" if _core.in_backward() else "forward"))
 
 
 # ---------------------------------------------------------------------------
@@ -112,14 +80,6 @@ def _is_partial_only(layout) -> bool:
 #: ``shard_id`` = this rank): a network takes them as its local rows of the batch.
 #: (by id: tensors compare elementwise)
 RANK_SHARDS = weakref.WeakValueDictionary()
-
-
-def _some_devices() -> bool:
-    """Does this process hold only some of the job's devices (backend "mpi": stacks of
-    one device)? The sim fast paths that view a stack as every device's shards are
-    taken only when it does not."""
-    b = _live_backend()
-    return b is not None and len(b.local_ranks) < b.world_size
 
 
 def local_rows(arr, layout: TensorLayout) -> np.ndarray:
@@ -145,15 +105,6 @@ def distribute(x, layout: TensorLayout):
     else:
         stack = layout.local_blocks(arr)
     return _core.wrap_dist(stack, layout)
-
-
-def world_stack(stack, layout) -> np.ndarray:
-    """The stack of every device's shards of `layout`, from this process's `stack`: the
-    stack itself when it holds them all ("sim"), else an AllGather over the world that
-    CommReport does not record (an observation; see Backend.world_stack)."""
-    if stack.shape[0] == layout.device_num:
-        return stack
-    return _backend().world_stack(stack)
 
 
 def assemble(t) -> np.ndarray:
@@ -220,7 +171,6 @@ def _gather_global(t, op_name):
         return layout.assemble(out[0])
     # one AllGather over the axes that split the tensor; under "sim" the blocks are
     # reassembled in place, so only the record is made here
-    from ..communication.trace import record
     group = 1
     for a in layout.split_axes:
         group *= layout.device_matrix[a]
@@ -240,18 +190,23 @@ def _run(op, attrs, arrays):
     return op.kernel(*arrays)
 
 
-_DeviceLocalLayout = None   # hybrid parallel's per-device layout class (set on first use)
+#: layout classes other than TensorLayout, each with the function that runs an op when an
+#: input has such a layout (hybrid parallel's per-device values register theirs)
+LAYOUT_KINDS: dict = {}
+
+
+def register_layout_kind(layout_cls, apply_fn) -> None:
+    """Route ops with an input in `layout_cls` to ``apply_fn(op, attrs, inputs, rec)``."""
+    LAYOUT_KINDS[layout_cls] = apply_fn
 
 
 def dist_apply(op, attrs, inputs, rec):
     """Run `op` when at least one input is distributed (see the module docstring)."""
     layouts = [x._layout if isinstance(x, TensorBase) else None for x in inputs]
-    global _DeviceLocalLayout
-    if _DeviceLocalLayout is None:      # imported lazily (device_local imports this module)
-        from .device_local import DeviceLocalLayout as _DeviceLocalLayout
-    if any(isinstance(lay, _DeviceLocalLayout) for lay in layouts):
-        from .device_local import device_local_apply
-        return device_local_apply(op, attrs, inputs, rec)   # hybrid parallel: per-device values
+    for lay in layouts:
+        kind = LAYOUT_KINDS.get(type(lay))
+        if kind is not None:
+            return kind(op, attrs, inputs, rec)
     if any(lay is not None and lay.partial for lay in layouts):
         out = _partial_linear(op, attrs, inputs, layouts, rec)
         if out is not None:
@@ -291,7 +246,6 @@ def dist_apply(op, attrs, inputs, rec):
 
 def _sharded(op, attrs, inputs, rec, layouts):
     """The op's sharding rule (parallel/rules.py), when it has one."""
-    from .sharding import sharded_apply
     return sharded_apply(op, attrs, inputs, rec, layouts)
 
 
@@ -446,11 +400,6 @@ def _partial_like(lay, shape):
 def _batch_layout(shape, n):
     """Dim 0 split over n devices (cached)."""
     return TensorLayout.batch_split(shape, n)
-
-
-def _holds_all_devices(n) -> bool:
-    """Does this process hold every device (the "sim" backend)?"""
-    return len(_backend().local_ranks) == n
 
 
 def _shares(total, n):

@@ -20,7 +20,8 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
-from .dtensor import _backend
+from ..communication.trace import comm_cause
+from .devices import backend as _backend
 
 __all__ = ["reduce_gradients", "fusion_buckets", "broadcast_parameters"]
 
@@ -81,7 +82,6 @@ def reduce_gradients(grads, params=None):
     backend = _backend()
     n = backend.world_size
     mean = context.get_auto_parallel_context("gradients_mean")
-    from .report import comm_cause
     for bucket in fusion_buckets([grads[i]._data[0].nbytes for i in todo]):
         members = [todo[k] for k in bucket]
         if len(members) == 1:
@@ -127,7 +127,6 @@ def _bucket_name(params, members):
 def _reduce_one(backend, g, n, mean, name):
     """One unfused gradient: AllReduce(sum) of the shares p_d is the mean of the devices'
     own gradients n * p_d; the sum of those is n times it."""
-    from .report import comm_cause
     stack = g._data
     with comm_cause(name, "gradient"):
         out = backend.all_reduce(stack, members=None, op="sum")
@@ -143,7 +142,6 @@ def broadcast_parameters(params, root=0):
     already share one array, so only the collectives run."""
     backend = _backend()
     n = backend.world_size
-    from .report import comm_cause
     for p in params:
         if getattr(p, "layerwise_parallel", False) or p._layout is not None:
             continue

@@ -54,6 +54,8 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 
 from .._core import _redist
+from ..communication import _live_backend, trace
+from ..communication.sim import SimBackend
 from ..communication.trace import bytes_per_device, comm_cause
 from .layout import LayoutError, LayoutSpec, TensorLayout
 
@@ -717,14 +719,12 @@ def _resolve_backend(backend, src, stack):
             raise ValueError(f"redistribute: the backend has {backend.world_size} devices but "
                              f"{src!r} has {src.device_num}")
         return backend
-    from ..communication.management import _live_backend
     live = _live_backend()
     if live is not None and live.world_size == src.device_num:
         return live
     if stack.shape[0] == src.device_num:     # a stack of every device: simulate them
         sim = _SIM.get(src.device_num)
         if sim is None:
-            from ..communication.sim import SimBackend
             sim = _SIM[src.device_num] = SimBackend(src.device_num)
         return sim
     raise RuntimeError(f"redistribute: no backend holds {src.device_num} devices; call "
@@ -824,7 +824,6 @@ def _record_steps(plan: Plan, itemsize: int) -> None:
     """Record ``plan``'s collectives exactly as :func:`run_plan` makes the backend record
     them (kind, group size, groups, input bytes per device, and input plus output bytes
     as the memory note), without running them."""
-    from ..communication import trace
     if not trace._STATE.reports:
         return
     n = plan.src.device_num

@@ -5,17 +5,16 @@ an AllReduce over the partial ones, reported as "redistribution") and keep each
 device's block of it."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .._core._tensor import TensorBase
+from ..communication.trace import comm_cause, record
 from .layout import TensorLayout
+from .devices import live_backend, world_stack
+from .redistribute import execute, plan_redistribution, run_plan_grid
 
 
 def _report_gather(src: TensorLayout, nbytes: int, op_name, reason):
-    from ..communication.trace import record
-    from .report import comm_cause
     with comm_cause(op_name, reason):
         if src.partial:
             group = int(np.prod([src.device_matrix[a] for a in src.partial]))
@@ -26,33 +25,20 @@ def _report_gather(src: TensorLayout, nbytes: int, op_name, reason):
             record("AllGather", group, src.device_num // group, nbytes)
 
 
-@functools.lru_cache(maxsize=1)
-def _planner():
-    """(plan_redistribution, execute) of parallel/redistribute.py, looked up once."""
-    try:
-        from .redistribute import execute, plan_redistribution
-    except ImportError:
-        return None
-    return plan_redistribution, execute
-
-
 def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistribution"):
     """The local stack of `x` (a Tensor, distributed or not, or an array) in `dst`;
     the collectives are reported with `reason`."""
     if isinstance(x, TensorBase) and x._layout is not None:
         src = x._layout
-        planner = _planner()
-        if planner is not None and src.device_num == dst.device_num:
+        if src.device_num == dst.device_num:
             stack = x._data
-            plan = planner[0](src, dst, stack.itemsize or 1)
-            return planner[1](plan, stack, op_name=op_name, reason=reason)
-        from .dtensor import world_stack
+            plan = plan_redistribution(src, dst, stack.itemsize or 1)
+            return execute(plan, stack, op_name=op_name, reason=reason)
         global_value = src.assemble(world_stack(x._data, src))
         _report_gather(src, x._data[0].nbytes, op_name, reason)
     else:
         global_value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
-    from .dtensor import _live_backend
-    b = _live_backend()
+    b = live_backend()
     if b is not None and len(b.local_ranks) < dst.device_num == b.world_size:
         # a process holding some devices ("mpi"): only its own blocks
         if not any(dst.tensor_map):
@@ -76,7 +62,6 @@ def redistribute_grid(x, dst: TensorLayout, op_name=None, reason="redistribution
         src = x._layout
         if not isinstance(src, TensorLayout) or src.device_num != dst.device_num:
             return None
-        from .redistribute import plan_redistribution, run_plan_grid
         stack = x._data
         plan = plan_redistribution(src, dst, stack.itemsize or 1)
         return run_plan_grid(plan, stack, op_name=op_name, reason=reason)

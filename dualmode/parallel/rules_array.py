@@ -36,6 +36,8 @@ import numpy as np
 
 from ..ops._array import _is_advanced
 from .sharding import ShardPlan, layout, register_rule
+from .devices import backend
+from ..context import rng
 
 
 def _parts(dm, axes):
@@ -44,8 +46,7 @@ def _parts(dm, axes):
 
 def _local_ranks(n):
     """The global ranks of the `n` devices held by this process (stack order)."""
-    from .dtensor import _backend
-    ranks = np.asarray(_backend().local_ranks, dtype=np.int64)
+    ranks = np.asarray(backend().local_ranks, dtype=np.int64)
     if ranks.shape[0] != n:               # a stack over every device (e.g. a global view)
         ranks = np.arange(n, dtype=np.int64)
     return ranks
@@ -352,7 +353,6 @@ def _dropout(attrs, lays, dtypes):
     shape = x.shape
 
     def local(attrs, stacks):
-        from ..context import rng
         xs = stacks[0]
         keep = attrs["keep_prob"]
         # the draw of the single-device kernel (same generator call, global shape), so

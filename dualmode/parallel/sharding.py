@@ -33,7 +33,13 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from .layout import TensorLayout, stand_in
+from ..ops._registry import REGISTRY
+from .devices import backend as _backend
+from .devices import holds_all_devices, op_cause
+from .layout import LayoutError, TensorLayout, stand_in
+from .redistribute import unify_device_matrices
+from .redistribute_bridge import redistribute_grid, redistribute_tensor
+from .strategy_checks import _pairs_for
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "refine", "reexpress",
            "common_device_matrix", "PER_DEVICE_OPS", "per_device_op", "op_strategy_layouts",
@@ -61,7 +67,6 @@ RULES: dict = {}
 def register_rule(*names):
     """Register a sharding rule for the ops `names` (also in ``OpDef.extras["shard"]``)."""
     def deco(fn):
-        from ..ops import REGISTRY
         for name in names:
             RULES[name] = fn
             if name in REGISTRY:
@@ -77,7 +82,6 @@ def register_rule(*names):
 def refine(dm_a: tuple, dm_b: tuple) -> tuple:
     """The coarsest device matrix refining both (same device count, row-major ranks):
     the unified matrix of the redistribution planner, without its unit axes."""
-    from .redistribute import unify_device_matrices
     unified = unify_device_matrices(dm_a, dm_b)     # ValueError on different counts
     if unified is None:
         raise ValueError(f"refine: device matrices {dm_a} and {dm_b} have no common "
@@ -124,7 +128,6 @@ def op_strategy_layouts(prim, tensors, device_num: int) -> tuple:
     inputs share (contracted, batch, broadcast, channel dims; the pairs the strategy
     checks use) sit on the same device axis, so inputs that agree move no data.
     Cached per (op, strategy, shapes, shared dims, device_num): layouts are values."""
-    from .strategy_checks import _pairs_for
     tensors = list(tensors)
     shapes = tuple(tuple(x.shape) for x in tensors)
     shared = tuple(tuple(p) for p in _pairs_for(prim, tensors))
@@ -139,7 +142,6 @@ def op_strategy_layouts(prim, tensors, device_num: int) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def _op_strategy_layouts(name, strategy, shapes, device_num, shared):
-    from .layout import LayoutError
     try:
         return TensorLayout.from_op_strategy(strategy, shapes, device_num, shared, name)
     except LayoutError:
@@ -153,14 +155,8 @@ def _op_strategy_layouts(name, strategy, shapes, device_num, shared):
 # ---------------------------------------------------------------------------
 # execution
 # ---------------------------------------------------------------------------
-def _cause(op_name, reason=None):
-    from .report import comm_cause
-    return comm_cause(op_name, reason or ("backward" if _core.in_backward() else "forward"))
-
-
 def to_layout(x, dst: TensorLayout, op_name):
     """The stack of `x` (Tensor or array) in layout `dst`."""
-    from .redistribute_bridge import redistribute_tensor
     return redistribute_tensor(x, dst, op_name)
 
 
@@ -203,8 +199,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     for i, post in enumerate(plan.post):
         if post is not None:
             red_op, axes = post
-            from .dtensor import _backend
-            with _cause(op.name):
+            with op_cause(op.name):
                 outs[i] = np.asarray(_backend().all_reduce(
                     outs[i], members=plan.outputs[i].group_members(axes), op=red_op))
     lays_out = []
@@ -257,12 +252,6 @@ def per_device_op(*names):
     PER_DEVICE_OPS.update(names)
 
 
-def _all_devices_local(n) -> bool:
-    from .dtensor import _live_backend
-    b = _live_backend()
-    return b is not None and len(b.local_ranks) == n
-
-
 def _shared_replicas(op_name, plan, dm) -> tuple:
     """Device axes along which every input and output of `plan` is replicated (neither
     split nor partial), when `op_name` is a per-device op and this process holds every
@@ -279,7 +268,7 @@ def _shared_replicas(op_name, plan, dm) -> tuple:
         common = axes if common is None else common & axes
         if not common:
             return ()
-    if not common or len(common) == len(dm) or not _all_devices_local(math.prod(dm)):
+    if not common or len(common) == len(dm) or not holds_all_devices(math.prod(dm)):
         return ()
     return tuple(sorted(common))
 
@@ -295,7 +284,6 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
     input and output is replicated along them), then give every replica the results.
     Inputs are moved as device grids (redistribute_grid), so their replicas are never
     written either."""
-    from .redistribute_bridge import redistribute_grid
     dm_c = tuple(1 if a in reps else s for a, s in enumerate(dm))
     first = tuple(slice(0, 1) if a in reps else slice(None) for a in range(len(dm)))
     stacks = []
@@ -342,12 +330,11 @@ def _wants_grids(plan, lays, inputs, dm) -> bool:
             return False
         if have != need and 0 < len(need.replicated_axes) < len(dm) and not need.partial:
             found = True
-    return found and _all_devices_local(math.prod(dm))
+    return found and holds_all_devices(math.prod(dm))
 
 
 def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     """Run a grid-accepting `plan.local` with every input as a device grid."""
-    from .redistribute_bridge import redistribute_grid
     grids = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if have == need and isinstance(x, TensorBase) and x._layout is not None:

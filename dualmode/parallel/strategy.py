@@ -22,7 +22,9 @@ from .._core import _tensor as _core
 from .._core._tensor import TensorBase
 from ..communication.trace import note_memory
 from ..tensor import Parameter
-from .dtensor import device_num, moved, parallel_active
+from ..ops.primitive import _flat
+from .devices import device_num, live_backend, parallel_active
+from .dtensor import moved
 from .layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
 from .sharding import op_strategy_layouts
@@ -51,8 +53,7 @@ def gradient_in_layout(g, layout, name):
 
 def _local_ranks(lay: TensorLayout) -> np.ndarray:
     """The ranks of `lay` whose shards this process stores (every rank under "sim")."""
-    from ..communication import _live_backend
-    b = _live_backend()
+    b = live_backend()
     if b is not None and b.world_size == lay.device_num:
         return np.asarray(b.local_ranks, np.int64)
     return np.arange(lay.device_num, dtype=np.int64)
@@ -107,7 +108,6 @@ def apply_in_strategy(prim, args):
     """`args` with each tensor input in its strategy's layout."""
     check_strategy_for(prim, args)            # before anything moves (SPEC §9)
     args = tuple(_core.wrap(a) if isinstance(a, np.ndarray) else a for a in args)
-    from ..ops.primitive import _flat
     tensors = [t for t in _flat(args) if isinstance(t, TensorBase)]
     lays = op_strategy_layouts(prim, tensors, device_num())   # one device matrix per op
     out, k = [], 0

@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from .._core._tensor import KIND_BINARY, TensorBase
+from ..ops._registry import REGISTRY
 from .layout import LayoutSpec
 
 __all__ = ["check_strategy_for", "StrategyError"]
@@ -182,7 +183,6 @@ def _pairs_for(prim, xs):
     fn = _PAIRS.get(prim.name)
     if fn is not None:
         return fn(prim, xs)
-    from ..ops import REGISTRY
     op = REGISTRY.get("RealDiv" if prim.name == "Div" else prim.name)
     if op is not None and op.kind == KIND_BINARY:
         return _elementwise_pairs(prim, xs)
