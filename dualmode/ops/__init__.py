@@ -3,6 +3,7 @@ collectives, and the op registry every layer reads."""
 from .._core import _tensor as _core
 from ..common.dtype import promote as _promote
 from . import _math
+from . import interpreter as _interpreter
 from ._registry import REGISTRY, get_op
 from .collectives import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter
 from .functional import *  # noqa: F401,F403
@@ -35,5 +36,5 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="CPU",
     inputs moved into `in_strategy`, outputs into `out_strategy`, parameters into
     `parameter_plan`, the other ops' strategies chosen by sharding propagation. Returns a
     callable; the code around it stays eager (see dualmode.parallel.graph)."""
-    from ..parallel.graph.api import shard as _shard
-    return _shard(fn, in_strategy, out_strategy, parameter_plan, device, level)
+    return _interpreter.base().shard(fn, in_strategy, out_strategy, parameter_plan, device,
+                                     level)

@@ -3,13 +3,15 @@
 A primitive holds its init attributes and an optional sharding strategy. Calling it
 runs the functional form. Strategies are validated for form at ``shard`` time and
 against the inputs' ranks and sizes at call time; in stand-alone mode they do not
-change the result (sharded execution arrives with the operator-parallel issue).
+change the result; the parallel layer's interpreter (:mod:`dualmode.ops.interpreter`)
+runs them on shards, and a graph trace records them.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .._core._tensor import TensorBase
+from . import interpreter
 
 
 def _is_int(v):
@@ -77,24 +79,13 @@ class Primitive:
                                      f"dim {j} (size {d}) of input {i}")
 
     def __call__(self, *args, **kwargs):
-        if self.in_strategy is not None or self.out_strategy is not None:
-            from ..parallel.graph.trace import current_trace
-            tr = current_trace()
-            if tr is not None:                 # graph mode: the strategy tags the node
-                self._check_inputs([a for a in _flat(args)
-                                    if isinstance(a, (TensorBase, np.ndarray))])
-                return tr.call_primitive(self, args, kwargs)
+        if self.in_strategy is None and self.out_strategy is None:
+            return self.construct(*args, **kwargs)
         if self.in_strategy is not None:
             self._check_inputs([a for a in _flat(args) if isinstance(a, (TensorBase, np.ndarray))])
-            from ..parallel.strategy import apply_in_strategy, strategies_active
-            if strategies_active():
-                args = apply_in_strategy(self, args)
-        out = self.construct(*args, **kwargs)
-        if self.out_strategy is not None:
-            from ..parallel.strategy import apply_out_strategy, strategies_active
-            if strategies_active():
-                out = apply_out_strategy(self, out)
-        return out
+        # the interpreter decides how a strategy runs: on shards (the parallel layer's
+        # eager interpreter), recorded into a graph (a trace), or not at all (one device)
+        return interpreter.current().call_primitive(self, args, kwargs)
 
     def construct(self, *args, **kwargs):
         raise NotImplementedError(f"{self.name}: primitive has no construct")

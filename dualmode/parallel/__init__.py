@@ -30,3 +30,9 @@ __all__ += ["DeviceLocalLayout", "set_layerwise_slices", "device_local_tensor"]
 from .graph.api import compile_count  # noqa: E402
 
 __all__ += ["compile_count"]
+
+# ops run strategies, collectives and ops.shard through this layer's interpreter
+from ..ops import interpreter as _interpreter  # noqa: E402
+from .eager import ShardedEager  # noqa: E402
+
+_interpreter.install(ShardedEager())

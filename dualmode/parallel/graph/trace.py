@@ -29,6 +29,7 @@ import numpy as np
 
 from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
+from ...ops.interpreter import interpreting
 from ...tensor import Parameter, Tensor
 from .ir import CALL, Const, Graph, Node, Ref, Value, verify
 
@@ -360,10 +361,11 @@ def trace(fn, args, kwargs=None, *, name="fn", params=()) -> Graph:
     _STATE.trace = tr
     _core.set_dist_hooks(tr.apply, tr.assemble)
     try:
-        for p in params:
-            tr.swap_param(p)
-        out = fn(*targs, **(kwargs or {}))
-        outputs = _flatten_out(tr, out)
+        with interpreting(tr):          # strategy-carrying primitive calls are recorded
+            for p in params:
+                tr.swap_param(p)
+            out = fn(*targs, **(kwargs or {}))
+            outputs = _flatten_out(tr, out)
     finally:
         _core.set_dist_hooks(tr.real_apply, tr.real_assemble)
         _STATE.trace = None
