@@ -3,33 +3,34 @@
 A distributed Tensor keeps ``_layout`` (a :class:`TensorLayout`) and, in ``_data``,
 the stack of the local shards of the devices this process holds (leading axis =
 local devices). The dispatcher hands every op with a distributed input to
-:func:`dist_apply`, which picks one of four ways to run it:
+:func:`dist_apply`, which runs it in one of these ways, each derived from the op's
+sharding rule (parallel/rules.py) where one is needed:
 
-1. **partial-linear**: inputs holding pending partial sums stay partial through
-   ops that are linear in them (Add/Sub of two partials, Mul/RealDiv by a
-   replicated value, Neg, Cast, Reshape, ReduceSum/ReduceMean); any other op
-   first resolves them with an AllReduce.
-2. **batch-local**: when every distributed input is split on dim 0 only (the
-   data-parallel layout) and the op treats rows independently (its rule in
-   ``_BATCH_LOCAL``), the stacks ``(n, B/n, ...)`` are viewed as the concatenated
-   batch ``(B, ...)`` and the op's own kernel runs once over every device's
-   shard; outputs are split on dim 0 again. One numpy call for all devices.
-3. **batch-contracting**: ops that sum over the batch (MatMul contracting dim 0,
-   ReduceSum/Mean over dim 0, GatherGrad) run per device on the stacks and give a
-   partial result; ReduceMax/Min finish with an AllReduce(max/min).
-4. **fallback**: anything else gathers its distributed inputs to the global value
+1. **other layout kinds**: inputs whose layout class registered its own runner
+   (:func:`register_layout_kind`; hybrid parallel's per-device values) go there.
+2. **partial-linear**: inputs holding pending partial sums stay partial, over the same
+   device axes, through ops that are linear in them (Add/Sub of two partials, Mul/RealDiv
+   by a replicated value, Neg, Cast, Reshape, ReduceSum/ReduceMean); any other op first
+   resolves them with an AllReduce.
+3. **data parallel** (:func:`_batch_global`): when every distributed input is split on
+   dim 0 only, the stacks ``(n, B/n, ...)`` are views of the global values ``(B, ...)``;
+   when the op's rule, given these layouts, moves no data and needs no collective, the
+   op's own kernel runs once on the global values and the outputs are stored in the
+   rule's output layouts (a batch split is a view, a pending sum over the batch n equal
+   shares). One numpy call for all devices.
+4. **the rule** (:func:`dualmode.parallel.sharding.sharded_apply`): inputs moved into
+   the layouts the rule asks for, its local computation on the stacks, its collectives.
+5. **fallback**: anything else gathers its distributed inputs to the global value
    (an AllGather, reported as "redistribution") and runs as a plain op.
 
-Operator-level sharding rules for every op (issue 4) extend this table.
-
 A process holding only some devices (backend "mpi": stacks of one device) skips the
-data-parallel fast paths 2 and 3, which view a stack as every device's rows, and runs
+data-parallel path 3, which views a stack as every device's rows, and runs
 the ops' sharding rules instead (their local computations are per device, for a stack
 of any length; the rules' collectives and the redistribution executor go through the
 backend). Global values entering the program are cut into this process's blocks only
 (:func:`local_rows`); reading a global value (``asnumpy``, :func:`assemble`) gathers
 the stacks of the world first, an AllGather every rank must make in the same order
-that CommReport does not record (an observation); the gather fallback (4) is a real,
+that CommReport does not record (an observation); the gather fallback (5) is a real,
 recorded AllGather over the world.
 """
 from __future__ import annotations
@@ -49,13 +50,12 @@ from ..communication.trace import record
 from ..tensor import Parameter
 from .devices import backend as _backend
 from .devices import device_num, parallel_active
-from .devices import holds_all_devices as _holds_all_devices
 from .devices import live_backend as _live_backend
 from .devices import op_cause as _cause
 from .devices import some_devices as _some_devices
 from .devices import world_stack
 from .layout import TensorLayout, stand_in
-from .sharding import sharded_apply
+from .sharding import rule_plan, sharded_apply
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
            "is_batch_layout", "resolve_partial"]
@@ -218,29 +218,15 @@ def dist_apply(op, attrs, inputs, rec):
         if all(lay is None for lay in layouts):
             return _core.apply(op, attrs, inputs)
     dist = [lay for lay in layouts if lay is not None]
-    if all(is_batch_layout(lay) for lay in dist) and len({(lay.device_matrix, lay.shape[0])
-                                                         for lay in dist}) == 1 \
-            and not _some_devices():
-        # the data-parallel fast paths view the stacks as every device's rows; a process
-        # holding some devices runs the sharding rules below (per-device on its stack)
-        n, batch = dist[0].device_matrix[0], dist[0].shape[0]
-        merged = [_merged(x) for x in inputs]
-        kind = _batch_rule(op, attrs, merged, layouts, batch)
-        if kind == "local":
-            return _batch_local(op, attrs, inputs, merged, n, batch, rec)
-        if kind == "contract":
-            return _CONTRACT[op.name](op, attrs, inputs, layouts, n, batch, rec)
+    if all(is_batch_layout(lay) for lay in dist) and not _some_devices():
+        # data parallel: the stacks are every device's rows, so each input's global value
+        # is a free view of its stack (a process holding some devices runs the rules)
+        out = _batch_global(op, attrs, inputs, layouts, rec)
+        if out is not None:
+            return out
     out = _sharded(op, attrs, inputs, rec, layouts)
     if out is not None:
         return out
-    if op.kind != KIND_GENERIC and len(set(dist)) == 1 and all(
-            lay is not None or np.ndim(_merged(x)) == 0 for x, lay in zip(inputs, layouts)):
-        # elementwise on one shared layout (scalars aside): run on the stacks as they are
-        stacks = [x._data if lay is not None else _merged(x) for x, lay in zip(inputs, layouts)]
-        _core.infer(op, attrs, *[stand_in(s.dtype, dist[0].shape)
-                                 if lay is not None else s for s, lay in zip(stacks, layouts)])
-        out = op.kernel(*stacks)
-        return _core.finish(op, attrs, inputs, np.asarray(out), rec, (dist[0],))
     return _fallback(op, attrs, inputs, layouts, rec)
 
 
@@ -258,22 +244,6 @@ def _merged(x):
     return x
 
 
-def _batch_local(op, attrs, inputs, merged, n, batch, rec):
-    out = _run(op, attrs, merged)
-    outs = out if op.multi_output else (out,)
-    arrays, lays = [], []
-    for o in outs:
-        o = np.asarray(o)
-        if o.ndim >= 1 and o.shape[0] == batch:
-            arrays.append(o.reshape((n, batch // n) + o.shape[1:]))
-            lays.append(_batch_layout(o.shape, n))
-        else:
-            arrays.append(o)
-            lays.append(None)
-    return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
-                        rec, tuple(lays))
-
-
 def _fallback(op, attrs, inputs, layouts, rec):
     plain = tuple(_core.wrap_dist(_gather_global(x, op.name), None)
                   if lay is not None else x for x, lay in zip(inputs, layouts))
@@ -283,111 +253,8 @@ def _fallback(op, attrs, inputs, layouts, rec):
 
 
 # ---------------------------------------------------------------------------
-# batch-local rules: does the op treat dim 0 rows independently here?
+# data parallel: every distributed input split on dim 0 only, every device here
 # ---------------------------------------------------------------------------
-def _rank_aligned(merged, layouts, out_rank):
-    return all(np.ndim(m) == out_rank for m, lay in zip(merged, layouts) if lay is not None)
-
-
-def _elementwise(attrs, merged, layouts, batch):
-    return _rank_aligned(merged, layouts, max(np.ndim(m) for m in merged))
-
-
-def _axis_not_0(key):
-    return lambda attrs, merged, layouts, batch: attrs[key] != 0
-
-
-def _matmul(attrs, merged, layouts, batch):
-    a, b = layouts
-    if not attrs["transpose_a"] and a is not None and b is None:
-        return "local"
-    if attrs["transpose_a"] and not attrs["transpose_b"] and a is not None and b is not None:
-        return "contract"
-    return None
-
-
-def _batch_matmul(attrs, merged, layouts, batch):
-    rank = max(np.ndim(m) for m in merged)
-    return rank >= 3 and _rank_aligned(merged, layouts, rank)
-
-
-def _reduce(attrs, merged, layouts, batch):
-    return "contract" if 0 in attrs["axis"] else "local"
-
-
-def _getitem(attrs, merged, layouts, batch):
-    idx = attrs["index"]
-    return (len(idx) >= 1 and isinstance(idx[0], slice) and idx[0] == slice(None)
-            and not any(isinstance(k, np.ndarray) or k is None or k is Ellipsis for k in idx))
-
-
-def _index_add(attrs, merged, layouts, batch):
-    return attrs["shape"][0] == batch and _getitem(attrs, merged, layouts, batch)
-
-
-def _gather(attrs, merged, layouts, batch):
-    params, idx = layouts
-    if attrs["axis"] != 0:
-        return params is not None and idx is None
-    return params is None and idx is not None and np.ndim(merged[1]) >= 1
-
-
-def _gather_grad(attrs, merged, layouts, batch):
-    idx, g = layouts
-    if attrs["axis"] == 0:
-        return "contract" if idx is not None and g is not None else None
-    return g is not None and idx is None and attrs["shape"][0] == batch
-
-
-def _onehot(attrs, merged, layouts, batch):
-    return layouts[0] is not None and attrs["axis"] != 0 and layouts[1] is None
-
-
-def _reshape(attrs, merged, layouts, batch):
-    return len(attrs["shape"]) >= 1 and attrs["shape"][0] == batch
-
-
-_ALWAYS = lambda attrs, merged, layouts, batch: True  # noqa: E731
-
-_BATCH_LOCAL = {
-    "Cast": _ALWAYS, "Dropout": _ALWAYS,
-    "BroadcastTo": lambda at, m, lay, b: np.ndim(m[0]) == len(at["shape"]),
-    "BiasAdd": lambda at, m, lay, b: lay[1] is None,
-    "MatMul": _matmul, "BatchMatMul": _batch_matmul,
-    "ReduceSum": _reduce, "ReduceMean": _reduce, "ReduceMax": _reduce, "ReduceMin": _reduce,
-    "Softmax": _axis_not_0("axis"), "LogSoftmax": _axis_not_0("axis"),
-    "Reshape": _reshape,
-    "Transpose": lambda at, m, lay, b: at["perm"][0] == 0,
-    "GetItem": _getitem, "IndexAdd": _index_add,
-    "Concat": _axis_not_0("axis"), "Split": _axis_not_0("axis"),
-    "Gather": _gather, "GatherGrad": _gather_grad, "OneHot": _onehot,
-    "SparseSoftmaxCrossEntropyWithLogits": lambda at, m, lay, b: all(x is not None for x in lay),
-    "SparseSoftmaxCrossEntropyGrad": lambda at, m, lay, b: lay[0] is not None
-    and lay[1] is not None,
-}
-
-
-def _batch_rule(op, attrs, merged, layouts, batch):
-    rule = _BATCH_LOCAL.get(op.name)
-    if rule is None:
-        if op.kind == KIND_GENERIC:
-            return None
-        rule = _elementwise
-    res = rule(attrs, merged, layouts, batch)
-    if res is True:
-        return "local"
-    return res or None
-
-
-# ---------------------------------------------------------------------------
-# batch-contracting ops: per-device results that are partial sums
-# ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=4096)
-def _partial_layout(shape, n):
-    """Every dim whole, pending sums over the n devices (cached: layouts are values)."""
-    return TensorLayout((n,), ((),) * len(shape), tuple(shape), partial=(0,))
-
-
 @functools.lru_cache(maxsize=4096)
 def _partial_like(lay, shape):
     """Every dim of `shape` whole, pending sums over the same device axes as `lay` (and
@@ -396,97 +263,51 @@ def _partial_like(lay, shape):
                         partial=lay.partial)
 
 
-@functools.lru_cache(maxsize=4096)
-def _batch_layout(shape, n):
-    """Dim 0 split over n devices (cached)."""
-    return TensorLayout.batch_split(shape, n)
-
-
 def _shares(total, n):
     """A partial stack whose n equal shares add up to `total`, stored once.
 
     A pending sum may be split across devices any way that adds up to the same
-    total; when one process holds every device, batch-contracting ops compute the
-    total with one call over all devices' rows and keep it as n equal shares (a
+    total; when one process holds every device, an op that sums over the batch is
+    computed with one call over all devices' rows and kept as n equal shares (a
     stride-0 view), so no per-device copies or partial products are made."""
     share = np.true_divide(total, n, dtype=total.dtype) if n > 1 else total
     return np.broadcast_to(share[None], (n,) + share.shape)
 
 
-def _contract_matmul(op, attrs, inputs, layouts, n, batch, rec):
-    a, b = inputs
-    ma, mb = _merged(a), _merged(b)
-    _core.infer(op, attrs, ma, mb)                       # validate on the global shapes
-    if _holds_all_devices(n):
-        # one GEMM over every device's rows, kept as n equal shares (see _shares); the
-        # 1/n is applied to the smallest of the three arrays
-        m, k = ma.shape[1], mb.shape[1]
-        if n > 1 and min(ma.size, mb.size) < m * k:
-            if ma.size <= mb.size:
-                ma = np.true_divide(ma, n, dtype=ma.dtype)
-            else:
-                mb = np.true_divide(mb, n, dtype=mb.dtype)
-            total = np.matmul(ma.T, mb)
-            out = np.broadcast_to(total[None], (n,) + total.shape)
+def _batch_global(op, attrs, inputs, layouts, rec):
+    """Run `op` once on the global values when its sharding rule, given these
+    batch-split inputs, moves no data and needs no collective: the op's own kernel over
+    every device's rows in one call, its outputs stored in the rule's output layouts
+    (a batch split is a view; a pending sum over the batch, n equal shares). None when
+    the rule moves data or finishes with a collective (the rule then runs as it is)."""
+    found = rule_plan(op, attrs, inputs, layouts)
+    if found is None:
+        return None
+    plan, lays, dm, _ = found
+    if plan.post:
+        return None
+    for x, have, need in zip(inputs, lays, plan.inputs):
+        if need is not None and (need.partial or (
+                isinstance(x, TensorBase) and x._layout is not None and need != have)):
+            return None
+    out = _run(op, attrs, [_merged(x) for x in inputs])
+    outs = out if op.multi_output else (out,)
+    arrays, out_lays = [], []
+    for o, lay in zip(outs, plan.outputs):
+        o = np.asarray(o)
+        if lay.partial:
+            arrays.append(_shares(o, lay.device_num))
+        elif not any(lay.tensor_map):
+            arrays.append(o)                        # replicated: one plain value
+            lay = None
+        elif is_batch_layout(lay):
+            n = lay.device_matrix[0]
+            arrays.append(o.reshape((n, o.shape[0] // n) + o.shape[1:]))
         else:
-            out = _shares(np.matmul(ma.T, mb), n)
-    else:
-        out = np.matmul(np.swapaxes(a._data, -1, -2), b._data)   # (n_local, m, k)
-    return _core.finish(op, attrs, inputs, out, rec, (_partial_layout(out.shape[1:], n),))
-
-
-def _contract_reduce(op, attrs, inputs, layouts, n, batch, rec):
-    x = inputs[0]
-    arr = _merged(x)
-    _core.infer(op, attrs, arr)
-    if op.name in ("ReduceMax", "ReduceMin"):
-        total = op.kernel(attrs, arr)
-        # each device reduces its rows, then an AllReduce(max/min) combines them
-        with _cause(op.name):
-            out = _backend().all_reduce(np.broadcast_to(total[None], (n,) + total.shape),
-                                        members=None,
-                                        op="max" if op.name == "ReduceMax" else "min")
-        return _core.finish(op, attrs, inputs, np.asarray(out[0]), rec, None)
-    if _holds_all_devices(n):
-        local = _shares(np.asarray(op.kernel(attrs, arr)), n)
-    else:
-        axes = tuple(a + 1 for a in attrs["axis"])
-        stack = x._data
-        local = np.add.reduce(stack, axis=axes, dtype=stack.dtype, keepdims=attrs["keep_dims"])
-        if op.name == "ReduceMean":
-            local = np.true_divide(local, math.prod(arr.shape[a] for a in attrs["axis"]),
-                                   dtype=stack.dtype)
-    return _core.finish(op, attrs, inputs, local, rec,
-                        (_partial_layout(local.shape[1:], n),))
-
-
-def _out_shape(shape, attrs):
-    axes, keep = attrs["axis"], attrs["keep_dims"]
-    return tuple(1 if i in axes else s for i, s in enumerate(shape)) if keep else \
-        tuple(s for i, s in enumerate(shape) if i not in axes)
-
-
-def _contract_gather_grad(op, attrs, inputs, layouts, n, batch, rec):
-    idx, g = inputs
-    mi, mg = _merged(idx), _merged(g)
-    _core.infer(op, attrs, mi, mg)
-    shape = tuple(attrs["shape"])
-    if _holds_all_devices(n):
-        out = _shares(np.asarray(op.kernel(attrs, mi, mg)), n)
-    else:
-        out = np.zeros((idx._data.shape[0],) + shape, dtype=g._data.dtype)
-        istack = idx._data.reshape(out.shape[0], -1)
-        gstack = g._data.reshape((out.shape[0], istack.shape[1]) + shape[1:])
-        dev = np.broadcast_to(np.arange(out.shape[0])[:, None], istack.shape)
-        np.add.at(out, (dev, istack), gstack)
-    return _core.finish(op, attrs, inputs, out, rec, (_partial_layout(shape, n),))
-
-
-_CONTRACT = {
-    "MatMul": _contract_matmul, "ReduceSum": _contract_reduce,
-    "ReduceMean": _contract_reduce, "ReduceMax": _contract_reduce,
-    "ReduceMin": _contract_reduce, "GatherGrad": _contract_gather_grad,
-}
+            arrays.append(lay.local_blocks(o))
+        out_lays.append(lay)
+    return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
+                        rec, tuple(out_lays))
 
 
 # ---------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from .redistribute import unify_device_matrices
 from .redistribute_bridge import redistribute_grid, redistribute_tensor
 from .strategy_checks import _pairs_for
 
-__all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "refine", "reexpress",
+__all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "refine", "reexpress",
            "common_device_matrix", "PER_DEVICE_OPS", "per_device_op", "op_strategy_layouts",
            "accepts_grids", "grid_to_stack"]
 
@@ -160,8 +160,10 @@ def to_layout(x, dst: TensorLayout, op_name):
     return redistribute_tensor(x, dst, op_name)
 
 
-def sharded_apply(op, attrs, inputs, rec, layouts):
-    """Run `op` with its registered rule; None when it has none."""
+def rule_plan(op, attrs, inputs, layouts):
+    """``(plan, input layouts, device matrix, dtypes)`` of `op`'s sharding rule for
+    inputs in `layouts` (None: not distributed), every layout over one device matrix;
+    None when the op has no rule or the rule declines."""
     rule = RULES.get(op.name)
     if rule is None:
         return None
@@ -179,6 +181,15 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     plan = _plan(rule, op.name, attrs, lays, dtypes)
     if plan is None:
         return None
+    return plan, lays, dm, dtypes
+
+
+def sharded_apply(op, attrs, inputs, rec, layouts):
+    """Run `op` with its registered rule; None when it has none."""
+    found = rule_plan(op, attrs, inputs, layouts)
+    if found is None:
+        return None
+    plan, lays, dm, dtypes = found
     reps = _shared_replicas(op.name, plan, dm)
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
