@@ -158,6 +158,7 @@ def _bw_dropout(node, g, g_mask):
 
 DROPOUT = register("Dropout", infer=_infer_dropout, kernel=_dropout_kernel,
                    backward=_bw_dropout, save_outputs=True, multi_output=True)
+DROPOUT.extras["random"] = True     # draws from the context's generator: not a pure map
 
 
 def dropout(x, p=0.5, training=True):

@@ -54,6 +54,7 @@ parameters get device-local gradients, which no gradient AllReduce touches.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -64,6 +65,7 @@ from ..tensor import Parameter
 from . import dtensor
 from .devices import device_num, live_backend, parallel_active
 from .layout import TensorLayout
+from .sharding import RULES
 
 __all__ = ["DeviceLocalLayout", "set_layerwise_slices", "device_local_tensor",
            "device_local_apply", "to_device_local", "shards_as_device_local",
@@ -402,15 +404,13 @@ def shards_as_device_local(x):
 
 # ============================================================================ dispatch
 
-def _unsupported(op_name, why=""):
+def _unsupported(op_name, why):
     return RuntimeError(
-        f"{op_name}: not supported on layerwise_parallel (device-local) values yet"
-        + (f" ({why})" if why else "")
-        + "; supported ops: elementwise ops, Cast, MatMul, BatchMatMul, BiasAdd, "
-          "ReduceSum/Mean/Max/Min, Reshape, BroadcastTo, Softmax, LogSoftmax, Transpose, "
-          "Concat, Split, GetItem/IndexAdd (basic indices), Gather/GatherGrad (device-local "
-          "table, plain indices) and the collectives AllReduce, AllGather, ReduceScatter, "
-          "Broadcast, AlltoAll")
+        f"{op_name}: not supported on layerwise_parallel (device-local) values: {why}; "
+        f"supported: every op whose sharding rule is a per-device map with its inputs "
+        f"whole (elementwise ops, MatMul, reductions, Reshape, Softmax, Gather, basic "
+        f"indexing, cross-entropy, ...) and the collectives AllReduce, AllGather, "
+        f"ReduceScatter, Broadcast, AlltoAll")
 
 
 def device_local_apply(op, attrs, inputs, rec):
@@ -435,11 +435,6 @@ def device_local_apply(op, attrs, inputs, rec):
     special = op.extras.get("device_local")
     if special is not None:
         return special(op, attrs, inputs, n)
-    rule = _RULES.get(name)
-    if rule is None:
-        if op.kind == KIND_GENERIC:
-            raise _unsupported(name)
-        rule = _elementwise
     recording = _core.recording()
     xs, arrays, local = [], [], []
     for x in inputs:
@@ -466,7 +461,7 @@ def device_local_apply(op, attrs, inputs, rec):
     stand_ins = [np.broadcast_to(np.zeros((), a.dtype), a.shape[1:]) if loc else a
                  for a, loc in zip(arrays, local)]
     meta = _core.infer(op, attrs, *stand_ins)
-    out = rule(op, attrs, arrays, local, n, meta)
+    out = _per_device(op, attrs, arrays, local, n)
     outs = out if op.multi_output else (out,)
     results, layouts = [], []
     for o, (shape, _dt) in zip(outs, meta):
@@ -482,133 +477,41 @@ def device_local_apply(op, attrs, inputs, rec):
                         rec, tuple(layouts))
 
 
-# ============================================================================ rules
-# Each rule gets the op's attrs, the arrays (stacks (n, *local) where `local[i]`, else
-# plain values), n, and the per-device (shape, dtype) of the outputs; returns the
-# output stack(s) computed in one numpy call.
+# ============================================================================ per device
 
-def _pad(a, is_local, rank):
-    """A stack (n, *s) as (n, 1, ..., 1, *s) of rank 1 + `rank` (plain arrays as they
-    are: numpy aligns them on the trailing dims)."""
-    if not is_local:
-        return a
-    r = a.ndim - 1
-    return a.reshape(a.shape[:1] + (1,) * (rank - r) + a.shape[1:]) if rank > r else a
-
-
-def _elementwise(op, attrs, arrays, local, n, meta):
-    rank = len(meta[0][0])
-    return op.kernel(*[_pad(a, loc, rank) for a, loc in zip(arrays, local)])
-
-
-def _cast(op, attrs, arrays, local, n, meta):
-    return arrays[0].astype(attrs["dtype"])
-
-
-def _transpose_last(a, flag):
-    return np.swapaxes(a, -1, -2) if flag else a
-
-
-def _matmul(op, attrs, arrays, local, n, meta):
-    a, b = arrays
-    return np.matmul(_transpose_last(a, attrs["transpose_a"]),
-                     _transpose_last(b, attrs["transpose_b"]))
+def _per_device(op, attrs, arrays, local, n):
+    """Every device applies `op` to its own values (stacks (n, *s) where `local[i]`, else
+    plain values every device shares), in one call: the local computation of the op's
+    sharding rule (parallel/rules.py) with every input whole on every device, which
+    is exactly a per-device map."""
+    lays, stacks = [], []
+    for a, loc in zip(arrays, local):
+        shape = a.shape[1:] if loc else a.shape
+        if not loc and a.ndim == 0:
+            lays.append(None)
+            stacks.append(a)
+            continue
+        lays.append(_whole(tuple(shape), n))
+        stacks.append(a if loc else np.broadcast_to(a, (n,) + a.shape))
+    if op.extras.get("random"):
+        raise _unsupported(op.name, "it draws random numbers, which have no per-device "
+                                    "meaning here")
+    rule = RULES.get(op.name)
+    if rule is None:
+        raise _unsupported(op.name, "it has no sharding rule")
+    plan = rule(attrs, lays, [a.dtype for a in arrays])
+    if plan is None or plan.post or any(
+            need is not None and (need != have) for need, have in zip(plan.inputs, lays)) \
+            or any(lay.partial or any(lay.tensor_map) for lay in plan.outputs):
+        raise _unsupported(op.name, "its sharding rule needs communication for these "
+                                    "inputs (e.g. indexing with integer or bool arrays)")
+    return plan.local(attrs, stacks)
 
 
-def _batch_matmul(op, attrs, arrays, local, n, meta):
-    rank = len(meta[0][0])
-    a, b = (_pad(x, loc, rank) for x, loc in zip(arrays, local))
-    return np.matmul(_transpose_last(a, attrs["transpose_a"]),
-                     _transpose_last(b, attrs["transpose_b"]))
-
-
-def _bias_add(op, attrs, arrays, local, n, meta):
-    x, b = arrays
-    rank = len(meta[0][0])
-    tail = (1,) * (rank - 2)
-    if local[1]:
-        b = b.reshape((b.shape[0], 1, b.shape[1]) + tail)
-    else:
-        b = b.reshape((b.shape[0],) + tail)
-    return x + b
-
-
-def _reduce(op, attrs, arrays, local, n, meta):
-    shifted = {"axis": tuple(a + 1 for a in attrs["axis"]), "keep_dims": attrs["keep_dims"]}
-    return op.kernel(shifted, arrays[0])
-
-
-def _reshape(op, attrs, arrays, local, n, meta):
-    return arrays[0].reshape((n,) + tuple(meta[0][0]))
-
-
-def _broadcast_to(op, attrs, arrays, local, n, meta):
-    target = tuple(meta[0][0])
-    return np.broadcast_to(_pad(arrays[0], True, len(target)), (n,) + target)
-
-
-def _softmax(op, attrs, arrays, local, n, meta):
-    return op.kernel({"axis": attrs["axis"] + 1}, arrays[0])
-
-
-def _transpose(op, attrs, arrays, local, n, meta):
-    return np.transpose(arrays[0], (0,) + tuple(p + 1 for p in attrs["perm"]))
-
-
-def _concat(op, attrs, arrays, local, n, meta):
-    parts = [a if loc else np.broadcast_to(a, (n,) + a.shape) for a, loc in zip(arrays, local)]
-    return np.concatenate(parts, axis=attrs["axis"] + 1)
-
-
-def _split(op, attrs, arrays, local, n, meta):
-    cuts = np.cumsum(attrs["sizes"])[:-1]
-    return tuple(np.split(arrays[0], cuts, axis=attrs["axis"] + 1))
-
-
-def _basic_index(op, index):
-    if any(isinstance(k, np.ndarray) for k in index):
-        raise _unsupported(op.name, "indexing with integer or bool arrays")
-    return (slice(None),) + tuple(index)
-
-
-def _getitem(op, attrs, arrays, local, n, meta):
-    return np.array(arrays[0][_basic_index(op, attrs["index"])])
-
-
-def _index_add(op, attrs, arrays, local, n, meta):
-    index = _basic_index(op, attrs["index"])
-    g = arrays[0]
-    out = np.zeros((n,) + tuple(attrs["shape"]), dtype=g.dtype)
-    out[index] = g
-    return out
-
-
-def _gather(op, attrs, arrays, local, n, meta):
-    if local[1]:
-        raise _unsupported(op.name, "device-local indices")
-    return np.take(arrays[0], arrays[1], axis=attrs["axis"] + 1)
-
-
-def _gather_grad(op, attrs, arrays, local, n, meta):
-    if local[0]:
-        raise _unsupported(op.name, "device-local indices")
-    idx, g = arrays
-    if not local[1]:
-        g = np.broadcast_to(g, (n,) + g.shape)
-    axis = attrs["axis"]
-    out = np.zeros((n,) + tuple(attrs["shape"]), dtype=g.dtype)
-    np.add.at(out, (slice(None),) * (axis + 1) + (idx,), g)
-    return out
-
-
-_RULES = {
-    "Cast": _cast, "MatMul": _matmul, "BatchMatMul": _batch_matmul, "BiasAdd": _bias_add,
-    "ReduceSum": _reduce, "ReduceMean": _reduce, "ReduceMax": _reduce, "ReduceMin": _reduce,
-    "Reshape": _reshape, "BroadcastTo": _broadcast_to, "Softmax": _softmax,
-    "LogSoftmax": _softmax, "Transpose": _transpose, "Concat": _concat, "Split": _split,
-    "GetItem": _getitem, "IndexAdd": _index_add, "Gather": _gather,
-    "GatherGrad": _gather_grad,
-}
+@functools.lru_cache(maxsize=4096)
+def _whole(shape, n):
+    """Every dim whole on each of n devices."""
+    return TensorLayout.replicated(shape, n)
 
 
 dtensor.register_layout_kind(DeviceLocalLayout, device_local_apply)
