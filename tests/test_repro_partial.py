@@ -143,3 +143,21 @@ def test_partial_weight_used_twice_equals_stand_alone():
     def body(x, w):
         return ops.ReduceSum()(ops.Tanh().shard(((2, 1),))(x * w) * w)
     _check(body, _rand(16, 8), [_rand(8, seed=1)])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32])
+def test_partial_sum_over_batch_of_integers_is_exact(dtype):
+    """A sum over the batch of a data-parallel input is a pending sum; integers cannot
+    be split into n equal shares (7 / 8 == 0), so it must still add up exactly."""
+    dm.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+    communication.init()
+    try:
+        class Net(nn.Cell):
+            def construct(self, x):
+                return ops.ReduceSum()(x, 0) + ops.ReduceSum(keep_dims=True)(x, 0)[0]
+
+        x = np.arange(64).reshape(16, 4).astype(dtype) + 7
+        np.testing.assert_array_equal(Net()(Tensor(x)).asnumpy(), 2 * x.sum(0))
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()

@@ -270,6 +270,11 @@ def _shares(total, n):
     total; when one process holds every device, an op that sums over the batch is
     computed with one call over all devices' rows and kept as n equal shares (a
     stride-0 view), so no per-device copies or partial products are made."""
+    if n > 1 and total.dtype.kind not in "fc":
+        # integers do not split into equal shares: device 0 holds the total, others 0
+        stack = np.zeros((n,) + total.shape, dtype=total.dtype)
+        stack[0] = total
+        return stack
     share = np.true_divide(total, n, dtype=total.dtype) if n > 1 else total
     return np.broadcast_to(share[None], (n,) + share.shape)
 
@@ -290,13 +295,21 @@ def _batch_global(op, attrs, inputs, layouts, rec):
         if need is not None and (need.partial or (
                 isinstance(x, TensorBase) and x._layout is not None and need != have)):
             return None
-    out = _run(op, attrs, [_merged(x) for x in inputs])
+    merged = [_merged(x) for x in inputs]
+    out = _run(op, attrs, merged)
     outs = out if op.multi_output else (out,)
     arrays, out_lays = [], []
     for o, lay in zip(outs, plan.outputs):
         o = np.asarray(o)
         if lay.partial:
-            arrays.append(_shares(o, lay.device_num))
+            n = lay.device_num
+            if n > 1 and o.flags.owndata and o.flags.writeable and o.dtype.kind == "f" \
+                    and not any(o is m for m in merged):
+                # a fresh result: its n equal shares are made in place, no second array
+                np.true_divide(o, n, out=o)
+                arrays.append(np.broadcast_to(o[None], (n,) + o.shape))
+            else:
+                arrays.append(_shares(o, n))
         elif not any(lay.tensor_map):
             arrays.append(o)                        # replicated: one plain value
             lay = None
