@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from dualmode._core import _redist
 from dualmode.communication import SimBackend
 from dualmode.parallel import CommReport, Layout, TensorLayout
-from dualmode.parallel import redistribute as R
+from dualmode.parallel.redistribution.planner import _build
+from dualmode.parallel.redistribution.reference import _reference_raw
 from dualmode.parallel.redistribute import (AllGather, AllReduce, AllToAll, LocalSlice, Plan,
                                             RedistributionError, ReduceScatter, Remesh,
                                             clear_plan_cache, plan_cache_info,
@@ -347,8 +348,8 @@ def test_budget_exhausted_gives_the_direct_plan_in_both_planners():
     args = (src.device_matrix, src.tensor_map, src.partial, dst.device_matrix,
             dst.tensor_map, dst.partial, src.shape, 4, 0)
     raw = _redist.plan(*args)
-    assert raw == R._reference_raw(*args)
-    direct = R._build(raw, src, dst, 4)
+    assert raw == _reference_raw(*args)
+    direct = _build(raw, src, dst, 4)
     # float32, S = 4 x 4 x 4 x 4 = 256: gather each dim in turn (256 + 512 + 512), slicing
     # as soon as a destination split is free; the search finds 768 (one gather, two
     # AlltoAlls)

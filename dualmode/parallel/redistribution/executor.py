@@ -1,0 +1,238 @@
+"""Running a redistribution plan on a stack of local shards: step by step through
+the backend's collectives, or (every device in this process) through the global
+value, recording the same collectives."""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Union
+
+import numpy as np
+
+from ...communication import _live_backend, trace
+from ...communication.sim import SimBackend
+from ...communication.trace import comm_cause
+from ..layout import LayoutSpec, TensorLayout
+from .planner import plan_redistribution
+from .steps import Plan
+
+
+# ============================================================================ executor
+
+_SIM: Dict[int, object] = {}
+
+
+def _resolve_backend(backend, src, stack):
+    if backend is not None:
+        if backend.world_size != src.device_num:
+            raise ValueError(f"redistribute: the backend has {backend.world_size} devices but "
+                             f"{src!r} has {src.device_num}")
+        return backend
+    live = _live_backend()
+    if live is not None and live.world_size == src.device_num:
+        return live
+    if stack.shape[0] == src.device_num:     # a stack of every device: simulate them
+        sim = _SIM.get(src.device_num)
+        if sim is None:
+            sim = _SIM[src.device_num] = SimBackend(src.device_num)
+        return sim
+    raise RuntimeError(f"redistribute: no backend holds {src.device_num} devices; call "
+                       "dualmode.communication.init() or pass backend=")
+
+
+def _local_slice(x, dim, axes, parts, mesh, local_ranks):
+    """Each local device keeps piece (its coordinates along ``axes``, row-major) of its
+    block along ``dim``."""
+    coords = mesh.rank_coords[list(local_ranks)]
+    sizes = mesh.device_matrix
+    piece = np.zeros(len(local_ranks), np.int64)
+    for a in axes:
+        piece = piece * sizes[a] + coords[:, a]
+    n, local = x.shape[0], x.shape[1:]
+    y = x.reshape((n,) + local[:dim] + (parts, local[dim] // parts) + local[dim + 1:])
+    y = np.moveaxis(y, dim + 1, 1)
+    return y[np.arange(n), piece]
+
+
+def redistribute(stack: np.ndarray, src: TensorLayout, dst: Union[TensorLayout, LayoutSpec],
+                 backend=None, *, op_name: Optional[str] = None,
+                 reason: str = "redistribution") -> np.ndarray:
+    """Move a stack of local shards from layout ``src`` to layout ``dst``.
+
+    Parameters
+    ----------
+    stack : ndarray ``(local devices, *src.local_shape)``
+        This process's shards in ``src`` (partial values for ``src.partial`` axes).
+    src, dst : TensorLayout (``dst`` may be an applied Layout)
+    backend : Backend, optional
+        Defaults to the live backend (a "sim" backend of ``src.device_num`` devices when
+        none is live and the stack holds every device).
+    op_name : str, optional
+        The op the redistribution is for, as CommReport shows it.
+
+    Returns
+    -------
+    ndarray ``(local devices, *dst.local_shape)``
+        The shards in ``dst`` (the input itself when the layouts are equal). May be a
+        read-only view; copy before writing.
+    """
+    if not isinstance(stack, np.ndarray):
+        stack = np.asarray(stack)
+    plan = plan_redistribution(src, dst, stack.itemsize or 1)
+    return run_plan(plan, stack, backend, op_name=op_name, reason=reason)
+
+
+def run_plan(plan: Plan, stack: np.ndarray, backend=None, *,
+             op_name: Optional[str] = None, reason: str = "redistribution") -> np.ndarray:
+    """Execute ``plan`` on a stack of local shards in ``plan.src`` (see :func:`redistribute`).
+
+    Every collective goes through ``backend`` inside ``comm_cause(op_name,
+    "redistribution")``; LocalSlices are local numpy indexing.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"run_plan: expected a Plan, got {plan!r}")
+    if not isinstance(stack, np.ndarray):
+        stack = np.asarray(stack)
+    src = plan.src
+    backend = _resolve_backend(backend, src, stack)
+    local_ranks = backend.local_ranks
+    want = (len(local_ranks),) + src.local_shape
+    if stack.shape != want:
+        raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
+                         f"{want} (local devices, *local shape of {src!r})")
+    if not len(plan):
+        return stack
+    x = stack
+    mesh = plan._mesh(plan.device_matrix)
+    with comm_cause(op_name, reason):
+        for step in plan:
+            kind = step[0]
+            if kind == "LocalSlice":
+                x = _local_slice(x, step[1][0], step[2], step[3], mesh, local_ranks)
+            elif kind == "AllGather":
+                x = backend.all_gather(x, mesh.group_members(step[2]), axis=step[1][0])
+            elif kind == "AllToAll":
+                x = backend.all_to_all(x, mesh.group_members(step[2]), split_axis=step[1][1],
+                                       concat_axis=step[1][0])
+            elif kind == "ReduceScatter":
+                x = backend.reduce_scatter(x, mesh.group_members(step[2]), axis=step[1][0])
+            elif kind == "AllReduce":
+                x = backend.all_reduce(x, mesh.group_members(step[2]))
+            else:                                       # Remesh
+                mesh = plan._mesh(step.device_matrix)
+    return x
+
+
+# ============================================================================ direct executor
+
+_RECORD_KIND = {"AllGather": "AllGather", "AllToAll": "AlltoAll",
+                "ReduceScatter": "ReduceScatter", "AllReduce": "AllReduce"}
+
+
+def _record_steps(plan: Plan, itemsize: int) -> None:
+    """Record ``plan``'s collectives exactly as :func:`run_plan` makes the backend record
+    them (kind, group size, groups, input bytes per device, and input plus output bytes
+    as the memory note), without running them."""
+    if not trace._STATE.reports:
+        return
+    n = plan.src.device_num
+    local = list(plan.src.local_shape)
+    for step in plan:
+        kind, dims, parts = step[0], step[1], step[3]
+        if kind in ("LocalSlice", "Remesh"):
+            if kind == "LocalSlice":
+                local[dims[0]] //= parts
+            continue
+        before = math.prod(local) * itemsize
+        if kind == "AllGather":
+            local[dims[0]] *= parts
+        elif kind == "AllToAll":
+            local[dims[1]] //= parts
+            local[dims[0]] *= parts
+        elif kind == "ReduceScatter":
+            local[dims[0]] //= parts
+        trace.record(_RECORD_KIND[kind], parts, n // parts, before)
+        trace.note_memory(before + math.prod(local) * itemsize)
+
+
+def global_value(stack: np.ndarray, layout: TensorLayout) -> np.ndarray:
+    """The global value held by a stack of every device's shards in ``layout`` (pending
+    sums added up). A stride-0 stack (one buffer viewed by every device) is read once;
+    a batch split is a view."""
+    if stack.strides[0] == 0 and stack.shape[0] > 1 and not layout.split_axes:
+        one = stack[0]
+        if not layout.partial:
+            return one
+        parts = math.prod(layout.device_matrix[a] for a in layout.partial)
+        return np.multiply(one, parts, dtype=stack.dtype)
+    return layout.assemble(stack)
+
+
+def blocks_of(value: np.ndarray, layout: TensorLayout) -> np.ndarray:
+    """The stack of every device's block of the global ``value`` in ``layout`` (no
+    partial axes): a read-only view of ``value`` when its strides allow (one buffer
+    viewed by every device when nothing is split; a split of one dim over the device
+    axes in order), else one copy."""
+    if not layout.split_axes:
+        return np.broadcast_to(value[None], (layout.device_num,) + tuple(value.shape))
+    return layout.local_blocks_view(value)
+
+
+def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
+                    op_name: Optional[str] = None,
+                    reason: str = "redistribution") -> np.ndarray:
+    """The result of :func:`run_plan`, computed through the global value when this
+    process holds every device ("sim"): the source blocks are assembled (pending sums
+    added) and the destination blocks cut from it, one or two numpy passes whatever the
+    number of steps. CommReport records exactly the collectives :func:`run_plan` would
+    run. Plans that keep partial sums, or processes that hold only some devices, run
+    step by step."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"run_plan_direct: expected a Plan, got {plan!r}")
+    if not isinstance(stack, np.ndarray):
+        stack = np.asarray(stack)
+    src, dst = plan.src, plan.dst
+    backend = _resolve_backend(backend, src, stack)
+    if not len(plan) or dst.partial or len(backend.local_ranks) != src.device_num:
+        return run_plan(plan, stack, backend, op_name=op_name, reason=reason)
+    want = (src.device_num,) + src.local_shape
+    if stack.shape != want:
+        raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
+                         f"{want} (local devices, *local shape of {src!r})")
+    with comm_cause(op_name, reason):
+        _record_steps(plan, stack.itemsize)
+    return blocks_of(global_value(stack, src), dst)
+
+
+def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
+                  op_name: Optional[str] = None,
+                  reason: str = "redistribution") -> Optional[np.ndarray]:
+    """The destination blocks of :func:`run_plan_direct` without writing the replicas:
+    an array broadcastable to ``dst.device_matrix + dst.local_shape``, of size 1 along
+    the device axes that split nothing (usually a view of the global value). Records
+    the same collectives. None when this process does not hold every device or the
+    destination keeps partial sums (use :func:`execute` then)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"run_plan_grid: expected a Plan, got {plan!r}")
+    src, dst = plan.src, plan.dst
+    backend = _resolve_backend(backend, src, stack)
+    if dst.partial or len(backend.local_ranks) != src.device_num:
+        return None
+    want = (src.device_num,) + src.local_shape
+    if stack.shape != want:
+        raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
+                         f"{want} (local devices, *local shape of {src!r})")
+    if not len(plan):
+        return stack.reshape(dst.device_matrix + dst.local_shape)
+    with comm_cause(op_name, reason):
+        _record_steps(plan, stack.itemsize)
+    return dst.local_blocks_grid(global_value(stack, src))
+
+
+def execute(plan: Plan, stack: np.ndarray, backend=None, *, op_name: Optional[str] = None,
+            reason: str = "redistribution") -> np.ndarray:
+    """Run ``plan`` the cheapest way for this process: LocalSlice-only plans step by
+    step (one indexing each), anything that communicates through
+    :func:`run_plan_direct` when every device is local, else :func:`run_plan`."""
+    if any(s.communicates for s in plan):
+        return run_plan_direct(plan, stack, backend, op_name=op_name, reason=reason)
+    return run_plan(plan, stack, backend, op_name=op_name, reason=reason)

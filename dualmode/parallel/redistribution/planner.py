@@ -1,0 +1,178 @@
+"""Planning a redistribution: unify the device matrices, search the cheapest steps
+(Cython kernel, Python reference beyond its sizes), cache the plans."""
+from __future__ import annotations
+
+import math
+from typing import Dict, Tuple, Union
+
+from ..._core import _redist
+from ..layout import LayoutError, LayoutSpec, TensorLayout
+from .reference import _reference_raw
+from .steps import _BY_NAME, SEARCH_BUDGET, Plan, RedistributionError, Remesh
+
+
+# ============================================================================ errors
+
+def _fail(src, dst, reason) -> RedistributionError:
+    return RedistributionError(f"redistribution from {src!r} to {dst!r}: {reason}")
+
+
+def _check_pair(src, dst):
+    """Validate the layouts; returns dst as a TensorLayout (a LayoutSpec is bound to
+    src's shape)."""
+    if not isinstance(src, TensorLayout):
+        raise TypeError(f"redistribution: src must be a TensorLayout, got {src!r}")
+    if isinstance(dst, LayoutSpec):
+        spec = dst
+        for d, (n, axes) in enumerate(zip(src.shape, spec.tensor_map)):
+            parts = math.prod(spec.device_matrix[a] for a in axes)
+            if n % parts:
+                raise _fail(src, spec, f"the destination splits dim {d} (size {n}) into "
+                            f"{parts} parts ({', '.join(spec.spec[d])}), which does not "
+                            "divide it")
+        try:
+            dst = TensorLayout.from_spec(spec, src.shape, owner="the destination")
+        except LayoutError as e:
+            raise _fail(src, spec, f"the destination does not fit: {e}") from None
+    elif not isinstance(dst, TensorLayout):
+        raise TypeError(f"redistribution: dst must be a TensorLayout or an applied Layout, "
+                        f"got {dst!r}")
+    if src.shape != dst.shape:
+        raise _fail(src, dst, f"the global shapes differ ({src.shape} vs {dst.shape}); a "
+                    "redistribution keeps the global value")
+    if src.device_num != dst.device_num:
+        raise _fail(src, dst, f"the device counts differ ({src.device_num} vs "
+                    f"{dst.device_num}); both layouts must cover the same devices")
+    return dst         # a TensorLayout's splits divide its dims (checked when it was built)
+
+
+def _partial_error(src, dst):
+    sp = [src.axis_name(a) for a in src.partial]
+    dp = [dst.axis_name(a) for a in dst.partial]
+    return _fail(src, dst, f"the destination keeps partial sums over {tuple(dp)}, which are "
+                 f"not pending in the source (partial over {tuple(sp)}); a redistribution "
+                 "resolves pending sums but never creates them, so the destination's "
+                 "partial axes must stay partial from the source")
+
+
+# ============================================================================ planning
+
+def _build(raw, src, dst, itemsize) -> Plan:
+    new, kinds = tuple.__new__, _BY_NAME
+    return Plan([new(kinds[r[0]], r) for r in raw[2]], src, dst, raw[1], itemsize)
+
+
+def _plan(src, dst, itemsize, planner) -> Plan:
+    raw = planner(src.device_matrix, src.tensor_map, src.partial, dst.device_matrix,
+                  dst.tensor_map, dst.partial, src.shape, itemsize, SEARCH_BUDGET)
+    if raw[0] == 0:
+        return _build(raw, src, dst, itemsize)
+    if raw[0] == 2:
+        raise _partial_error(src, dst)
+    # the device matrices do not nest: replicate over src's matrix, switch, slice
+    if dst.partial:
+        raise _fail(src, dst, f"the device matrices {src.device_matrix} and "
+                    f"{dst.device_matrix} have no common refinement, so partial sums "
+                    "cannot be kept across them; resolve them first")
+    rep_s = TensorLayout(src.device_matrix, ((),) * src.ndim, src.shape)
+    rep_d = TensorLayout(dst.device_matrix, ((),) * dst.ndim, dst.shape)
+    first = _plan(src, rep_s, itemsize, planner)
+    second = _plan(rep_d, dst, itemsize, planner)
+    return Plan(tuple(first) + (Remesh(dst.device_matrix),) + tuple(second), src, dst,
+                src.device_matrix, itemsize)
+
+
+def _kernel(*args):
+    try:
+        return _redist.plan(*args)
+    except OverflowError:        # beyond the kernel's fixed sizes: same rules in Python
+        return _reference_raw(*args)
+
+
+_CACHE: Dict[tuple, Plan] = {}        # layout fields of (src, dst) + itemsize -> plan
+_BY_ID: Dict[tuple, tuple] = {}        # (id(src), id(dst), itemsize) -> (src, dst, plan)
+_CACHE_LIMIT = 4096
+_STATS = [0, 0]                        # hits, misses
+
+
+def plan_redistribution(src: TensorLayout, dst: Union[TensorLayout, LayoutSpec],
+                        itemsize: int = 4) -> Plan:
+    """The cheapest plan (bytes per device) moving a tensor from ``src`` to ``dst``.
+
+    Parameters
+    ----------
+    src : TensorLayout
+    dst : TensorLayout, or an applied Layout (``layout("mp", "None")``) bound to
+        ``src.shape``
+    itemsize : int
+        Bytes per element for the byte counts (the choice of steps does not depend on it).
+
+    Returns
+    -------
+    Plan
+        Cached per ``(src, dst, itemsize)``: planning an equal pair again returns the
+        same object (the layout objects first planned are found by identity, equal ones
+        by value).
+
+    Raises
+    ------
+    RedistributionError (a ValueError)
+        Naming both layouts: different shapes or device counts, a destination split that
+        does not divide its dim, or destination partial sums not pending in the source.
+    """
+    # the entry holds src and dst, so their ids cannot be reused while it lives
+    hit = _BY_ID.get((id(src), id(dst), itemsize))
+    if hit is not None:
+        _STATS[0] += 1
+        return hit[2]
+    # equal layouts: keyed by their fields, cheaper to hash and compare than the layouts
+    if type(src) is TensorLayout and type(dst) is TensorLayout:
+        key = (src.device_matrix, src.tensor_map, src.shape, src.partial, dst.device_matrix,
+               dst.tensor_map, dst.shape, dst.partial, itemsize)
+    else:                           # an applied Layout, or not layouts at all
+        key = (src, dst, itemsize)
+    try:
+        plan = _CACHE.get(key)
+    except TypeError:               # unhashable: not layouts; let validation say so
+        return plan_uncached(src, dst, itemsize)
+    if plan is not None:
+        _STATS[0] += 1
+        return plan
+    plan = plan_uncached(src, dst, itemsize)
+    _STATS[1] += 1
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.clear()
+        _BY_ID.clear()
+    _CACHE[key] = plan
+    _BY_ID[(id(src), id(dst), itemsize)] = (src, dst, plan)
+    return plan
+
+
+def plan_uncached(src: TensorLayout, dst: Union[TensorLayout, LayoutSpec],
+                  itemsize: int = 4) -> Plan:
+    """:func:`plan_redistribution` without the cache (the Cython planner every time)."""
+    dst_l = _check_pair(src, dst)
+    if not isinstance(itemsize, int) or isinstance(itemsize, bool) or itemsize < 1:
+        raise ValueError(f"plan_redistribution: itemsize={itemsize!r} is not valid; "
+                         "expected a positive int (bytes per element)")
+    return _plan(src, dst_l, itemsize, _kernel)
+
+
+def reference_plan(src: TensorLayout, dst: Union[TensorLayout, LayoutSpec],
+                   itemsize: int = 4) -> Plan:
+    """The same plan as :func:`plan_redistribution`, computed by the pure-Python
+    reference planner (not cached)."""
+    dst_l = _check_pair(src, dst)
+    return _plan(src, dst_l, itemsize, _reference_raw)
+
+
+def plan_cache_info() -> Tuple[int, int, int]:
+    """``(hits, misses, size)`` of the plan cache."""
+    return _STATS[0], _STATS[1], len(_CACHE)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (and the hit/miss counts)."""
+    _CACHE.clear()
+    _BY_ID.clear()
+    _STATS[0] = _STATS[1] = 0
