@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
-from ..ops import REGISTRY
+from ..ops._registry import REGISTRY
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
 from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
-                       per_device_op, register_rule, run_kernel)
+                       register_rule, run_kernel)
 
 
 def _parts(dm, axes):
@@ -61,9 +61,8 @@ def _elementwise_plan(op, attrs, lays, dtypes):
 def _register_elementwise():
     for name, op in REGISTRY.items():
         if op.kind in (KIND_UNARY, KIND_BINARY) or name == "Cast":
-            register_rule(name)(lambda attrs, lays, dtypes, _op=op:
-                                _elementwise_plan(_op, attrs, lays, dtypes))
-            per_device_op(name)
+            register_rule(name, per_device=True)(
+                lambda attrs, lays, dtypes, _op=op: _elementwise_plan(_op, attrs, lays, dtypes))
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +181,7 @@ def _batch_matmul(attrs, lays, dtypes):
 # ---------------------------------------------------------------------------
 # BiasAdd: the bias follows the channel split
 # ---------------------------------------------------------------------------
-@register_rule("BiasAdd")
+@register_rule("BiasAdd", per_device=True)
 def _bias_add(attrs, lays, dtypes):
     x, b = lays
     if x is None or b is None or x.partial or b.partial:
@@ -262,8 +261,7 @@ def _along_axis_whole(name):
 
 
 for _name in ("Softmax", "LogSoftmax"):
-    register_rule(_name)(_along_axis_whole(_name))
-per_device_op("Softmax", "LogSoftmax", "BiasAdd", "Transpose")
+    register_rule(_name, per_device=True)(_along_axis_whole(_name))
 
 
 # ---------------------------------------------------------------------------
@@ -331,7 +329,7 @@ def _reshape(attrs, lays, dtypes):
     return ShardPlan((need,), (out,), local)
 
 
-@register_rule("Transpose")
+@register_rule("Transpose", per_device=True)
 def _transpose(attrs, lays, dtypes):
     x = lays[0]
     if x is None or x.partial:

@@ -16,8 +16,8 @@ of an op's whole in_strategy over ONE device matrix (MindSpore's rule: shared di
 one axis, leftover factor repeated), so inputs that agree need no move.
 
 Repeated calculation (device axes that split nothing), when this process holds every
-device: ops in :data:`PER_DEVICE_OPS` whose inputs and outputs all repeat over some
-axes compute one replica and copy the results to the others; a `local` marked with
+device: ops whose rule is registered ``per_device=True`` and whose inputs and outputs
+all repeat over some axes compute one replica and copy the results to the others; a `local` marked with
 :func:`accepts_grids` (MatMul) receives inputs moved into a repeating layout as device
 grids (``device_matrix + local_shape``, size 1 where they repeat), broadcast instead of
 copied per replica.
@@ -42,7 +42,7 @@ from .redistribute_bridge import redistribute_grid, redistribute_tensor
 from .strategy_checks import _pairs_for
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "refine", "reexpress",
-           "common_device_matrix", "PER_DEVICE_OPS", "per_device_op", "op_strategy_layouts",
+           "common_device_matrix", "op_strategy_layouts",
            "accepts_grids", "grid_to_stack"]
 
 
@@ -64,9 +64,15 @@ class ShardPlan:
 RULES: dict = {}
 
 
-def register_rule(*names):
-    """Register a sharding rule for the ops `names` (also in ``OpDef.extras["shard"]``)."""
+def register_rule(*names, per_device=False):
+    """Register a sharding rule for the ops `names` (also in ``OpDef.extras["shard"]``).
+
+    ``per_device=True`` declares the rule a pure per-device map: each device's outputs
+    come from that device's input blocks alone, computed the same way on every device
+    (so devices holding equal blocks compute equal results, and a layout that repeats
+    over some axes needs the computation only once per replica set)."""
     def deco(fn):
+        fn.per_device = per_device
         for name in names:
             RULES[name] = fn
             if name in REGISTRY:
@@ -190,7 +196,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     if found is None:
         return None
     plan, lays, dm, dtypes = found
-    reps = _shared_replicas(op.name, plan, dm)
+    reps = _shared_replicas(RULES[op.name], plan, dm)
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
     elif _wants_grids(plan, lays, inputs, dm):
@@ -253,21 +259,11 @@ def _validate(op, attrs, stacks, dtypes, plan):
 # ---------------------------------------------------------------------------
 # replicated device axes: compute once, not once per replica
 # ---------------------------------------------------------------------------
-#: ops whose rule computes each device's outputs from that device's input blocks alone,
-#: the same way on every device (so devices holding equal blocks compute equal results)
-PER_DEVICE_OPS: set = set()
-
-
-def per_device_op(*names):
-    """Mark ops whose sharding rule is a pure per-device map (see PER_DEVICE_OPS)."""
-    PER_DEVICE_OPS.update(names)
-
-
-def _shared_replicas(op_name, plan, dm) -> tuple:
+def _shared_replicas(rule, plan, dm) -> tuple:
     """Device axes along which every input and output of `plan` is replicated (neither
-    split nor partial), when `op_name` is a per-device op and this process holds every
-    device; () otherwise."""
-    if op_name not in PER_DEVICE_OPS or plan.post or len(dm) < 2:
+    split nor partial), when `rule` is a per-device map (``register_rule(...,
+    per_device=True)``) and this process holds every device; () otherwise."""
+    if not getattr(rule, "per_device", False) or plan.post or len(dm) < 2:
         return ()
     common = None
     for lay in plan.inputs + plan.outputs:
