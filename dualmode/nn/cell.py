@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 from .. import context
 from ..parallel.dtensor import distribute_inputs, parallel_active
+from ..parallel.graph.api import ShardFunction, graph_call
 from ..tensor import Parameter
 
 __all__ = ["Cell"]
@@ -77,8 +78,12 @@ class Cell:
             inputs = distribute_inputs(inputs)     # network inputs are batch data
         if _CALLS.depth == 0 and context._STATE.run.mode == context.GRAPH_MODE \
                 and not getattr(self, "_eager_only", False):
-            from ..parallel.graph.api import graph_call
             return graph_call(self, inputs, kwargs)
+        return self.call_construct(*inputs, **kwargs)
+
+    def call_construct(self, *inputs, **kwargs):
+        """Run ``construct`` as a call inside a network (not a top-level one: its inputs
+        are not split as batch data again)."""
         _CALLS.depth += 1
         try:
             return self.construct(*inputs, **kwargs)
@@ -92,7 +97,6 @@ class Cell:
         strategies of the ops inside chosen by sharding propagation; the code around it
         stays eager and data parallel. Later calls of the cell run the graph; returns
         the compiled function."""
-        from ..parallel.graph.api import ShardFunction
         if in_strategy is None:
             raise ValueError(f"{type(self).__name__}.shard: in_strategy is required (a tuple "
                              f"with one strategy, Layout or None per input)")

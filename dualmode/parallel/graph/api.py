@@ -15,10 +15,11 @@ from ... import context
 from ..._core._tensor import TensorBase
 from ...ops import primitive as _primitive
 from ...tensor import Parameter
-from ..dtensor import device_num, parallel_active
+from ..devices import device_num, live_backend, parallel_active
+from ..dtensor import distribute_inputs
 from ..layout import LayoutSpec
 from .compile import compile_graph
-from .trace import find_parameters, trace
+from .trace import find_parameters, is_cell, trace
 
 __all__ = ["shard", "ShardFunction", "AutoParallel", "compile_count", "graph_call"]
 
@@ -94,8 +95,7 @@ class _ModeOverride:
     def __enter__(self):
         st = context._STATE
         if self.mode is not None and st.auto_parallel.parallel_mode == "stand_alone":
-            from ..dtensor import _live_backend
-            b = _live_backend()
+            b = live_backend()
             if b is not None and b.world_size > 1:
                 self.saved = st.auto_parallel
                 st.auto_parallel = dataclasses.replace(self.saved, parallel_mode=self.mode)
@@ -136,18 +136,12 @@ class ShardFunction:
         self.mode = mode
         self._cache = {}
         self.compiled = None
-        from ...nn.cell import Cell
-        self._cell = fn if isinstance(fn, Cell) else None
+        self._cell = fn if is_cell(fn) else None
 
     # ---- calling ---------------------------------------------------------------------
     def _run_fn(self, *args, **kwargs):
         if self._cell is not None:
-            from ...nn.cell import _CALLS
-            _CALLS.depth += 1
-            try:
-                return self._cell.construct(*args, **kwargs)
-            finally:
-                _CALLS.depth -= 1
+            return self._cell.call_construct(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -163,7 +157,6 @@ class ShardFunction:
                                  f"entries but fn got {len(args)} inputs; give one strategy "
                                  f"(or None) per input")
             if sharded and self.top_level:
-                from ..dtensor import distribute_inputs
                 args = distribute_inputs(args)
             key = (tuple(_arg_key(a) for a in args),
                    tuple((k, _arg_key(v)) for k, v in sorted(kwargs.items())),

@@ -266,10 +266,16 @@ class _Trace:
 # ---------------------------------------------------------------------------
 # finding the parameters a function can reach
 # ---------------------------------------------------------------------------
+def is_cell(obj) -> bool:
+    """Is `obj` a network Cell (this layer sits below ``nn``, so it asks the Cell
+    protocol instead of the class: ``construct`` and ``get_parameters``)."""
+    return callable(getattr(obj, "construct", None)) and \
+        callable(getattr(obj, "get_parameters", None))
+
+
 def find_parameters(fn, depth=3) -> list:
     """The Parameters reachable from `fn`: a Cell's parameters, and those of the Cells,
     Parameters and functions in its closure and the globals it names (`depth` levels)."""
-    from ...nn.cell import Cell
     found, seen = {}, set()
 
     def add_cell(c):
@@ -286,7 +292,7 @@ def find_parameters(fn, depth=3) -> list:
         seen.add(id(obj))
         if isinstance(obj, Parameter):
             found.setdefault(id(obj), obj)
-        elif isinstance(obj, Cell):
+        elif is_cell(obj):
             add_cell(obj)
             for c in obj.cells_and_names():
                 add_cell(c[1])
