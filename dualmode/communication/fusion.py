@@ -15,6 +15,7 @@ import numpy as np
 
 from .._core import _comm
 from .backend import Backend
+from .management import get_backend
 
 __all__ = ["fusion_offsets", "fused_all_reduce"]
 
@@ -44,7 +45,6 @@ def fused_all_reduce(stacks: Sequence[np.ndarray], members=None, op: str = "sum"
     """
     func = "fused_all_reduce"
     if backend is None:
-        from .management import get_backend
         backend = get_backend()
     stacks = list(stacks)
     if not stacks:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
+from ..parallel.graph.trace import is_abstract
 from ._checks import check_float, check_float_tensor, check_int, check_tensor
 from .cell import Cell
 
@@ -150,7 +151,6 @@ class CrossEntropyLoss(LossBase):
             if ys != expected:
                 raise ValueError(f"{name}: logits have shape {ls} and class-index labels "
                                  f"have shape {ys}; expected labels of shape {expected}")
-            from ..parallel.graph.trace import is_abstract
             if is_abstract(labels):        # graph mode: label values are unknown here
                 return self._traced_class_index_loss(logits, labels)
             return self._class_index_loss(logits, labels, np.asarray(labels), c)

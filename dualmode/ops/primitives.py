@@ -3,6 +3,9 @@ form with the attributes given at construction."""
 from __future__ import annotations
 
 from . import functional as F
+from ._math import mat_mul
+from ._nn import DROPOUT
+from ._registry import apply, const
 from .primitive import Primitive
 
 
@@ -22,7 +25,6 @@ class MatMul(Primitive):
         self.transpose_b = _bool(self.name, "transpose_b", transpose_b)
 
     def construct(self, x, w):
-        from ._math import mat_mul
         return mat_mul(x, w, self.transpose_a, self.transpose_b)
 
 
@@ -238,8 +240,6 @@ class Dropout(Primitive):
         self.keep_prob = keep_prob
 
     def construct(self, x):
-        from ._nn import DROPOUT
-        from ._registry import apply, const
         x = const(x, self.name)
         if self.keep_prob == 1.0:
             return x, F.ones_like(x)

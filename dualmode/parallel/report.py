@@ -36,6 +36,7 @@ from typing import Iterable, List, Optional
 
 from ..communication.trace import (KINDS, REASONS, CommRecord, activate, comm_cause,
                                    deactivate, note_memory)
+from ..tensor import live_parameters
 
 __all__ = ["CommReport", "CommRecord", "comm_cause", "note_memory",
            "parameter_bytes_per_device"]
@@ -46,7 +47,6 @@ def parameter_bytes_per_device(params: Optional[Iterable] = None) -> int:
     block of a parameter stored in a layout (its distinct local data, once), the whole
     value of a plain one, nothing while its initialisation is delayed."""
     if params is None:
-        from ..tensor import live_parameters
         params = live_parameters()
     total = 0
     for p in params:

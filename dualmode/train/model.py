@@ -5,7 +5,11 @@ import numbers
 import sys
 from types import SimpleNamespace
 
+from .. import context
 from ..autograd import value_and_grad
+from ..nn import Cell
+from ..parallel.devices import parallel_active
+from ..parallel.grad_reduce import broadcast_parameters
 from .callback import CallbackList, RunContext
 from .metrics import Metric, get_metric
 
@@ -13,7 +17,6 @@ __all__ = ["Model"]
 
 
 def _is_cell(obj):
-    from ..nn import Cell
     return isinstance(obj, Cell)
 
 
@@ -116,10 +119,7 @@ class Model:
                              net_outputs=None, progress_bar=None, mode="train")
         ctx = RunContext(cb)
         self._network.set_train(True)
-        from .. import context
-        from ..parallel.dtensor import parallel_active
         if context.get_auto_parallel_context("parameter_broadcast") and parallel_active():
-            from ..parallel.grad_reduce import broadcast_parameters
             broadcast_parameters(self._network.trainable_params())
         cbs.on_train_begin(ctx)
         use_bar = _stdout_is_terminal()
