@@ -171,7 +171,16 @@ def _rule_outputs(node, in_lays, dtypes):
                            if isinstance(x, Ref)):
         return None
     dm = common_device_matrix([lay for lay in in_lays if lay is not None])
-    lays = [reexpress(lay, dm) if lay is not None else None for lay in in_lays]
+    lays = []
+    for lay, x in zip(in_lays, node.inputs):
+        if lay is not None:
+            lays.append(reexpress(lay, dm))
+        elif isinstance(x, Const) and np.ndim(x.value) > 0:
+            # a constant array (e.g. the ones a backward pass starts from) is whole on
+            # every device, as eager sharded calls take it; its shape counts
+            lays.append(TensorLayout.replicated(np.shape(x.value), dm))
+        else:
+            lays.append(None)
     try:
         plan = rule(node.attrs, lays, dtypes)
     except (ValueError, TypeError):
