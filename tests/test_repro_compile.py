@@ -103,3 +103,129 @@ def test_compiled_product_with_broadcast_parameter_equals_stand_alone(b_shape):
         ref = _run("stand_alone", body, x, w, b)
         for a, e in zip(got, ref):
             np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------
+# R5: AutoParallel over a train step; compiled cells inside a traced step
+# ---------------------------------------------------------------------------
+def _auto_step_run(strategy, opt_name, parallel, steps=2):
+    from dualmode.parallel.auto_parallel import AutoParallel
+    dm.reset_auto_parallel_context()
+    communication.init()
+    if parallel:
+        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                                     gradients_mean=True)
+        communication.init()
+    try:
+        x, w0 = _rand(16, 8), _rand(8, 8, seed=1)
+
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.w = Parameter(Tensor(w0.copy()), name="w")
+                self.mm = ops.MatMul().shard(strategy)
+
+            def construct(self, t):
+                return ops.reduce_sum(ops.square(self.mm(t, self.w)))
+
+        net = Net()
+        opt = {"sgd": lambda p: nn.SGD(p, learning_rate=0.1),
+               "momentum": lambda p: nn.Momentum(p, learning_rate=0.1, momentum=0.9),
+               "adam": lambda p: nn.Adam(p, learning_rate=0.1)}[opt_name](
+            net.trainable_params())
+        grad_fn = dm.value_and_grad(net, None, opt.parameters)
+
+        def train_step(t):
+            loss, grads = grad_fn(t)
+            opt(grads)
+            return loss
+
+        step = AutoParallel(train_step, parallel_mode="semi_auto") if parallel else train_step
+        losses = [float(step(Tensor(x)).asnumpy()) for _ in range(steps)]
+        return losses, net.w.asnumpy()
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()
+
+
+@pytest.mark.parametrize("strategy", [((1, 4), (4, 2)), ((1, 2), (2, 4)), ((2, 1), (1, 4)),
+                                      ((2, 2), (2, 2)), ((1, 8), (8, 1)), ((4, 2), (2, 1))])
+@pytest.mark.parametrize("opt_name", ["sgd", "momentum", "adam"])
+def test_auto_parallel_train_step_moves_weights_as_stand_alone(strategy, opt_name):
+    losses, w = _auto_step_run(strategy, opt_name, parallel=True)
+    ref_losses, ref_w = _auto_step_run(strategy, opt_name, parallel=False)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["semi_auto", "sharding_propagation"])
+def test_graph_mode_cell_inside_auto_parallel_step_is_inlined(how):
+    """GRAPH_MODE compiles every top-level Cell call; inside AutoParallel's trace the
+    cell's ops join the outer graph instead of being refused as a nested compile."""
+    from dualmode.parallel.auto_parallel import AutoParallel
+    from test_graph_mode import _batches, _train_step
+    from test_operator_parallel import SeedNet, _setup
+
+    def run(devices, graph, mode):
+        _setup(devices)
+        dm.set_context(mode=dm.GRAPH_MODE if graph else dm.PYNATIVE_MODE)
+        try:
+            dm.set_seed(7)
+            net = SeedNet(False)
+            opt = nn.SGD(net.trainable_params(), learning_rate=0.05)
+            step = _train_step(net, opt, nn.CrossEntropyLoss())
+            if mode is not None:
+                step = AutoParallel(step, parallel_mode=mode)
+            losses = [float(step(x, y).asnumpy()) for x, y in _batches(2)]
+            return losses, [p.asnumpy() for p in net.trainable_params()]
+        finally:
+            dm.set_context(mode=dm.PYNATIVE_MODE)
+            dm.reset_auto_parallel_context()
+            communication.init()
+
+    ref_losses, ref_w = run(1, False, None)
+    losses, w = run(8, True, how)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(w, ref_w):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_shard_block_inside_another_keeps_its_strategies():
+    x, w = _rand(16, 8), _rand(8, 4, seed=1)
+
+    def run(parallel):
+        dm.reset_auto_parallel_context()
+        communication.init()
+        if parallel:
+            dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+            communication.init()
+        try:
+            wp = Parameter(Tensor(w.copy()), name="w")
+            inner = ops.shard(lambda t: ops.tanh(ops.matmul(t, wp)), in_strategy=((4, 1),),
+                              out_strategy=((2, 1),))
+            outer = ops.shard(lambda t: ops.reduce_sum(inner(t * 2.0)), in_strategy=((2, 1),))
+            loss, (gx, (gw,)) = dm.value_and_grad(outer, 0, [wp])(Tensor(x))
+            return loss.asnumpy(), gx.asnumpy(), gw.asnumpy()
+        finally:
+            dm.reset_auto_parallel_context()
+            communication.init()
+
+    for a, e in zip(run(True), run(False)):
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+
+
+def test_parameter_plan_inside_another_compiled_function_is_refused():
+    from dualmode.parallel.graph.trace import TraceError
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    communication.init()
+    try:
+        w = Parameter(Tensor(_rand(8, 4)), name="w")
+        inner = ops.shard(lambda t: ops.matmul(t, w), in_strategy=((2, 1),),
+                          parameter_plan={"w": (1, 4)})
+        outer = ops.shard(lambda t: inner(t), in_strategy=((2, 1),))
+        with pytest.raises(TraceError, match=r"parameter_plan cannot be applied inside "
+                                             r"another compiled function"):
+            outer(Tensor(_rand(16, 8)))
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()

@@ -19,7 +19,7 @@ from ..devices import device_num, live_backend, parallel_active
 from ..dtensor import distribute_inputs
 from ..layout import LayoutSpec
 from .compile import compile_graph
-from .trace import find_parameters, is_cell, trace
+from .trace import TraceError, current_trace, find_parameters, is_cell, trace
 
 __all__ = ["shard", "ShardFunction", "AutoParallel", "compile_count", "graph_call"]
 
@@ -149,6 +149,9 @@ class ShardFunction:
             if isinstance(v, TensorBase):
                 raise TypeError(f"{self.owner}: tensor argument {k!r} was passed by keyword; "
                                 f"pass the tensors of a compiled function positionally")
+        tr = current_trace()
+        if tr is not None:                 # inside another compiled function: inline
+            return self._inline(tr, args, kwargs)
         with _ModeOverride(self.mode):
             sharded = parallel_active() and context._STATE.auto_parallel.parallel_mode in (
                 "semi_auto_parallel", "auto_parallel")
@@ -168,6 +171,35 @@ class ShardFunction:
             self.compiled = compiled
             return compiled([a for a in args if isinstance(a, TensorBase)
                              and not isinstance(a, Parameter)])
+
+    def _inline(self, tr, args, kwargs):
+        """Called while another function is being traced (a GRAPH_MODE cell inside an
+        AutoParallel step, an ops.shard block inside another): this function's ops are
+        recorded into that trace, its in/out strategies as Redistribute nodes, and the
+        outer compile plans them all together."""
+        if self.parameter_plan:
+            raise TraceError(f"{self.owner}: parameter_plan cannot be applied inside "
+                             f"another compiled function; give the parameters' layouts to "
+                             f"the outer one (or strategies to the ops using them)")
+        if self.in_strategy is not None:
+            if len(self.in_strategy) != len(args):
+                raise ValueError(f"{self.owner}: in_strategy has {len(self.in_strategy)} "
+                                 f"entries but fn got {len(args)} inputs; give one strategy "
+                                 f"(or None) per input")
+            args = tuple(tr._move(a, s, self.owner, i, "in_strategy")
+                         if s is not None and isinstance(a, TensorBase) else a
+                         for i, (a, s) in enumerate(zip(args, self.in_strategy)))
+        out = self._run_fn(*args, **kwargs)
+        if self.out_strategy is not None:
+            outs = out if isinstance(out, tuple) else (out,)
+            if len(self.out_strategy) != len(outs):
+                raise ValueError(f"{self.owner}: out_strategy has {len(self.out_strategy)} "
+                                 f"entries but fn returned {len(outs)} output(s)")
+            outs = tuple(tr._move(o, s, self.owner, k, "out_strategy")
+                         if s is not None and isinstance(o, TensorBase) else o
+                         for k, (o, s) in enumerate(zip(outs, self.out_strategy)))
+            out = outs if isinstance(out, tuple) else outs[0]
+        return out
 
     def _compile(self, args, kwargs, sharded):
         for i, a in enumerate(args):
