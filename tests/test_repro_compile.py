@@ -229,3 +229,67 @@ def test_parameter_plan_inside_another_compiled_function_is_refused():
     finally:
         dm.reset_auto_parallel_context()
         communication.init()
+
+
+# ---------------------------------------------------------------------------
+# R4: strategies of ops with Python-number operands, the same in every mode
+# ---------------------------------------------------------------------------
+def _one_hot_run(mode, strategy):
+    idx = np.array([0, 3, 1, 2, 3, 0, 1, 2], np.int32)
+    w0 = _rand(4, 4, seed=3)
+    dm.reset_auto_parallel_context()
+    dm.set_context(mode=dm.PYNATIVE_MODE)
+    communication.init()
+    if mode != "stand_alone":
+        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+        communication.init()
+    try:
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.w = Parameter(Tensor(w0.copy()), name="w")
+                self.one_hot = ops.OneHot().shard(strategy)
+
+            def construct(self, i):
+                h = self.one_hot(i, 4, 1.0, 0.0)
+                return ops.reduce_sum(ops.square(ops.matmul(h, self.w)))
+
+        net = Net()
+        f = net
+        if mode == "ops.shard":
+            f = ops.shard(lambda i: net(i), in_strategy=((2,),))
+        elif mode == "GRAPH_MODE":
+            dm.set_context(mode=dm.GRAPH_MODE)
+        loss, (gw,) = dm.value_and_grad(f, None, [net.w])(Tensor(idx))
+        return loss.asnumpy(), gw.asnumpy()
+    finally:
+        dm.set_context(mode=dm.PYNATIVE_MODE)
+        dm.reset_auto_parallel_context()
+        communication.init()
+
+
+@pytest.mark.parametrize("strategy", [((4,),), ((4,), (), ())], ids=["indices", "mindspore"])
+@pytest.mark.parametrize("mode", ["eager", "ops.shard", "GRAPH_MODE"])
+def test_one_hot_strategy_with_python_on_off_values_in_every_mode(mode, strategy):
+    got = _one_hot_run(mode, strategy)
+    ref = _one_hot_run("stand_alone", strategy)
+    for a, e in zip(got, ref):
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("strategy,message", [
+    (((3,),), r"OneHot: in_strategy\[0\]\[0\]=3 does not divide dim 0 \(size 8\)"),
+    (((4,), (), (), ()), r"OneHot: in_strategy has 4 entries but the op got 1 tensor"),
+    (((4,), (2,), ()), r"OneHot: in_strategy has 3 entries but the op got 1 tensor"),
+])
+def test_one_hot_invalid_strategy_is_refused_by_name(eight, strategy, message):
+    idx = Tensor(np.zeros(8, np.int32))
+    with pytest.raises(ValueError, match=message):
+        ops.OneHot().shard(strategy)(idx, 4, 1.0, 0.0)
+
+
+def test_mul_by_python_float_takes_an_empty_strategy_entry_or_none(eight):
+    x = _rand(16, 4)
+    for strategy in (((2, 1),), ((2, 1), ())):
+        out = ops.Mul().shard(strategy)(Tensor(x), 3.0)
+        np.testing.assert_allclose(out.asnumpy(), x * 3.0, rtol=1e-6)

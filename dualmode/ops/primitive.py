@@ -8,10 +8,18 @@ runs them on shards, and a graph trace records them.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from .._core._tensor import TensorBase
 from . import interpreter
+
+
+def _is_scalar_operand(v):
+    """A Python/numpy float given where an op takes a tensor (an int next to tensors is
+    an attribute such as OneHot's depth or an axis)."""
+    return isinstance(v, (float, np.floating))
 
 
 def _is_int(v):
@@ -61,11 +69,34 @@ class Primitive:
         STRATEGY_EPOCH[0] += 1          # compiled graphs traced before this re-trace
         return self
 
-    def _check_inputs(self, tensors):
+    def _tensor_strategy(self, args):
+        """The in_strategy entries of the tensor inputs among `args`, and those inputs.
+
+        A strategy has one entry per tensor input. Entries ``()`` for scalar operands
+        (Python floats), as MindSpore writes them (``OneHot().shard(((4,), (), ()))``
+        for indices, on_value, off_value), may be given or left out."""
         st = self.in_strategy
-        if len(st) != len(tensors):
-            raise ValueError(f"{self.name}: in_strategy has {len(st)} entries but the op got "
-                             f"{len(tensors)} tensor inputs")
+        tensors = [a for a in _flat(args) if isinstance(a, (TensorBase, np.ndarray))]
+        if len(st) == len(tensors):
+            return st, tensors
+        if len(st) > len(tensors):
+            out, k, spare = [], 0, len(st) - len(tensors)
+            for a in _flat(args):
+                if k >= len(st):
+                    break
+                if isinstance(a, (TensorBase, np.ndarray)):
+                    out.append(st[k])
+                    k += 1
+                elif spare and _is_scalar_operand(a) and st[k] == ():
+                    k += 1
+                    spare -= 1
+            if k == len(st) and len(out) == len(tensors):
+                return tuple(out), tensors
+        raise ValueError(f"{self.name}: in_strategy has {len(st)} entries but the op got "
+                         f"{len(tensors)} tensor inputs; give one entry per tensor input "
+                         f"(float operands take an entry () or none)")
+
+    def _check_inputs(self, tensors, st):
         for i, (s, x) in enumerate(zip(st, tensors)):
             if not isinstance(s, tuple):
                 continue
@@ -75,17 +106,22 @@ class Primitive:
                                  f"input {i} has rank {len(shape)} (shape {shape})")
             for j, (v, d) in enumerate(zip(s, shape)):
                 if d % v:
-                    raise ValueError(f"{self.name}: in_strategy[{i}][{j}]={v} does not divide "
-                                     f"dim {j} (size {d}) of input {i}")
+                    raise ValueError(f"{self.name}: in_strategy[{i}][{j}]={v} does not "
+                                     f"divide dim {j} (size {d}) of input {i}")
 
     def __call__(self, *args, **kwargs):
         if self.in_strategy is None and self.out_strategy is None:
             return self.construct(*args, **kwargs)
+        prim = self
         if self.in_strategy is not None:
-            self._check_inputs([a for a in _flat(args) if isinstance(a, (TensorBase, np.ndarray))])
+            st, tensors = self._tensor_strategy(args)
+            self._check_inputs(tensors, st)
+            if st is not self.in_strategy:       # scalar entries dropped: this call only
+                prim = copy.copy(self)
+                prim.in_strategy = st
         # the interpreter decides how a strategy runs: on shards (the parallel layer's
         # eager interpreter), recorded into a graph (a trace), or not at all (one device)
-        return interpreter.current().call_primitive(self, args, kwargs)
+        return interpreter.current().call_primitive(prim, args, kwargs)
 
     def construct(self, *args, **kwargs):
         raise NotImplementedError(f"{self.name}: primitive has no construct")

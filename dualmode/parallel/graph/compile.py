@@ -136,6 +136,12 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
             if ins is not None:
                 idx = _tensor_inputs(node, values)
                 if len(idx) != len(ins):
+                    # Python numbers the op made 0-d constants (OneHot's on/off values)
+                    # have no entry, as at the call
+                    shaped = [i for i in idx if isinstance(node.inputs[i], Ref)
+                              or np.ndim(node.inputs[i].value) > 0]
+                    idx = shaped if len(shaped) == len(ins) else idx
+                if len(idx) != len(ins):
                     raise ValueError(f"{node.op_name}: in_strategy has {len(ins)} entries but "
                                      f"the op got {len(idx)} tensor inputs")
                 lays = [None] * len(node.inputs)
