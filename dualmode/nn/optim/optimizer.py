@@ -220,6 +220,7 @@ class Optimizer(Cell):
         if len(gradients) != len(params):
             raise ValueError(f"{owner}: got {len(gradients)} gradients for {len(params)} "
                              f"parameters; they must be aligned with optimizer.parameters")
+        _check_gradients(owner, gradients, params)         # all of them, before any effect
         gradients = reduce_gradients(gradients, params)   # data-parallel AllReduce
         step = self.global_step
         scale = self._inv_scale
@@ -280,6 +281,27 @@ class Optimizer(Cell):
 
     def extend_repr(self):
         return f"learning_rate={self.learning_rate}, parameters={len(self.parameters)}"
+
+
+def _check_gradients(owner, gradients, params):
+    """Every gradient is an array of its parameter's shape: checked for all of them
+    before any parameter, state or step counter changes (a bad gradient in the middle of
+    the list leaves everything as it was)."""
+    for p, g in zip(params, gradients):
+        if not p.requires_grad:
+            continue
+        if not isinstance(g, (TensorBase, np.ndarray, numbers.Number)) or \
+                isinstance(g, (bool, np.bool_)):
+            raise TypeError(f"{owner}: the gradient for parameter {p.name!r} is a "
+                            f"{type(g).__name__}; expected a Tensor of shape {tuple(p.shape)}")
+        shape, dtype = tuple(np.shape(g)), (g.dtype if hasattr(g, "dtype")
+                                            else np.asarray(g).dtype)
+        if shape != tuple(p.shape):
+            raise ValueError(f"{owner}: the gradient for parameter {p.name!r} has shape "
+                             f"{shape}; the parameter has shape {tuple(p.shape)}")
+        if np.dtype(dtype).kind not in "fiu":
+            raise TypeError(f"{owner}: the gradient for parameter {p.name!r} has dtype "
+                            f"{np.dtype(dtype)}; expected a numeric dtype")
 
 
 def _decays(p):
