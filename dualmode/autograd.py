@@ -137,7 +137,9 @@ def _differentiate(fn, positions, weights, single_weight, has_aux, args, kwargs)
     for g, x in zip(grads, inputs):
         if g is None:
             g = _array.zeros(x.shape, x.dtype)
-            if x._layout is not None:     # a distributed input gets a zero of its layout
+            if x._layout is not None and not getattr(x._layout, "abstract", False):
+                # a distributed input gets a zero of its layout (an abstract one, while
+                # a graph is traced, names the input's own value: a plain zero then)
                 g = _core.wrap_dist(np.zeros(x._data.shape, x.dtype), x._layout)
         elif g.dtype != x.dtype:
             g = _math.cast(g, x.dtype)

@@ -293,3 +293,81 @@ def test_mul_by_python_float_takes_an_empty_strategy_entry_or_none(eight):
     for strategy in (((2, 1),), ((2, 1), ())):
         out = ops.Mul().shard(strategy)(Tensor(x), 3.0)
         np.testing.assert_allclose(out.asnumpy(), x * 3.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# found by tests/test_fuzz_programs.py
+# ---------------------------------------------------------------------------
+def test_unused_parameter_of_a_compiled_train_step_gets_a_zero_gradient():
+    """The zero gradient of a weight the loss does not use was built on the weight's
+    abstract layout while tracing, so it WAS the weight: SGD moved it by lr * w."""
+    from dualmode.parallel.auto_parallel import AutoParallel
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    communication.init()
+    try:
+        w0 = _rand(8, 8)
+        used = Parameter(Tensor(_rand(8, seed=1)), name="used")
+        unused = Parameter(Tensor(w0.copy()), name="unused")
+        opt = nn.SGD([used, unused], learning_rate=0.1)
+        grad_fn = dm.value_and_grad(lambda x: ops.reduce_sum(ops.square(x + used)), None,
+                                    opt.parameters)
+
+        def step(x):
+            loss, grads = grad_fn(x)
+            opt(grads)
+            return loss
+
+        AutoParallel(step, parallel_mode="semi_auto")(Tensor(_rand(16, 8, seed=2)))
+        np.testing.assert_array_equal(unused.asnumpy(), w0)
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()
+
+
+@pytest.mark.parametrize("mode", ["ops.shard", "Cell.shard"])
+def test_propagated_use_before_a_configured_strategy_does_not_fix_the_parameter(mode):
+    """An op whose strategy propagation chose reads a parameter first; a later op with a
+    configured strategy for it decides where it lives (before: 'a parameter used by
+    several ops must get one consistent layout')."""
+    def body(x, w, b):
+        h = ops.pow(x, ops.sigmoid(b) + 0.5)
+        return ops.Add().shard(((1, 2), (2,)))(h, b)
+
+    x, b = _rand(16, 4) + 2.0, _rand(4, seed=2)
+
+    def run(parallel):
+        dm.reset_auto_parallel_context()
+        communication.init()
+        if parallel:
+            dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+            communication.init()
+        try:
+            net = _Net(body, _rand(8, 4, seed=1), b)
+            f = net
+            if parallel and mode == "ops.shard":
+                f = ops.shard(lambda t: net(t), in_strategy=((1, 1),))
+            elif parallel:
+                net.shard(in_strategy=((1, 1),))
+            loss, (gx, (gb,)) = dm.value_and_grad(
+                lambda t: ops.reduce_sum(ops.square(f(t))), 0, [net.b])(Tensor(x))
+            return loss.asnumpy(), gx.asnumpy(), gb.asnumpy()
+        finally:
+            dm.reset_auto_parallel_context()
+            communication.init()
+
+    for a, e in zip(run(True), run(False)):
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+
+
+def test_parameter_placed_alike_by_two_strategies_is_accepted(eight):
+    """MatMul ((1, 1), (1, 2)) and ((2, 1), (1, 2)) put the same column blocks of w on the
+    same devices over different device matrices ((4, 2) and (2, 2, 2)): one placement,
+    not a conflict."""
+    x, w0 = _rand(16, 8), _rand(8, 8, seed=1)
+    w = Parameter(Tensor(w0.copy()), name="w")
+    h = ops.MatMul().shard(((1, 1), (1, 2)))(Tensor(x), w)
+    out = ops.MatMul().shard(((2, 1), (1, 2)))(h, w)
+    np.testing.assert_allclose(out.asnumpy(), (x @ w0) @ w0, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"Parameter w: MatMul needs it in layout .* but it "
+                                         r"is stored as .* one consistent layout"):
+        ops.MatMul().shard(((1, 2), (2, 1)))(Tensor(x), w)

@@ -41,8 +41,8 @@ from .redistribute import unify_device_matrices
 from .redistribute_bridge import redistribute_grid, redistribute_tensor
 from .strategy_checks import _pairs_for
 
-__all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "refine", "reexpress",
-           "common_device_matrix", "op_strategy_layouts",
+__all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "refine",
+           "reexpress", "same_placement", "common_device_matrix", "op_strategy_layouts",
            "accepts_grids", "grid_to_stack"]
 
 
@@ -118,6 +118,21 @@ def reexpress(layout: TensorLayout, fine: tuple) -> TensorLayout:
     tmap = tuple(tuple(f for a in axes for f in groups[a]) for axes in layout.tensor_map)
     partial = tuple(sorted(f for a in layout.partial for f in groups[a]))
     return TensorLayout(fine, tmap, layout.shape, partial)
+
+
+def same_placement(a: TensorLayout, b: TensorLayout) -> bool:
+    """Do `a` and `b` put the same blocks on the same devices (and pend the same sums),
+    whatever the factorisation of their device matrices (``(4, 2)`` with a dim on axis 1
+    places it as ``(2, 2, 2)`` with it on axis 2)?"""
+    if a == b:
+        return True
+    if a.shape != b.shape or a.device_num != b.device_num:
+        return False
+    try:
+        fine = refine(a.device_matrix, b.device_matrix)
+    except ValueError:
+        return False
+    return reexpress(a, fine) == reexpress(b, fine)
 
 
 def common_device_matrix(layouts) -> tuple:

@@ -27,7 +27,7 @@ from .devices import device_num, live_backend, parallel_active
 from .dtensor import moved
 from .layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
-from .sharding import op_strategy_layouts
+from .sharding import op_strategy_layouts, same_placement
 from .strategy_checks import check_strategy_for
 
 _MODES = ("semi_auto_parallel", "auto_parallel")
@@ -79,6 +79,8 @@ def _store_sharded(param, lay, op_name):
     if param._layout is not None:
         if param._layout == lay:
             return param
+        if same_placement(param._layout, lay):     # the same blocks, another matrix
+            return moved(param, param._data, lay)
         raise ValueError(
             f"Parameter {param.name}: {op_name} needs it in layout {lay!r} but it is stored "
             f"as {param._layout!r} for {owner}; a parameter used by several ops must get one "

@@ -384,6 +384,14 @@ class CompiledGraph:
         self.sharded = sharded
         self.backward_graph = None      # forward + backward, when derived at compile time
         self._plan = tuple(self._prepare(graph))
+        # parameters a configured strategy (or parameter_plan) places: an op whose
+        # strategy was propagated lends them a moved copy instead of storing them
+        params = {v.id: p for p, v in graph.params}
+        self._pinned = {id(params[x.id]) for node in graph.nodes
+                        if node.op_name == "Redistribute"
+                        for x in node.inputs if isinstance(x, Ref) and x.id in params}
+        self._pinned |= {id(p) for (p, _), lay in zip(graph.params, graph.param_layouts or ())
+                         if lay is not None}
 
     @staticmethod
     def _prepare(graph):
@@ -411,9 +419,12 @@ class CompiledGraph:
         for op, attrs, ins, in_lays, out_lays, outs, name in self._plan:
             xs = tuple(env[x] if is_ref else x for is_ref, x in ins)
             if sharded and in_lays is not None:
-                move = _to if name == "Redistribute" else _place
-                xs = tuple(move(x, lay, name) if lay is not None else x
-                           for x, lay in zip(xs, in_lays))
+                if name == "Redistribute":
+                    xs = tuple(_to(x, lay, name) if lay is not None else x
+                               for x, lay in zip(xs, in_lays))
+                else:
+                    xs = tuple(_place(x, lay, name, self._pinned) if lay is not None else x
+                               for x, lay in zip(xs, in_lays))
             if op == CALL:
                 attrs["fn"](*xs)
                 continue
@@ -539,13 +550,14 @@ class CompiledGraph:
         return f"CompiledGraph({len(self.graph.nodes)} nodes)\n{self.graph!r}"
 
 
-def _place(x, lay, name):
+def _place(x, lay, name, pinned=frozenset()):
     """`x` in layout `lay` for an op whose strategy was propagated: a parameter not yet
-    sharded comes to live there (its first use); one already stored in another layout
-    lends a moved copy instead (configured strategies, by contrast, must agree)."""
+    sharded comes to live there (its first use) unless a configured strategy places it
+    (`pinned`); one already stored in another layout, or pinned, lends a moved copy
+    instead (configured strategies, by contrast, must agree)."""
     if isinstance(x, TensorBase) and x._layout == lay:
         return x
-    if isinstance(x, Parameter) and is_sharded_layout(x._layout):
+    if isinstance(x, Parameter) and (is_sharded_layout(x._layout) or id(x) in pinned):
         return moved(x, redistribute_tensor(x, lay, name), lay)
     return _to(x, lay, name)
 

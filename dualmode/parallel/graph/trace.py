@@ -46,6 +46,7 @@ class TraceLayout:
     __slots__ = ("vid", "shape", "dtype")
     partial = ()
     tensor_map = ()
+    abstract = True         # what lower layers ask (they cannot import this class)
 
     def __init__(self, vid, shape, dtype):
         self.vid = vid
