@@ -434,9 +434,9 @@ def _check(program):
 # ---------------------------------------------------------------------------
 # the properties
 # ---------------------------------------------------------------------------
-_EXAMPLES = {"pynative": 400, "auto": 250, "ops.shard": 250, "ops.shard+plan": 150,
-             "Cell.shard": 200, "GRAPH_MODE": 250, "AutoParallel": 250,
-             "data_parallel": 250}
+_EXAMPLES = {"pynative": 600, "auto": 350, "ops.shard": 350, "ops.shard+plan": 250,
+             "Cell.shard": 300, "GRAPH_MODE": 350, "AutoParallel": 350,
+             "data_parallel": 300}
 
 
 def _settings(mode):
@@ -460,39 +460,58 @@ def test_random_program_equals_stand_alone(mode):
 
 
 # invalid strategies: refused by name, never a raw error or a wrong number
-@st.composite
-def _bad_strategy(draw):
-    how = draw(st.sampled_from(["indivisible", "too_many", "rank", "count", "zero"]))
+def _corrupt(draw, strategy):
+    """`strategy` made invalid in one of the ways users get wrong."""
+    entries = [list(e) for e in strategy]
+    i = draw(st.sampled_from([k for k, e in enumerate(entries) if e] or [0]))
+    how = draw(st.sampled_from(["indivisible", "too_many", "rank", "count", "zero", "float"]))
+    if not entries[i]:
+        how = "count"
     if how == "indivisible":
-        return "MatMul", ((3, 1), (1, 1)), r"MatMul: .*3"
-    if how == "too_many":
-        return "MatMul", ((4, 4), (4, 1)), r"MatMul"
-    if how == "rank":
-        return "ReLU", ((2,),), r"ReLU: in_strategy\[0\]=\(2,\) has 1 entries but input 0 " \
-                              r"has rank 2"
-    if how == "count":
-        return "Add", ((2, 1),), r"Add: in_strategy has 1 entries but the op got 2 tensor"
-    return "Tanh", ((0, 1),), r"Tanh: in_strategy\[0\]\[0\]=0 must be a positive int"
+        entries[i][0] = 3
+    elif how == "too_many":
+        entries[i] = [16] + entries[i][1:]
+    elif how == "rank":
+        entries[i] = entries[i] + [1]
+    elif how == "count":
+        entries.append([1])
+    elif how == "zero":
+        entries[i][0] = 0
+    else:
+        entries[i][0] = 2.0
+    return tuple(tuple(e) for e in entries)
 
 
-@settings(_PROFILE, max_examples=50)
-@given(_bad_strategy())
-def _prop_bad(case):
-    name, strategy, message = case
-    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-    communication.init()
-    try:
-        x = Tensor(np.ones((B, F), np.float32))
-        with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
-            p = _primitive(name).shard(strategy)
-            p(x, Tensor(np.ones((F, F), np.float32))) if name in ("MatMul", "Add") else p(x)
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init()
+@st.composite
+def bad_programs(draw):
+    program = draw(programs(draw(st.sampled_from(["pynative", "ops.shard"]))))
+    sharded = [k for k, blk in enumerate(program.blocks) if blk.strategy is not None]
+    assume(sharded)
+    k = draw(st.sampled_from(sharded))
+    blk = program.blocks[k]
+    bad = Block(blk.kind, blk.op, _corrupt(draw, blk.strategy), blk.arg)
+    blocks = program.blocks[:k] + (bad,) + program.blocks[k + 1:]
+    return Program(blocks, program.loss, program.mode, program.outer, program.plan), bad
 
 
+def _owner(blk):
+    return {"reshape": "Tanh", "transpose": "Tanh"}.get(blk.kind, blk.op)
+
+
+@pytest.mark.filterwarnings("ignore:.*parameter_plan names")
 def test_invalid_strategies_are_refused_by_name():
-    _prop_bad()
+    @settings(_PROFILE, max_examples=300 * (4 if _EXPLORE else 1))
+    @given(bad_programs())
+    def prop(case):
+        program, bad = case
+        note(repr(program))
+        try:
+            _run(program, parallel=True)
+        except (ValueError, TypeError, RuntimeError) as e:
+            assert _owner(bad) in str(e) or "in_strategy" in str(e), str(e)
+        else:
+            raise AssertionError(f"strategy {bad.strategy} of {_owner(bad)} was accepted")
+    prop()
 
 
 def test_every_registered_op_is_fuzzed_or_excused():
