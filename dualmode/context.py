@@ -415,7 +415,7 @@ def _check_comm_fusion(func: str, key: str, value: Any) -> Dict[str, Tuple[str, 
             size_expected = "a positive number of MB with mode 'size'"
             if not isinstance(config, numbers.Real) or _is_bool(config):
                 raise _type_error(func, cwhere, config, size_expected)
-            if not config > 0:
+            if not 0 < config < float("inf"):
                 raise _value_error(func, cwhere, config, size_expected)
         else:
             config = list(_check_increasing_positive_ints(func, cwhere, config))

@@ -1,6 +1,7 @@
 """Argument checks shared by layers, losses and optimizers (each raises a named error)."""
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -28,6 +29,8 @@ def check_float(owner, name, value, lo=None, hi=None, lo_open=False, hi_open=Fal
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name} must be a float, got {value!r}")
     value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: {name}={value} must be a finite float")
     bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
     bad_hi = hi is not None and (value >= hi if hi_open else value > hi)
     if bad_lo or bad_hi:

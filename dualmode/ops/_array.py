@@ -22,6 +22,9 @@ def _shape_of(x):
 def _resolve_shape(opname, in_shape, shape):
     """`shape` with its -1 filled in, checked to have the size of `in_shape`."""
     size = math.prod(in_shape)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"{opname}: shape must be a tuple of ints (one -1 allowed), got "
+                        f"{shape!r}")
     shape = tuple(shape)
     n_free = 0
     for s in shape:
@@ -217,6 +220,14 @@ def getitem(x, index):
     return apply(GET_ITEM, {"index": _norm_index(index)}, (x,))
 
 
+def _int_tuple(opname, key, value):
+    """A tuple of Python/numpy ints (StridedSlice's begin, end, strides)."""
+    if not isinstance(value, (tuple, list)) or any(
+            isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in value):
+        raise TypeError(f"{opname}: {key}={value!r} must be a tuple of ints")
+    return tuple(int(v) for v in value)
+
+
 def _mask_bits(mask, n):
     return [(mask >> i) & 1 for i in range(n)]
 
@@ -225,7 +236,14 @@ def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mas
                   new_axis_mask=0, shrink_axis_mask=0):
     """x[begin:end:strides] per dim, with MindSpore's begin/end/shrink_axis masks."""
     x = const(x, "StridedSlice")
-    begin, end, strides = tuple(begin), tuple(end), tuple(strides)
+    begin, end, strides = (_int_tuple("StridedSlice", k, v) for k, v in
+                           (("begin", begin), ("end", end), ("strides", strides)))
+    for key, mask in (("begin_mask", begin_mask), ("end_mask", end_mask),
+                      ("ellipsis_mask", ellipsis_mask), ("new_axis_mask", new_axis_mask),
+                      ("shrink_axis_mask", shrink_axis_mask)):
+        if isinstance(mask, bool) or not isinstance(mask, (int, np.integer)) or mask < 0:
+            raise TypeError(f"StridedSlice: {key}={mask!r} must be an int >= 0 (a bit per "
+                            f"dim)")
     if not len(begin) == len(end) == len(strides):
         raise ValueError(f"StridedSlice: begin {begin}, end {end} and strides {strides} must "
                          f"have the same length")
@@ -437,6 +455,9 @@ def one_hot(indices, depth, on_value=1.0, off_value=0.0, axis=-1):
     idx = const(indices, "OneHot")
     if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
         raise ValueError(f"OneHot: depth={depth!r} must be a non-negative int")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"OneHot: axis={axis!r} must be an int in "
+                        f"[{-idx.ndim - 1}, {idx.ndim}]")
     if not -idx.ndim - 1 <= axis <= idx.ndim:
         raise ValueError(f"OneHot: axis={axis} is out of range; expected "
                          f"{-idx.ndim - 1} <= axis <= {idx.ndim}")

@@ -134,6 +134,8 @@ class OneHot(Primitive):
 
     def __init__(self, axis=-1):
         super().__init__()
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"OneHot: axis={axis!r} must be an int (-1: a new last dim)")
         self.axis = axis
 
     def construct(self, indices, depth, on_value, off_value):

@@ -278,6 +278,9 @@ class TensorLayout:
         if not isinstance(spec, LayoutSpec):
             raise TypeError(f"{owner}: expected a Layout applied to dims, e.g. "
                             f"layout('dp', 'None'); got {spec!r}")
+        if not isinstance(shape, (tuple, list)):
+            raise TypeError(f"{owner}: shape must be a tuple of ints (the tensor's global "
+                            f"shape), got {shape!r}")
         shape = tuple(shape)
         if len(shape) != spec.ndim:
             raise LayoutError(f"{owner}: {spec!r} maps {spec.ndim} dims but the tensor has "

@@ -39,12 +39,17 @@ class _Schedule:
         if isinstance(lr, np.ndarray) and lr.ndim == 0:
             lr = lr.item()
         if isinstance(lr, numbers.Real) and not isinstance(lr, bool):
+            if not np.isfinite(lr):
+                raise ValueError(f"{owner}: {what}={lr} must be a finite float >= 0")
             self.value = check_float(owner, what, lr, 0.0)
         elif isinstance(lr, (list, tuple, np.ndarray)):
             arr = np.asarray(lr)
             if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "fiu":
                 raise ValueError(f"{owner}: {what} as a schedule must be a non-empty 1-D list "
                                  f"of numbers (one per step), got {lr!r}")
+            if not np.isfinite(arr).all():
+                raise ValueError(f"{owner}: {what} schedule has a non-finite value; learning "
+                                 f"rates must be finite floats >= 0")
             if (arr < 0).any():
                 raise ValueError(f"{owner}: {what} schedule has a negative value "
                                  f"{arr.min()}; learning rates must be >= 0")
