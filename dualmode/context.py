@@ -119,6 +119,17 @@ def _new_generator(seed: Optional[int]) -> np.random.Generator:
 
 
 @dataclass
+class CommState:
+    """The process's live communication backend and its named groups (written by
+    :mod:`dualmode.communication`; ``reset_context`` leaves it alone: a backend is
+    closed by ``communication.init``/``release``, not by resetting settings)."""
+
+    backend: Any = None
+    groups: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    member_arrays: Dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
 class ContextState:
     """All of dualmode's process-wide state; there is one instance, in this module.
 
@@ -131,6 +142,7 @@ class ContextState:
     algo: AlgoParameters = field(default_factory=AlgoParameters)
     seed: Optional[int] = None
     generator: np.random.Generator = field(default_factory=lambda: _new_generator(None))
+    comm: CommState = field(default_factory=CommState)
 
 
 _STATE = ContextState()
@@ -144,7 +156,8 @@ def reset_context() -> None:
     """
     fresh = ContextState()
     for f in dataclasses.fields(ContextState):
-        setattr(_STATE, f.name, getattr(fresh, f.name))
+        if f.name != "comm":
+            setattr(_STATE, f.name, getattr(fresh, f.name))
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -525,8 +538,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 def _process_backend():
     """The live backend when it is one device per process ("mpi"), else None: a "sim"
     backend follows ``device_num`` rather than defining it."""
-    from .communication.management import _live_backend
-    b = _live_backend()
+    b = _STATE.comm.backend
     return b if b is not None and len(b.local_ranks) == 1 and b.world_size > 1 else None
 
 

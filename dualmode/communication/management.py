@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -38,16 +37,8 @@ class GlobalComm:
     INITED = False
 
 
-@dataclass
-class CommState:
-    """The live backend and the named groups; one instance, in this module."""
-
-    backend: Optional[Backend] = None
-    groups: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
-    member_arrays: Dict[str, np.ndarray] = field(default_factory=dict)
-
-
-_STATE = CommState()
+#: the live backend and the named groups: process state, kept in the context
+_STATE = context._STATE.comm
 
 
 def _is_int(v) -> bool:
