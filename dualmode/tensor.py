@@ -393,8 +393,10 @@ class Parameter(DeclaredShape, Tensor):
         if init == "same":
             value = Tensor._from_array(np.array(self._value()))
         else:
-            from .common.initializer import initializer
-            value = initializer(init, self._shape, self._dtype)
+            if not _INITIALIZER:
+                raise RuntimeError(f"Parameter {self.name}: clone(init={init!r}) needs "
+                                   f"dualmode.common.initializer; import dualmode")
+            value = _INITIALIZER[0](init, self._shape, self._dtype)
         # a clone of a delayed parameter (an optimizer state) stays delayed as well, so
         # it too can be made in the layout its parameter ends up in
         with no_init_parameters() if self._data is None else contextlib.nullcontext():
@@ -410,5 +412,15 @@ class Parameter(DeclaredShape, Tensor):
 
 
 _core.set_tensor_class(Tensor)
+
+#: ``initializer(init, shape, dtype)`` for ``Parameter.clone(init=...)``: the initializer
+#: module builds on Tensor, so it registers itself here when imported
+_INITIALIZER = []
+
+
+def register_initializer(fn) -> None:
+    """Install the function ``Parameter.clone`` makes a filled copy with."""
+    _INITIALIZER[:] = [fn]
+
 
 from .ops import functional as _F  # noqa: E402  (ops needs Tensor defined first)

@@ -25,6 +25,8 @@ import numbers
 import numpy as np
 
 from .._core import _random
+from .. import context
+from .. import tensor as _tensor
 from ..tensor import DeclaredShape, Tensor
 from . import dtype as _dt
 
@@ -45,7 +47,6 @@ class _KeyStream:
         self.generator, self.count = None, 0
 
     def next_key(self) -> int:
-        from .. import context
         gen = context.rng()
         if gen is not self.generator:       # a new seed: count from 0 again
             self.generator, self.count = gen, 0
@@ -389,3 +390,6 @@ def initializer(init, shape=None, dtype=np.float32):
     t._shape = shape            # (or in how many blocks) they are made
     t._dtype = dt
     return t
+
+
+_tensor.register_initializer(initializer)

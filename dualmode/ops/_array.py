@@ -507,8 +507,5 @@ def ones_like(x):
 
 def stop_gradient(x):
     """The same value, cut off from the tape (no gradient flows through it)."""
-    from ..tensor import Tensor
     x = const(x, "stop_gradient")
-    if isinstance(x, TensorBase):
-        return Tensor._from_array(x._value())
-    return Tensor._from_array(x)
+    return wrap(x._value() if isinstance(x, TensorBase) else x)   # a new tensor, no tape

@@ -1,4 +1,5 @@
 """Functional forms of every op (snake_case, as ``mindspore.ops``)."""
+from ._registry import const, wrap
 from ._array import (concat, expand_dims, flatten, gather, getitem, one_hot, ones, ones_like,
                      reshape, split, split_sizes, squeeze, stop_gradient, strided_slice,
                      transpose, zeros, zeros_like)
@@ -32,8 +33,7 @@ def shape(x):
 
 def scalar_to_array(x, dtype=None):
     """A 0-d tensor holding the Python number `x` (float32 for floats)."""
-    from ..tensor import Tensor
-    return Tensor(x, dtype)
+    return wrap(const(x, "scalar_to_array", dtype))
 
 
 scalar_to_tensor = scalar_to_array
