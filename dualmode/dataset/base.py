@@ -17,8 +17,27 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import numpy as np
 
 from ._rows import Row
+from .iterators import DictIterator, TupleIterator
 
-__all__ = ["Dataset"]
+#: the pipeline stages (batch, shuffle, map, repeat) by name: each stage's module
+#: subclasses Dataset, so it registers itself here instead of being imported by it
+_STAGES: dict = {}
+
+
+def register_stage(name: str, cls) -> None:
+    """Make ``Dataset.<name>(...)`` build a `cls` over the dataset."""
+    _STAGES[name] = cls
+
+
+def _stage(name: str):
+    try:
+        return _STAGES[name]
+    except KeyError:
+        raise RuntimeError(f"Dataset.{name}: the stage is not loaded; import "
+                           f"dualmode.dataset") from None
+
+
+__all__ = ["Dataset", "register_stage"]
 
 # Pass key used to look at the first row (output_shapes) without starting an epoch.
 _PEEK_KEY = (2**32 - 1,)
@@ -99,8 +118,7 @@ class Dataset:
         -------
         BatchDataset
         """
-        from .batch import BatchDataset
-        return BatchDataset(self, batch_size, drop_remainder)
+        return _stage("batch")(self, batch_size, drop_remainder)
 
     def shuffle(self, buffer_size: int) -> "Dataset":
         """Shuffle rows through a buffer of ``buffer_size`` rows (as MindSpore).
@@ -116,8 +134,7 @@ class Dataset:
         -------
         ShuffleDataset
         """
-        from .shuffle import ShuffleDataset
-        return ShuffleDataset(self, buffer_size)
+        return _stage("shuffle")(self, buffer_size)
 
     def map(self, operations: Union[Callable[..., Any], Sequence[Callable[..., Any]]],
             input_columns: Union[str, Sequence[str], None] = None,
@@ -140,8 +157,7 @@ class Dataset:
         -------
         MapDataset
         """
-        from .map import MapDataset
-        return MapDataset(self, operations, input_columns, output_columns)
+        return _stage("map")(self, operations, input_columns, output_columns)
 
     def repeat(self, count: Optional[int] = None) -> "Dataset":
         """Repeat the dataset ``count`` times; ``None`` or -1 repeats forever.
@@ -152,8 +168,7 @@ class Dataset:
         -------
         RepeatDataset
         """
-        from .repeat import RepeatDataset
-        return RepeatDataset(self, count)
+        return _stage("repeat")(self, count)
 
     # ---------------------------------------------------------------- iterating
 
@@ -171,17 +186,14 @@ class Dataset:
         output_numpy : bool
             Yield numpy arrays instead of ``Tensor``.
         """
-        from .iterators import TupleIterator
         return TupleIterator(self, columns, num_epochs, output_numpy)
 
     def create_dict_iterator(self, num_epochs: int = -1, output_numpy: bool = False):
         """As :meth:`create_tuple_iterator`, yielding ``{column name: value}`` dicts."""
-        from .iterators import DictIterator
         return DictIterator(self, num_epochs, output_numpy)
 
     def __iter__(self):
         """Run one epoch, yielding tuples of ``Tensor``."""
-        from .iterators import TupleIterator
         return TupleIterator(self, None, 1, False)
 
     def __repr__(self) -> str:

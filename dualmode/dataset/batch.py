@@ -5,7 +5,7 @@ from typing import Iterator, List, Tuple
 
 from ._checks import check_bool, check_int
 from ._rows import Row, stack_rows
-from .base import Dataset
+from .base import Dataset, register_stage
 from .source import RandomAccessDataset
 
 __all__ = ["BatchDataset"]
@@ -46,3 +46,6 @@ class BatchDataset(Dataset):
 
     def get_batch_size(self) -> int:
         return self.batch_size
+
+
+register_stage("batch", BatchDataset)

@@ -7,7 +7,7 @@ import numpy as np
 
 from ._checks import check_names
 from ._rows import Row
-from .base import Dataset
+from .base import Dataset, register_stage
 
 __all__ = ["MapDataset"]
 
@@ -74,3 +74,6 @@ class MapDataset(Dataset):
             outputs = self._apply(tuple(row[i] for i in in_idx))
             kept: List[np.ndarray] = [row[i] for i in keep_idx]
             yield tuple(kept[:at]) + outputs + tuple(kept[at:])
+
+
+register_stage("map", MapDataset)

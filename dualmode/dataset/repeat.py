@@ -6,7 +6,7 @@ from typing import Iterator, Optional, Tuple
 
 from ._checks import is_int
 from ._rows import Row
-from .base import Dataset
+from .base import Dataset, register_stage
 
 __all__ = ["RepeatDataset"]
 
@@ -47,3 +47,6 @@ class RepeatDataset(Dataset):
 
     def get_repeat_count(self) -> int:
         return self.count
+
+
+register_stage("repeat", RepeatDataset)

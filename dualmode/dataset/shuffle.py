@@ -6,7 +6,7 @@ from typing import Iterator, List, Tuple
 from .. import context
 from ._checks import check_int
 from ._rows import Row
-from .base import Dataset
+from .base import Dataset, register_stage
 
 __all__ = ["ShuffleDataset"]
 
@@ -46,3 +46,6 @@ class ShuffleDataset(Dataset):
             yield out
         for j in g.permutation(len(buffer)).tolist():
             yield buffer[j]
+
+
+register_stage("shuffle", ShuffleDataset)
