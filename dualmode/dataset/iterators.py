@@ -6,6 +6,9 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..parallel.devices import live_backend as _live_backend
+from ..parallel.dtensor import RANK_SHARDS
+from ..tensor import Tensor
 from ._checks import check_bool, is_int
 from ._rows import Row, owned
 
@@ -13,7 +16,6 @@ __all__ = ["TupleIterator", "DictIterator"]
 
 @functools.lru_cache(maxsize=None)
 def _tensor_maker() -> Callable[[np.ndarray], Any]:
-    from ..tensor import Tensor  # imported on first use: datasets load without the core
     return getattr(Tensor, "_from_array", Tensor)
 
 
@@ -28,7 +30,6 @@ def _rank_shard_set(dataset):
     """When `dataset` reads this MPI rank's own shard (a DistributedSampler with
     num_shards = the world size and shard_id = this rank, one device per process), the
     set its tensors join so that a network takes them as local batch rows; else None."""
-    from ..parallel.dtensor import RANK_SHARDS, _live_backend
     b = _live_backend()
     if b is None or len(b.local_ranks) != 1 or b.world_size == 1:
         return None

@@ -10,8 +10,9 @@ import numpy as np
 
 from ..common import dtype as _dt
 from . import _array as A
-from ._registry import (KIND_BINARY, KIND_UNARY, apply, binary, check_float, check_nin,
-                        check_same_dtype, const, norm_axes, register, wrap)
+from ._registry import (KIND_BINARY, KIND_UNARY, apply, binary, broadcast_shapes,
+                        check_float, check_nin, check_same_dtype, const, norm_axes, register,
+                        wrap)
 
 # ---------------------------------------------------------------------------
 # gradient helpers
@@ -412,7 +413,6 @@ def _infer_bmm(attrs, a, b):
 
 
 def broadcast_batch(opname, s0, s1):
-    from ._registry import broadcast_shapes
     try:
         return broadcast_shapes(opname, s0, s1)
     except ValueError:
@@ -571,7 +571,6 @@ def _infer_broadcast_to(attrs, x):
     if len(shape) < x.ndim:
         raise ValueError(f"BroadcastTo: cannot broadcast shape {tuple(x.shape)} to {shape}: "
                          f"the target has fewer dims")
-    from ._registry import broadcast_shapes
     try:
         out = broadcast_shapes("BroadcastTo", tuple(x.shape), shape)
     except ValueError:

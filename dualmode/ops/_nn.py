@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core import _kernels
+from ..context import rng
 from . import _math as M
 from ._registry import apply, check_float, check_int_dtype, const, norm_axis, register, wrap
 
@@ -144,7 +145,6 @@ def _infer_dropout(attrs, x):
 
 def _dropout_kernel(attrs, x):
     """(x * mask / keep_prob, mask) with a 0/1 mask in x's dtype (MindSpore CPU/GPU)."""
-    from ..context import rng
     keep = attrs["keep_prob"]
     mask = (rng().random(x.shape) < keep).astype(x.dtype)
     out = x * mask

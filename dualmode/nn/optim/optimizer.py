@@ -12,11 +12,11 @@ import numbers
 
 import numpy as np
 
+from ..._core._tensor import TensorBase
 from ...parallel.grad_reduce import reduce_gradients
+from ...parallel.graph.trace import current_trace
 from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
 from ...parallel.strategy import is_sharded_layout
-
-from ..._core._tensor import TensorBase
 from ...tensor import Parameter
 from .._checks import check_float
 from ..cell import Cell
@@ -212,7 +212,6 @@ class Optimizer(Cell):
         """Apply one update with `gradients` (aligned with ``.parameters``)."""
         params = self.parameters
         owner = type(self).__name__
-        from ...parallel.graph.trace import current_trace
         tr = current_trace()
         if tr is not None and isinstance(gradients, (tuple, list)):
             # graph mode: the update is one opaque node, run eagerly on the gradients

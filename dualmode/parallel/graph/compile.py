@@ -39,12 +39,19 @@ import numpy as np
 
 from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
-from ...tensor import Parameter
+from ...autograd import value_and_grad
+from ...tensor import Parameter, Tensor
 from ..dtensor import moved
 from ..layout import TensorLayout
+from ..redistribute import plan_redistribution
 from ..redistribute_bridge import redistribute_tensor
+from ..sharding import RULES, common_device_matrix, reexpress
 from ..strategy import _to, is_sharded_layout
+from .candidates import op_candidates
+from .cost import CostModel, allreduce_cost, redistribution_cost
 from .ir import CALL, Const, Graph, Ref, flatten_refs, verify
+from .propagate import propagate
+from .trace import trace
 
 __all__ = ["apply_strategies", "propagate_strategies", "plan_communication",
            "CompiledGraph", "compile_graph"]
@@ -117,7 +124,6 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
                              f"(or None) per output")
         out_layouts = tuple(_layout_of(s, _shape_of(x, values), n, name, k, "out_strategy")
                             for k, (s, x) in enumerate(zip(out_strategy, leaves)))
-    from ..sharding import RULES
     nodes = []
     for node in graph.nodes:
         if node.op_name == "Redistribute":          # a strategy's move
@@ -171,7 +177,6 @@ def _replicated(shape, n):
 
 def _rule_outputs(node, in_lays, dtypes):
     """The output layouts the op's sharding rule gives for `in_lays`, or None."""
-    from ..sharding import RULES, common_device_matrix, reexpress
     rule = RULES.get(node.op_name)
     if rule is None or any(lay is None for lay, x in zip(in_lays, node.inputs)
                            if isinstance(x, Ref)):
@@ -215,9 +220,6 @@ def _input_layouts(graph, n, arg_sources):
 # ---------------------------------------------------------------------------
 def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython",
                          fully_use_devices=False) -> Graph:
-    from .candidates import op_candidates
-    from .cost import CostModel, redistribution_cost
-    from .propagate import propagate
     model = CostModel()
     values = graph.values()
     known = _input_layouts(graph, n, arg_sources or {})
@@ -302,7 +304,6 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
 def _gradient_cost(node, cand, trained, values, model) -> float:
     """The backward communication a candidate implies for the trained parameters it
     reads: their gradients are summed (AllReduce) over the devices that replicate them."""
-    from .cost import allreduce_cost
     total = 0.0
     for x, lay in zip(node.inputs, cand.in_layouts):
         if isinstance(x, Ref) and x.id in trained and lay is not None:
@@ -315,7 +316,6 @@ def _gradient_cost(node, cand, trained, values, model) -> float:
 # pass 3: communication planning (what moves where, for dump / strategies)
 # ---------------------------------------------------------------------------
 def plan_communication(graph: Graph, n: int, *, arg_sources=None) -> Graph:
-    from ..redistribute import plan_redistribution
     values = graph.values()
     known = _input_layouts(graph, n, arg_sources or {})
     comm = {}
@@ -367,7 +367,6 @@ def plan_communication(graph: Graph, n: int, *, arg_sources=None) -> Graph:
 
 def _redistribution_costs(steps) -> float:
     """Alpha-beta cost of the redistributions among a node's communication steps."""
-    from .cost import CostModel, redistribution_cost
     model = CostModel()
     return sum(redistribution_cost(plan.src, plan.dst, plan.itemsize, model)
                for kind, _, plan in steps if kind == "redistribution")
@@ -587,9 +586,6 @@ def derive_backward(compiled: CompiledGraph, n: int, *, arg_sources=None) -> Opt
     the communication of every node, backward ones included, is then planned from the
     sharding rules (what ``dump(backward=True)`` shows). None when nothing is
     differentiable. At run time the same backward runs on the caller's tape."""
-    from ...autograd import value_and_grad
-    from ...tensor import Tensor
-    from .trace import trace
     g = compiled.graph
     positions = tuple(k for k, v in enumerate(g.args) if v.dtype.kind == "f")
     weights = [p for p, v in g.params if p.requires_grad and v.dtype.kind == "f"]

@@ -30,8 +30,13 @@ import numpy as np
 from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
 from ...ops.interpreter import interpreting
+from ...ops.primitive import _flat
 from ...tensor import Parameter, Tensor
-from .ir import CALL, Const, Graph, Node, Ref, Value, verify
+from ..dtensor import REDISTRIBUTE, device_num
+from ..sharding import op_strategy_layouts
+from ..strategy import strategies_active
+from ..strategy_checks import check_strategy_for
+from .ir import CALL, Const, Graph, Node, Ref, Value, flatten_refs, verify
 
 __all__ = ["Tracer", "TraceLayout", "TraceError", "trace", "current_trace", "find_parameters"]
 
@@ -195,7 +200,6 @@ class _Trace:
         """A Primitive call: its strategy tags the first node the call records."""
         if prim.in_strategy is None and prim.out_strategy is None:
             return prim.construct(*args, **kwargs)
-        from ..strategy_checks import check_strategy_for
         check_strategy_for(prim, args)
         if prim.in_strategy is not None:
             args = self._moved_args(prim, args)
@@ -223,18 +227,13 @@ class _Trace:
         layout is fixed at compile time; the tape sees the moved value, as in PyNative)."""
         if not is_abstract(x) and not isinstance(x, Parameter):
             return x
-        from ..dtensor import REDISTRIBUTE
         return _core.apply(REDISTRIBUTE, {"strategy": strategy, "owner": owner,
                                           "index": index, "param": param, "layout": layout},
                            (x,))
 
     def _moved_args(self, prim, args):
-        from ..strategy import strategies_active
         lays = None
         if strategies_active():             # the op's layouts over ONE device matrix
-            from ..dtensor import device_num
-            from ..sharding import op_strategy_layouts
-            from ...ops.primitive import _flat
             tensors = [t for t in _flat(args) if isinstance(t, (TensorBase, np.ndarray))]
             lays = op_strategy_layouts(prim, tensors, device_num())
         out, k = [], 0
@@ -380,7 +379,6 @@ def trace(fn, args, kwargs=None, *, name="fn", params=()) -> Graph:
     used = set()
     for n in tr.nodes:
         used.update(x.id for x in n.inputs if isinstance(x, Ref))
-    from .ir import flatten_refs
     used.update(x.id for x in flatten_refs(outputs) if isinstance(x, Ref))
     params_used = tuple((p, v) for p, v in tr.params.values() if v.id in used)
     graph = Graph(args=tuple(arg_values), params=params_used, nodes=tuple(tr.nodes),
