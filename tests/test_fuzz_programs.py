@@ -25,10 +25,12 @@ from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, communication, nn, ops
+from dualmode import Parameter, Tensor, nn, ops
 from dualmode._core import _tensor as _core
 from dualmode._core._tensor import KIND_BINARY, KIND_UNARY
 from dualmode.ops import REGISTRY, Primitive
+
+from _devices import devices
 
 _EXPLORE = os.environ.get("DUALMODE_FUZZ") == "explore"
 settings.register_profile("dualmode-ci", derandomize=True, database=None, deadline=None,
@@ -372,15 +374,8 @@ _MODES = {"pynative": "semi_auto_parallel", "auto": "auto_parallel",
 def _run(program, parallel):
     from dualmode.parallel.auto_parallel import AutoParallel
     x, idx, labels, init = _data()
-    dm.reset_auto_parallel_context()
-    dm.set_context(mode=dm.PYNATIVE_MODE)
-    communication.init()
     mode = program.mode if parallel else "stand_alone"
-    if parallel:
-        dm.set_auto_parallel_context(parallel_mode=_MODES[mode], device_num=8,
-                                     gradients_mean=True)
-        communication.init()
-    try:
+    with devices(8 if parallel else None, _MODES.get(mode), gradients_mean=True):
         net = _Net(program, init)
         weights = [net.W, net.b, net.E, net.U]
         f = net
@@ -407,10 +402,6 @@ def _run(program, parallel):
         out = [loss.asnumpy(), gx.asnumpy()] + [g.asnumpy() for g in grads]
         opt(grads)
         return out + [w.asnumpy() for w in weights]
-    finally:
-        dm.set_context(mode=dm.PYNATIVE_MODE)
-        dm.reset_auto_parallel_context()
-        communication.init()
 
 
 _NAMES = ["loss", "grad x", "grad W", "grad b", "grad E", "grad U", "W after", "b after",

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, communication, nn, ops
+from dualmode import Parameter, Tensor, nn, ops
 from dualmode.parallel import CommReport
 
+from _devices import devices
 from test_optim_sharded import _Net
 
 _OPTIMIZERS = {
@@ -77,10 +78,7 @@ def test_optimizer_bad_gradient_type_changes_nothing(bad, error, message):
 def test_sharded_optimizer_bad_gradient_moves_and_changes_nothing(name):
     """Sharded weights (layouts with repeated blocks) on 8 devices: nothing updated and
     no gradient communication issued before the bad gradient is found."""
-    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
-                                 gradients_mean=True)
-    communication.init()
-    try:
+    with devices(8, gradients_mean=True):
         rng = np.random.default_rng(1)
         ws = [rng.standard_normal(s).astype(np.float32) for s in ((16, 32), (32, 16), (16, 4))]
         net = _Net(ws)
@@ -99,6 +97,3 @@ def test_sharded_optimizer_bad_gradient_moves_and_changes_nothing(name):
                 opt(bad)
         assert rep.count() == 0
         _assert_unchanged(opt, before)
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init()

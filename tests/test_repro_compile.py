@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, communication, nn, ops
+from dualmode import Parameter, Tensor, nn, ops
+
+from _devices import devices
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -52,13 +54,7 @@ class _Net(nn.Cell):
 
 
 def _run(mode, body, x, w, b):
-    dm.reset_auto_parallel_context()
-    dm.set_context(mode=dm.PYNATIVE_MODE)
-    communication.init()
-    if mode != "stand_alone":
-        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-        communication.init()
-    try:
+    with devices(8 if mode != "stand_alone" else None):
         net = _Net(body, w, b)
         if mode == "ops.shard":
             f = ops.shard(lambda t: body(t, net.w, net.b), in_strategy=((2, 1),))
@@ -73,10 +69,6 @@ def _run(mode, body, x, w, b):
         loss, (gx, (gw, gb)) = dm.value_and_grad(
             lambda t: ops.reduce_sum(ops.square(f(t))), 0, [net.w, net.b])(Tensor(x))
         return [loss.asnumpy(), gx.asnumpy(), gw.asnumpy(), gb.asnumpy()]
-    finally:
-        dm.set_context(mode=dm.PYNATIVE_MODE)
-        dm.reset_auto_parallel_context()
-        communication.init()
 
 
 @pytest.mark.parametrize("mode", ["ops.shard", "Cell.shard", "GRAPH_MODE"])
@@ -110,13 +102,7 @@ def test_compiled_product_with_broadcast_parameter_equals_stand_alone(b_shape):
 # ---------------------------------------------------------------------------
 def _auto_step_run(strategy, opt_name, parallel, steps=2):
     from dualmode.parallel.auto_parallel import AutoParallel
-    dm.reset_auto_parallel_context()
-    communication.init()
-    if parallel:
-        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
-                                     gradients_mean=True)
-        communication.init()
-    try:
+    with devices(8 if parallel else None, gradients_mean=True):
         x, w0 = _rand(16, 8), _rand(8, 8, seed=1)
 
         class Net(nn.Cell):
@@ -143,9 +129,6 @@ def _auto_step_run(strategy, opt_name, parallel, steps=2):
         step = AutoParallel(train_step, parallel_mode="semi_auto") if parallel else train_step
         losses = [float(step(Tensor(x)).asnumpy()) for _ in range(steps)]
         return losses, net.w.asnumpy()
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init()
 
 
 @pytest.mark.parametrize("strategy", [((1, 4), (4, 2)), ((1, 2), (2, 4)), ((2, 1), (1, 4)),
@@ -164,12 +147,11 @@ def test_graph_mode_cell_inside_auto_parallel_step_is_inlined(how):
     cell's ops join the outer graph instead of being refused as a nested compile."""
     from dualmode.parallel.auto_parallel import AutoParallel
     from test_graph_mode import _batches, _train_step
-    from test_operator_parallel import SeedNet, _setup
+    from test_operator_parallel import SeedNet
 
-    def run(devices, graph, mode):
-        _setup(devices)
-        dm.set_context(mode=dm.GRAPH_MODE if graph else dm.PYNATIVE_MODE)
-        try:
+    def run(n, graph, mode):
+        with devices(n if n > 1 else None, gradients_mean=True):
+            dm.set_context(mode=dm.GRAPH_MODE if graph else dm.PYNATIVE_MODE)
             dm.set_seed(7)
             net = SeedNet(False)
             opt = nn.SGD(net.trainable_params(), learning_rate=0.05)
@@ -178,10 +160,6 @@ def test_graph_mode_cell_inside_auto_parallel_step_is_inlined(how):
                 step = AutoParallel(step, parallel_mode=mode)
             losses = [float(step(x, y).asnumpy()) for x, y in _batches(2)]
             return losses, [p.asnumpy() for p in net.trainable_params()]
-        finally:
-            dm.set_context(mode=dm.PYNATIVE_MODE)
-            dm.reset_auto_parallel_context()
-            communication.init()
 
     ref_losses, ref_w = run(1, False, None)
     losses, w = run(8, True, how)
@@ -194,21 +172,13 @@ def test_shard_block_inside_another_keeps_its_strategies():
     x, w = _rand(16, 8), _rand(8, 4, seed=1)
 
     def run(parallel):
-        dm.reset_auto_parallel_context()
-        communication.init()
-        if parallel:
-            dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-            communication.init()
-        try:
+        with devices(8 if parallel else None):
             wp = Parameter(Tensor(w.copy()), name="w")
             inner = ops.shard(lambda t: ops.tanh(ops.matmul(t, wp)), in_strategy=((4, 1),),
                               out_strategy=((2, 1),))
             outer = ops.shard(lambda t: ops.reduce_sum(inner(t * 2.0)), in_strategy=((2, 1),))
             loss, (gx, (gw,)) = dm.value_and_grad(outer, 0, [wp])(Tensor(x))
             return loss.asnumpy(), gx.asnumpy(), gw.asnumpy()
-        finally:
-            dm.reset_auto_parallel_context()
-            communication.init()
 
     for a, e in zip(run(True), run(False)):
         np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
@@ -216,9 +186,7 @@ def test_shard_block_inside_another_keeps_its_strategies():
 
 def test_parameter_plan_inside_another_compiled_function_is_refused():
     from dualmode.parallel.graph.trace import TraceError
-    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-    communication.init()
-    try:
+    with devices(8):
         w = Parameter(Tensor(_rand(8, 4)), name="w")
         inner = ops.shard(lambda t: ops.matmul(t, w), in_strategy=((2, 1),),
                           parameter_plan={"w": (1, 4)})
@@ -226,9 +194,6 @@ def test_parameter_plan_inside_another_compiled_function_is_refused():
         with pytest.raises(TraceError, match=r"parameter_plan cannot be applied inside "
                                              r"another compiled function"):
             outer(Tensor(_rand(16, 8)))
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init()
 
 
 # ---------------------------------------------------------------------------
@@ -237,13 +202,7 @@ def test_parameter_plan_inside_another_compiled_function_is_refused():
 def _one_hot_run(mode, strategy):
     idx = np.array([0, 3, 1, 2, 3, 0, 1, 2], np.int32)
     w0 = _rand(4, 4, seed=3)
-    dm.reset_auto_parallel_context()
-    dm.set_context(mode=dm.PYNATIVE_MODE)
-    communication.init()
-    if mode != "stand_alone":
-        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-        communication.init()
-    try:
+    with devices(8 if mode != "stand_alone" else None):
         class Net(nn.Cell):
             def __init__(self):
                 super().__init__()
@@ -262,10 +221,6 @@ def _one_hot_run(mode, strategy):
             dm.set_context(mode=dm.GRAPH_MODE)
         loss, (gw,) = dm.value_and_grad(f, None, [net.w])(Tensor(idx))
         return loss.asnumpy(), gw.asnumpy()
-    finally:
-        dm.set_context(mode=dm.PYNATIVE_MODE)
-        dm.reset_auto_parallel_context()
-        communication.init()
 
 
 @pytest.mark.parametrize("strategy", [((4,),), ((4,), (), ())], ids=["indices", "mindspore"])
@@ -302,9 +257,7 @@ def test_unused_parameter_of_a_compiled_train_step_gets_a_zero_gradient():
     """The zero gradient of a weight the loss does not use was built on the weight's
     abstract layout while tracing, so it WAS the weight: SGD moved it by lr * w."""
     from dualmode.parallel.auto_parallel import AutoParallel
-    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-    communication.init()
-    try:
+    with devices(8):
         w0 = _rand(8, 8)
         used = Parameter(Tensor(_rand(8, seed=1)), name="used")
         unused = Parameter(Tensor(w0.copy()), name="unused")
@@ -319,9 +272,6 @@ def test_unused_parameter_of_a_compiled_train_step_gets_a_zero_gradient():
 
         AutoParallel(step, parallel_mode="semi_auto")(Tensor(_rand(16, 8, seed=2)))
         np.testing.assert_array_equal(unused.asnumpy(), w0)
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init()
 
 
 @pytest.mark.parametrize("mode", ["ops.shard", "Cell.shard"])
@@ -336,12 +286,7 @@ def test_propagated_use_before_a_configured_strategy_does_not_fix_the_parameter(
     x, b = _rand(16, 4) + 2.0, _rand(4, seed=2)
 
     def run(parallel):
-        dm.reset_auto_parallel_context()
-        communication.init()
-        if parallel:
-            dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-            communication.init()
-        try:
+        with devices(8 if parallel else None):
             net = _Net(body, _rand(8, 4, seed=1), b)
             f = net
             if parallel and mode == "ops.shard":
@@ -351,9 +296,6 @@ def test_propagated_use_before_a_configured_strategy_does_not_fix_the_parameter(
             loss, (gx, (gb,)) = dm.value_and_grad(
                 lambda t: ops.reduce_sum(ops.square(f(t))), 0, [net.b])(Tensor(x))
             return loss.asnumpy(), gx.asnumpy(), gb.asnumpy()
-        finally:
-            dm.reset_auto_parallel_context()
-            communication.init()
 
     for a, e in zip(run(True), run(False)):
         np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, communication, nn, ops
+from dualmode import Parameter, Tensor, nn, ops
+
+from _devices import devices
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -40,22 +42,13 @@ class _Net(nn.Cell):
 
 def _step(body, x, weights, parallel):
     """loss, input gradient, weight gradients, weights after one SGD step (lr 0.5)."""
-    dm.reset_auto_parallel_context()
-    communication.init()
-    if parallel:
-        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
-                                     gradients_mean=True)
-        communication.init()
-    try:
+    with devices(8 if parallel else None, gradients_mean=True):
         net = _Net(body, weights)
         opt = nn.SGD(net.ws, learning_rate=0.5)
         loss, (gx, gw) = dm.value_and_grad(net, 0, opt.parameters)(Tensor(x))
         out = (loss.asnumpy(), gx.asnumpy(), [g.asnumpy() for g in gw])
         opt(gw)
         return out + ([p.asnumpy() for p in net.ws],)
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init()
 
 
 def _close(actual, desired):
@@ -149,15 +142,10 @@ def test_partial_weight_used_twice_equals_stand_alone():
 def test_partial_sum_over_batch_of_integers_is_exact(dtype):
     """A sum over the batch of a data-parallel input is a pending sum; integers cannot
     be split into n equal shares (7 / 8 == 0), so it must still add up exactly."""
-    dm.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
-    communication.init()
-    try:
+    with devices(8, "data_parallel"):
         class Net(nn.Cell):
             def construct(self, x):
                 return ops.ReduceSum()(x, 0) + ops.ReduceSum(keep_dims=True)(x, 0)[0]
 
         x = np.arange(64).reshape(16, 4).astype(dtype) + 7
         np.testing.assert_array_equal(Net()(Tensor(x)).asnumpy(), 2 * x.sum(0))
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init()

@@ -191,14 +191,7 @@ class ShardFunction:
                          for i, (a, s) in enumerate(zip(args, self.in_strategy)))
         out = self._run_fn(*args, **kwargs)
         if self.out_strategy is not None:
-            outs = out if isinstance(out, tuple) else (out,)
-            if len(self.out_strategy) != len(outs):
-                raise ValueError(f"{self.owner}: out_strategy has {len(self.out_strategy)} "
-                                 f"entries but fn returned {len(outs)} output(s)")
-            outs = tuple(tr._move(o, s, self.owner, k, "out_strategy")
-                         if s is not None and isinstance(o, TensorBase) else o
-                         for k, (o, s) in enumerate(zip(outs, self.out_strategy)))
-            out = outs if isinstance(out, tuple) else outs[0]
+            out = tr.move_outputs(out, self.out_strategy, self.owner, "fn returned")
         return out
 
     def _compile(self, args, kwargs, sharded):

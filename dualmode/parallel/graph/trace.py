@@ -209,18 +209,24 @@ class _Trace:
         finally:
             _, node = self.scope.pop()
         if prim.out_strategy is not None:
-            outs = out if isinstance(out, tuple) else (out,)
-            if len(prim.out_strategy) != len(outs):
-                raise ValueError(f"{prim.name}: out_strategy has {len(prim.out_strategy)} "
-                                 f"entries but the op has {len(outs)} output(s)")
-            moved = tuple(self._move(o, s, prim.name, k, "out_strategy")
-                          for k, (s, o) in enumerate(zip(prim.out_strategy, outs)))
-            out = moved if isinstance(out, tuple) else moved[0]
+            out = self.move_outputs(out, prim.out_strategy, prim.name, "the op has")
         if node is None and prim.in_strategy is not None:
             raise TraceError(f"{prim.name}: has in_strategy={prim.in_strategy} but its call "
                              f"inside the traced function recorded no op on a traced tensor, "
                              f"so the strategy has nothing to apply to")
         return out
+
+    def move_outputs(self, out, out_strategy, owner, has="the op has"):
+        """`out` (one tensor or a tuple) moved into `out_strategy`'s layouts (entries
+        None, and non-tensor outputs, stay as they are)."""
+        outs = out if isinstance(out, tuple) else (out,)
+        if len(out_strategy) != len(outs):
+            raise ValueError(f"{owner}: out_strategy has {len(out_strategy)} entries but "
+                             f"{has} {len(outs)} output(s)")
+        moved = tuple(self._move(o, s, owner, k, "out_strategy")
+                      if s is not None and isinstance(o, TensorBase) else o
+                      for k, (s, o) in enumerate(zip(out_strategy, outs)))
+        return moved if isinstance(out, tuple) else moved[0]
 
     def _move(self, x, strategy, owner, index, param, layout=None):
         """`x` moved into a strategy's layout, as a recorded Redistribute node (its
