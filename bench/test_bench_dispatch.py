@@ -48,16 +48,6 @@ def test_dualmode_add_recording(benchmark, arrays, record):
     record(benchmark, "dualmode a+b (recording)", "numpy a+b", target=6.0)
 
 
-@pytest.fixture
-def eight_devices():
-    from dualmode import communication
-    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
-    communication.init()
-    yield
-    dm.reset_auto_parallel_context()
-    communication.init()
-
-
 @pytest.mark.benchmark(group="dispatch sharded MatMul (16,16) on 8 devices")
 def test_numpy_matmul_16(benchmark, arrays, record):
     a = np.tile(arrays[0], (2, 2))
@@ -67,9 +57,10 @@ def test_numpy_matmul_16(benchmark, arrays, record):
 
 
 @pytest.mark.benchmark(group="dispatch sharded MatMul (16,16) on 8 devices")
-def test_dualmode_sharded_matmul_call(benchmark, arrays, record, eight_devices):
+def test_dualmode_sharded_matmul_call(benchmark, arrays, record, parallel_context):
     """One eager MatMul.shard(((2, 4), (4, 1))) call on 8 simulated devices: the
     dispatch overhead of a sharded op (issue 11 target: <= 60 us per call)."""
+    parallel_context("semi_auto_parallel", 8)
     a = np.tile(arrays[0], (2, 2))
     x = dm.Tensor(a)
     w = dm.Parameter(dm.Tensor(a.copy()), name="w")
