@@ -53,7 +53,7 @@ def _infer_reshape(attrs, x):
     return ((_resolve_shape("Reshape", _shape_of(x), attrs["shape"]), x.dtype),)
 
 
-RESHAPE = register("Reshape", infer=_infer_reshape,
+RESHAPE = register("Reshape", linear=(0,), infer=_infer_reshape,
                    kernel=lambda at, x: np.reshape(x, at["shape"]),
                    backward=lambda node, g: (reshape(g, node.inputs[0].shape),))
 
@@ -127,7 +127,7 @@ def _bw_transpose(node, g):
     return (transpose(g, tuple(np.argsort(perm))),)
 
 
-TRANSPOSE = register("Transpose", infer=_infer_transpose,
+TRANSPOSE = register("Transpose", linear=(0,), infer=_infer_transpose,
                      kernel=lambda at, x: np.transpose(x, at["perm"]), backward=_bw_transpose)
 
 

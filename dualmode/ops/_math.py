@@ -87,11 +87,11 @@ def _bw_pow(node, g):
     return ga, gb
 
 
-ADD = register("Add", kind=KIND_BINARY, kernel=np.add, backward=_bw_add)
-SUB = register("Sub", kind=KIND_BINARY, kernel=np.subtract, backward=_bw_sub,
+ADD = register("Add", linear="sum", kind=KIND_BINARY, kernel=np.add, backward=_bw_add)
+SUB = register("Sub", linear="sum", kind=KIND_BINARY, kernel=np.subtract, backward=_bw_sub,
                numeric_only=True)
-MUL = register("Mul", kind=KIND_BINARY, kernel=np.multiply, backward=_bw_mul)
-REALDIV = register("RealDiv", kind=KIND_BINARY, kernel=np.true_divide, backward=_bw_div,
+MUL = register("Mul", linear=(0, 1), kind=KIND_BINARY, kernel=np.multiply, backward=_bw_mul)
+REALDIV = register("RealDiv", linear=(0,), kind=KIND_BINARY, kernel=np.true_divide, backward=_bw_div,
                    save_outputs=True, float_only=True)
 MAXIMUM = register("Maximum", kind=KIND_BINARY, kernel=np.maximum, backward=_bw_maximum)
 MINIMUM = register("Minimum", kind=KIND_BINARY, kernel=np.minimum, backward=_bw_minimum)
@@ -212,7 +212,7 @@ TANH_GRAD = register("TanhGrad", kind=KIND_BINARY, kernel=_tanh_grad_kernel, flo
 SIGMOID_GRAD = register("SigmoidGrad", kind=KIND_BINARY, kernel=_sigmoid_grad_kernel,
                         float_only=True)
 
-NEG = register("Neg", kind=KIND_UNARY, kernel=np.negative, numeric_only=True,
+NEG = register("Neg", linear=(0,), kind=KIND_UNARY, kernel=np.negative, numeric_only=True,
                backward=lambda node, g: (neg(g),))
 EXP = register("Exp", kind=KIND_UNARY, kernel=np.exp, float_only=True, save_outputs=True,
                backward=lambda node, g: (mul(g, node.outputs[0]),))
@@ -298,7 +298,12 @@ def _bw_cast(node, g):
     return (cast(g, x.dtype),)
 
 
-CAST = register("Cast", infer=_infer_cast,
+def _cast_linear(attrs):
+    """A cast keeps sums only into a floating dtype (into ints it rounds each term)."""
+    return (0,) if np.dtype(attrs["dtype"]).kind in "fc" else None
+
+
+CAST = register("Cast", linear=_cast_linear, infer=_infer_cast,
                 kernel=lambda attrs, x: x.astype(attrs["dtype"]), backward=_bw_cast)
 
 
@@ -519,9 +524,9 @@ def _mean_kernel(at, x):
     return np.true_divide(s, count, dtype=acc).astype(x.dtype, copy=False)
 
 
-REDUCE_SUM = register("ReduceSum", infer=_make_reduce_infer("ReduceSum", numeric_only=True),
+REDUCE_SUM = register("ReduceSum", linear=(0,), infer=_make_reduce_infer("ReduceSum", numeric_only=True),
                       kernel=_sum_kernel, backward=_bw_reduce_sum)
-REDUCE_MEAN = register("ReduceMean", infer=_make_reduce_infer("ReduceMean", True),
+REDUCE_MEAN = register("ReduceMean", linear=(0,), infer=_make_reduce_infer("ReduceMean", True),
                        kernel=_mean_kernel, backward=_bw_reduce_mean)
 REDUCE_MAX = register("ReduceMax", infer=_make_reduce_infer("ReduceMax"),
                       kernel=lambda at, x: np.maximum.reduce(x, axis=at["axis"],
@@ -581,7 +586,7 @@ def _infer_broadcast_to(attrs, x):
     return ((shape, x.dtype),)
 
 
-BROADCAST_TO = register("BroadcastTo", infer=_infer_broadcast_to,
+BROADCAST_TO = register("BroadcastTo", linear=(0,), infer=_infer_broadcast_to,
                         kernel=lambda at, x: np.broadcast_to(x, at["shape"]),
                         backward=lambda node, g: (unbroadcast(g, node.inputs[0].shape),))
 

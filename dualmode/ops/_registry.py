@@ -12,20 +12,37 @@ import numpy as np
 from .._core._tensor import (KIND_BINARY, KIND_GENERIC, KIND_UNARY, OpDef, TensorBase,
                              apply, binary, broadcast_shapes, wrap)
 
-__all__ = ["REGISTRY", "register", "get_op", "apply", "binary", "OpDef", "KIND_BINARY",
+__all__ = ["REGISTRY", "register", "get_op", "linearity", "apply", "binary", "OpDef", "KIND_BINARY",
            "KIND_GENERIC", "KIND_UNARY", "broadcast_shapes", "const", "norm_axis",
            "norm_axes", "wrap", "same_as_input", "check_nin", "check_float", "check_same_dtype", "check_int_dtype"]
 
 REGISTRY: dict[str, OpDef] = {}
 
 
-def register(name, **kw) -> OpDef:
-    """Create and register the OpDef for `name` (names are unique)."""
+def register(name, *, linear=None, **kw) -> OpDef:
+    """Create and register the OpDef for `name` (names are unique).
+
+    ``linear`` declares how the op treats values that are pending sums (a sharded
+    value whose devices hold terms that add up to it): ``"sum"`` when it is linear in
+    all its inputs jointly (``a + b``: pending sums over the same devices stay
+    pending), or the positions of the inputs it is linear in when the others are
+    fixed (``a * c``: ``(0, 1)``; ``a / c``: ``(0,)``; a reshape: ``(0,)``), or a
+    function of the op's attrs giving one of those (or None). Other ops need their
+    inputs' sums resolved first. Stored as ``extras["linear"]``; read it with
+    :func:`linearity`."""
     if name in REGISTRY:
         raise ValueError(f"register: an op named {name!r} is already registered")
     op = OpDef(name, **kw)
+    if linear is not None:
+        op.extras["linear"] = linear
     REGISTRY[name] = op
     return op
+
+
+def linearity(op, attrs):
+    """`op`'s declared linearity for these attrs ("sum", positions, or None)."""
+    lin = op.extras.get("linear")
+    return lin(attrs) if callable(lin) else lin
 
 
 def get_op(name) -> OpDef:

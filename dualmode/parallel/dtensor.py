@@ -8,10 +8,12 @@ sharding rule (parallel/rules.py) where one is needed:
 
 1. **other layout kinds**: inputs whose layout class registered its own runner
    (:func:`register_layout_kind`; hybrid parallel's per-device values) go there.
-2. **partial-linear**: inputs holding pending partial sums stay partial, over the same
-   device axes, through ops that are linear in them (Add/Sub of two partials, Mul/RealDiv
-   by a replicated value, Neg, Cast, Reshape, ReduceSum/ReduceMean); any other op first
-   resolves them with an AllReduce.
+2. **pending sums**: an op declared linear in its pending inputs at registration
+   (``register(..., linear=...)``: Add/Sub of terms of one sum, Mul/RealDiv by a fixed
+   value, Neg, Cast to a float, Reshape, Transpose, BroadcastTo, ReduceSum/Mean) runs its
+   rule, which keeps the sums pending over the same device axes
+   (:func:`dualmode.parallel.rules.pending_sums`); any other op first resolves them with
+   an AllReduce.
 3. **data parallel** (:func:`_batch_global`): when every distributed input is split on
    dim 0 only, the stacks ``(n, B/n, ...)`` are views of the global values ``(B, ...)``;
    when the op's rule, given these layouts, moves no data and needs no collective, the
@@ -35,9 +37,6 @@ recorded AllGather over the world.
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import weakref
 
 import numpy as np
@@ -54,7 +53,8 @@ from .devices import live_backend as _live_backend
 from .devices import op_cause as _cause
 from .devices import some_devices as _some_devices
 from .devices import world_stack
-from .layout import TensorLayout, stand_in
+from .layout import TensorLayout
+from .rules import pending_sums
 from .sharding import rule_plan, sharded_apply
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
@@ -69,11 +69,6 @@ def is_batch_layout(layout) -> bool:
     return (layout is not None and len(layout.device_matrix) == 1 and not layout.partial
             and len(layout.tensor_map) > 0 and layout.tensor_map[0] == (0,)
             and all(m == () for m in layout.tensor_map[1:]))
-
-
-def _is_partial_only(layout) -> bool:
-    return (layout is not None and layout.partial
-            and all(m == () for m in layout.tensor_map))
 
 
 #: Tensors a data set made from this rank's own shard (``num_shards`` = the MPI world,
@@ -208,9 +203,12 @@ def dist_apply(op, attrs, inputs, rec):
         if kind is not None:
             return kind(op, attrs, inputs, rec)
     if any(lay is not None and lay.partial for lay in layouts):
-        out = _partial_linear(op, attrs, inputs, layouts, rec)
-        if out is not None:
-            return out
+        if pending_sums(op, attrs, layouts) is not None:
+            # linear in its pending inputs (its registration says so): the rule keeps
+            # the sums pending, over the same device axes
+            out = sharded_apply(op, attrs, inputs, rec, layouts)
+            if out is not None:
+                return out
         inputs = tuple(resolve_partial(x, op.name)
                        if lay is not None and lay.partial else x
                        for x, lay in zip(inputs, layouts))
@@ -255,14 +253,6 @@ def _fallback(op, attrs, inputs, layouts, rec):
 # ---------------------------------------------------------------------------
 # data parallel: every distributed input split on dim 0 only, every device here
 # ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=4096)
-def _partial_like(lay, shape):
-    """Every dim of `shape` whole, pending sums over the same device axes as `lay` (and
-    repeated over its other axes): what a linear op on a partial-only input gives."""
-    return TensorLayout(lay.device_matrix, ((),) * len(shape), tuple(shape),
-                        partial=lay.partial)
-
-
 def _shares(total, n):
     """A partial stack whose n equal shares add up to `total`, stored once.
 
@@ -321,74 +311,6 @@ def _batch_global(op, attrs, inputs, layouts, rec):
         out_lays.append(lay)
     return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
                         rec, tuple(out_lays))
-
-
-# ---------------------------------------------------------------------------
-# partial-linear ops
-# ---------------------------------------------------------------------------
-def _partial_linear(op, attrs, inputs, layouts, rec):
-    """Run ops that are linear in their partial inputs on the stacks; None if not."""
-    name = op.name
-    p = [bool(lay is not None and lay.partial) for lay in layouts]
-    if not all(_is_partial_only(lay) for lay, pi in zip(layouts, p) if pi):
-        return None
-    lay0 = next(lay for lay in layouts if lay is not None and lay.partial)
-    n = lay0.device_num
-    stacks = [x._data if isinstance(x, TensorBase) and x._layout is not None else
-              (x._value() if isinstance(x, TensorBase) else x) for x in inputs]
-    if any(lay is not None and not lay.partial for lay in layouts):
-        return None                      # mixed with a split tensor: resolve first
-    if name in ("Add", "Sub"):
-        if not (p[0] and p[1] and layouts[0] == layouts[1]):
-            return None
-    elif name in ("Mul", "RealDiv"):
-        if p[0] + p[1] != 1 or (name == "RealDiv" and p[1]):
-            return None
-        other = stacks[1] if p[0] else stacks[0]
-        if np.ndim(other) > len(lay0.shape):
-            return None
-    elif name in ("Neg", "Cast"):
-        pass
-    elif name == "Reshape":
-        out = np.reshape(stacks[0], (stacks[0].shape[0],) + tuple(attrs["shape"]))
-        return _core.finish(op, attrs, inputs, out, rec, (_partial_like(lay0, out.shape[1:]),))
-    elif name in ("ReduceSum", "ReduceMean"):
-        return _partial_reduce(op, attrs, inputs, lay0, n, rec)
-    else:
-        return None
-    # validate on global-shaped stand-ins (zero-strided, no memory)
-    _core.infer(op, attrs, *[stand_in(x.dtype, lay.shape)
-                             if lay is not None else x for lay, x in zip(layouts, stacks)])
-    shared = all(s.strides[0] == 0 for s, lay in zip(stacks, layouts)
-                 if lay is not None and lay.partial)
-    if shared:                 # equal shares stored once: compute one share
-        k = next(s.shape[0] for s, lay in zip(stacks, layouts) if lay is not None)
-        stacks = [s[:1] if lay is not None and lay.partial else s
-                  for s, lay in zip(stacks, layouts)]
-    if op.kind == KIND_GENERIC:
-        out = op.kernel(attrs, *stacks)
-    else:
-        out = op.kernel(*stacks)
-    out = np.asarray(out)
-    if shared:
-        out = np.broadcast_to(out, (k,) + out.shape[1:])
-    return _core.finish(op, attrs, inputs, out, rec, (_partial_like(lay0, out.shape[1:]),))
-
-
-def _partial_reduce(op, attrs, inputs, lay0, n, rec):
-    x = inputs[0]
-    _core.infer(op, attrs, stand_in(x._data.dtype, lay0.shape))
-    stack = x._data
-    shared = stack.strides[0] == 0
-    axes = tuple(a + 1 for a in attrs["axis"])
-    local = np.add.reduce(stack[:1] if shared else stack, axis=axes, dtype=stack.dtype,
-                          keepdims=attrs["keep_dims"])
-    if op.name == "ReduceMean":
-        local = np.true_divide(local, math.prod(lay0.shape[a] for a in attrs["axis"]),
-                               dtype=stack.dtype)
-    if shared:
-        local = np.broadcast_to(local, (stack.shape[0],) + local.shape[1:])
-    return _core.finish(op, attrs, inputs, local, rec, (_partial_like(lay0, local.shape[1:]),))
 
 
 _core.set_dist_hooks(dist_apply, assemble)

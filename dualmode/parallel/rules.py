@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ..ops._registry import REGISTRY
+from ..ops._registry import REGISTRY, linearity
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
 from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
                        register_rule, run_kernel)
@@ -24,17 +24,38 @@ def _parts(dm, axes):
 # ---------------------------------------------------------------------------
 # elementwise (with numpy broadcasting)
 # ---------------------------------------------------------------------------
+def pending_sums(op, attrs, lays):
+    """``(axes, carriers)``: the device axes of the pending sums `op` keeps for inputs
+    in `lays` (its outputs are pending over them too) and the positions of the inputs
+    that carry them; ``((), ())`` with no pending input; None when a pending sum must be
+    resolved first (the op is not linear in that input, per its registration)."""
+    carriers = tuple(i for i, lay in enumerate(lays) if lay is not None and lay.partial)
+    if not carriers:
+        return (), ()
+    lin = linearity(REGISTRY[op] if isinstance(op, str) else op, attrs)
+    axes = {lays[i].partial for i in carriers}
+    if lin is None or len(axes) != 1:
+        return None
+    if lin == "sum":                      # every input a term of the same pending sum
+        return (axes.pop(), carriers) if len(carriers) == len(lays) else None
+    return (axes.pop(), carriers) if len(carriers) == 1 and carriers[0] in lin else None
+
+
 def _elementwise_plan(op, attrs, lays, dtypes):
     dist = [lay for lay in lays if lay is not None]
-    if any(lay.partial for lay in dist):
+    pend = pending_sums(op, attrs, lays)
+    if pend is None:
         return None
+    pending, carriers = pend
     dm = dist[0].device_matrix
     out_shape = ()
     for lay in dist:
         out_shape = broadcast_shapes(op.name, out_shape, lay.shape)
     rank = len(out_shape)
-    ref, used = [()] * rank, set()
-    for lay in dist:                       # the first input that splits a dim decides it
+    # the first input that splits a dim decides it; nothing is split along the axes of
+    # a pending sum (a factor must be whole where the terms of the sum differ)
+    ref, used = [()] * rank, set(pending)
+    for lay in dist:
         off = rank - lay.ndim
         for d, axes in enumerate(lay.tensor_map):
             od = d + off
@@ -42,14 +63,15 @@ def _elementwise_plan(op, attrs, lays, dtypes):
                 ref[od] = axes
                 used |= set(axes)
     need = []
-    for lay in lays:
+    for i, lay in enumerate(lays):
         if lay is None:
             need.append(None)
             continue
         off = rank - lay.ndim
         need.append(layout(dm, [ref[d + off] if lay.shape[d] == out_shape[d + off] else ()
-                                for d in range(lay.ndim)], lay.shape))
-    out = layout(dm, ref, out_shape)
+                                for d in range(lay.ndim)], lay.shape,
+                           pending if i in carriers else ()))
+    out = layout(dm, ref, out_shape, pending)
 
     def local(attrs, stacks):
         args = [expand_stack(s, rank) if lay is not None else s for s, lay in zip(stacks, need)]
@@ -203,7 +225,8 @@ def _bias_add(attrs, lays, dtypes):
 def _make_reduce(name):
     def rule(attrs, lays, dtypes):
         x = lays[0]
-        if x is None or x.partial:
+        pend = pending_sums(name, attrs, lays)
+        if x is None or pend is None:
             return None
         dm = x.device_matrix
         axes, keep = attrs["axis"], attrs["keep_dims"]
@@ -215,7 +238,7 @@ def _make_reduce(name):
         stack_axes = tuple(d + 1 for d in axes)
         count = math.prod(x.shape[d] for d in axes)
         if name in ("ReduceSum", "ReduceMean"):
-            out = layout(dm, tmap, shape, red_axes)
+            out = layout(dm, tmap, shape, set(red_axes) | set(pend[0]))
 
             def local(attrs, stacks):
                 s = stacks[0]
@@ -237,7 +260,7 @@ def _make_reduce(name):
 
 
 for _name in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"):
-    register_rule(_name)(_make_reduce(_name))
+    register_rule(_name, per_device=True)(_make_reduce(_name))
 
 
 # ---------------------------------------------------------------------------
@@ -303,10 +326,11 @@ def _reshape_groups(ins, outs):
     return groups
 
 
-@register_rule("Reshape")
+@register_rule("Reshape", per_device=True)
 def _reshape(attrs, lays, dtypes):
     x = lays[0]
-    if x is None or x.partial:
+    pend = pending_sums("Reshape", attrs, lays)
+    if x is None or pend is None:
         return None
     dm = x.device_matrix
     out_shape = tuple(attrs["shape"])
@@ -318,8 +342,8 @@ def _reshape(attrs, lays, dtypes):
         if axes and out_shape[gj[0]] % _parts(dm, axes) == 0:
             in_map[gi[0]] = axes
             out_map[gj[0]] = axes
-    need = layout(dm, in_map, x.shape)
-    out = layout(dm, out_map, out_shape)
+    need = layout(dm, in_map, x.shape, pend[0])
+    out = layout(dm, out_map, out_shape, pend[0])
     local_shape = out.local_shape
 
     def local(attrs, stacks):
@@ -332,11 +356,11 @@ def _reshape(attrs, lays, dtypes):
 @register_rule("Transpose", per_device=True)
 def _transpose(attrs, lays, dtypes):
     x = lays[0]
-    if x is None or x.partial:
+    if x is None or pending_sums("Transpose", attrs, lays) is None:
         return None
     perm = attrs["perm"]
     out = layout(x.device_matrix, [x.tensor_map[p] for p in perm],
-                 tuple(x.shape[p] for p in perm))
+                 tuple(x.shape[p] for p in perm), x.partial)
 
     def local(attrs, stacks):
         return np.transpose(stacks[0], (0,) + tuple(p + 1 for p in perm))
@@ -344,17 +368,17 @@ def _transpose(attrs, lays, dtypes):
     return ShardPlan((x,), (out,), local)
 
 
-@register_rule("BroadcastTo")
+@register_rule("BroadcastTo", per_device=True)
 def _broadcast_to(attrs, lays, dtypes):
     x = lays[0]
-    if x is None or x.partial:
+    if x is None or pending_sums("BroadcastTo", attrs, lays) is None:
         return None
     shape = tuple(attrs["shape"])
     off = len(shape) - x.ndim
     tmap = [()] * off + [m if x.shape[d] == shape[d + off] else ()
                          for d, m in enumerate(x.tensor_map)]
-    need = layout(x.device_matrix, tmap[off:], x.shape)
-    out = layout(x.device_matrix, tmap, shape)
+    need = layout(x.device_matrix, tmap[off:], x.shape, x.partial)
+    out = layout(x.device_matrix, tmap, shape, x.partial)
     local_shape = out.local_shape
 
     def local(attrs, stacks):

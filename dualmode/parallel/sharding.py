@@ -226,8 +226,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
             else:
                 stacks.append(to_layout(x, need, op.name))
         _validate(op, attrs, stacks, dtypes, plan)
-        out = plan.local(attrs, stacks)
-        outs = list(out) if op.multi_output else [out]
+        outs = _run_local(RULES[op.name], op, attrs, plan, stacks)
     for i, post in enumerate(plan.post):
         if post is not None:
             red_op, axes = post
@@ -263,6 +262,25 @@ def _plan(rule, name, attrs, lays, dtypes):
             _PLANS.clear()
         plan = _PLANS[key] = rule(attrs, lays, dtypes)
     return plan
+
+
+def _run_local(rule, op, attrs, plan, stacks):
+    """The plan's local computation as a list of output stacks. When every device holds
+    the same inputs (stacks stored once, stride 0 along the devices: equal shares of a
+    pending sum, replicated values) a per-device rule computes one device's outputs and
+    gives them to all."""
+    dist = [s for s, need in zip(stacks, plan.inputs) if need is not None]
+    once = getattr(rule, "per_device", False) and dist and all(
+        isinstance(s, np.ndarray) and s.ndim >= 1 and s.shape[0] > 1 and s.strides[0] == 0
+        for s in dist)
+    if once:
+        n = dist[0].shape[0]
+        stacks = [s[:1] if need is not None else s for s, need in zip(stacks, plan.inputs)]
+    out = plan.local(attrs, stacks)
+    outs = list(out) if op.multi_output else [out]
+    if once:
+        outs = [np.broadcast_to(o, (n,) + o.shape[1:]) for o in map(np.asarray, outs)]
+    return outs
 
 
 def _validate(op, attrs, stacks, dtypes, plan):
