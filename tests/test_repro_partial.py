@@ -154,12 +154,12 @@ def test_partial_sum_over_batch_of_integers_is_exact(dtype):
 def test_partial_cast_to_int_resolves_the_sum_first(eight):
     """A cast into an integer dtype rounds each term, so it is not linear: the pending
     sum of a contracted MatMul is resolved before it (a cast to float keeps it)."""
-    x = np.full((8, 16), 0.75, np.float32)
+    x = np.full((8, 16), 0.7, np.float32)
     w = np.full((16, 4), 1.0, np.float32)
-    h = ops.MatMul().shard(((1, 4), (4, 1)))(Tensor(x), Tensor(w))   # 12.0, pending over 4
+    h = ops.MatMul().shard(((1, 4), (4, 1)))(Tensor(x), Tensor(w))   # 11.2, pending over 4
     assert h.layout.partial
-    as_int = ops.Cast()(h, dm.int32)
-    np.testing.assert_array_equal(as_int.asnumpy(), np.full((8, 4), 12, np.int32))
+    as_int = ops.Cast()(h, dm.int32)              # int(11.2), not 4 * int(2.8) = 8
+    np.testing.assert_array_equal(as_int.asnumpy(), np.full((8, 4), 11, np.int32))
     as_float = ops.Cast()(h, dm.float64)
     assert as_float.layout.partial                                    # still pending
-    np.testing.assert_allclose(as_float.asnumpy(), 12.0)
+    np.testing.assert_allclose(as_float.asnumpy(), 11.2, rtol=1e-6)
