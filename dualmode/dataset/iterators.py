@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from ..parallel.devices import live_backend as _live_backend
-from ..parallel.dtensor import RANK_SHARDS
+from ..parallel.inputs import RANK_SHARDS
 from ..tensor import Tensor
 from ._checks import check_bool, is_int
 from ._rows import Row, owned

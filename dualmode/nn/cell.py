@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from .. import context
-from ..parallel.dtensor import distribute_inputs, parallel_active
+from ..parallel.devices import parallel_active
+from ..parallel.inputs import distribute_inputs
 from ..parallel.graph.api import ShardFunction, graph_call
 from ..tensor import Parameter
 

@@ -37,16 +37,12 @@ recorded AllGather over the world.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from .. import context
 from ..ops._registry import register, same_as_input
 from ..communication.trace import record
-from ..tensor import Parameter
 from .devices import backend as _backend
 from .devices import device_num, parallel_active
 from .devices import live_backend as _live_backend
@@ -58,7 +54,7 @@ from .rules import pending_sums
 from .sharding import rule_plan, sharded_apply
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
-           "is_batch_layout", "resolve_partial"]
+           "is_batch_layout", "resolve_partial", "register_layout_kind"]
 
 
 # ---------------------------------------------------------------------------
@@ -71,10 +67,6 @@ def is_batch_layout(layout) -> bool:
             and all(m == () for m in layout.tensor_map[1:]))
 
 
-#: Tensors a data set made from this rank's own shard (``num_shards`` = the MPI world,
-#: ``shard_id`` = this rank): a network takes them as its local rows of the batch.
-#: (by id: tensors compare elementwise)
-RANK_SHARDS = weakref.WeakValueDictionary()
 
 
 def local_rows(arr, layout: TensorLayout) -> np.ndarray:
@@ -314,47 +306,3 @@ def _batch_global(op, attrs, inputs, layouts, rec):
 
 
 _core.set_dist_hooks(dist_apply, assemble)
-
-
-# ---------------------------------------------------------------------------
-# network inputs: split per dataset_strategy
-# ---------------------------------------------------------------------------
-def distribute_inputs(args):
-    """Split the Tensor arguments of a top-level network call as batch data, per the
-    context's ``dataset_strategy`` ("data_parallel", "full_batch" or per-input
-    strategy tuples). Tensors already distributed, Parameters and 0-d values are
-    left alone."""
-    strategy = context.get_auto_parallel_context("dataset_strategy")
-    if strategy == "full_batch":
-        return args
-    n = device_num()
-    out, k = [], 0
-    for i, a in enumerate(args):
-        if not isinstance(a, TensorBase) or a._layout is not None or a.ndim == 0 \
-                or isinstance(a, Parameter):
-            out.append(a)
-            continue
-        shape = tuple(a.shape)
-        if strategy == "data_parallel" and RANK_SHARDS.get(id(a)) is a and _some_devices():
-            # this rank's own shard of the data set (num_shards = ranks): it IS the local
-            # rows of a global batch n times as large
-            layout = TensorLayout.batch_split((shape[0] * n,) + shape[1:], n)
-            out.append(moved(a, a._value()[None], layout))
-            k += 1
-            continue
-        if strategy == "data_parallel":
-            if shape[0] % n:
-                raise ValueError(
-                    f"dataset_strategy='data_parallel': input {i} has batch size {shape[0]} "
-                    f"(shape {shape}), which does not divide over {n} devices; use a batch "
-                    f"size that is a multiple of {n} (or drop_remainder=True)")
-            layout = TensorLayout.batch_split(shape, n)
-        else:
-            if k >= len(strategy):
-                raise ValueError(f"dataset_strategy={strategy!r} gives {len(strategy)} "
-                                 f"strategies but the network got more tensor inputs (input "
-                                 f"{i}); give one strategy per input")
-            layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
-        k += 1
-        out.append(moved(a, distribute(a, layout)._data, layout))   # on the tape
-    return tuple(out)

@@ -43,14 +43,6 @@ def is_sharded_layout(layout) -> bool:
     return isinstance(layout, TensorLayout) and any(layout.tensor_map)
 
 
-def gradient_in_layout(g, layout, name):
-    """The local stack of gradient `g` in `layout` (resolving pending sums: the
-    gradient's ReduceScatter/AllReduce, reported as "gradient")."""
-    if isinstance(g, TensorBase) and g._layout == layout:
-        return g._data
-    return np.array(redistribute_tensor(g, layout, name, reason="gradient"))
-
-
 def _local_ranks(lay: TensorLayout) -> np.ndarray:
     """The ranks of `lay` whose shards this process stores (every rank under "sim")."""
     b = live_backend()

@@ -132,7 +132,7 @@ def run_view():
         assert rep.count("AllGather", reason="redistribution") == 1, rep
         _close("gathered fallback", picked.asnumpy(), (a @ b)[[0, 3, 3]])
     # batch-split inputs of a network call: each rank holds only its rows
-    from dualmode.parallel.dtensor import distribute_inputs
+    from dualmode.parallel.inputs import distribute_inputs
     dm.set_auto_parallel_context(parallel_mode="data_parallel")
     x = _f32(9, 8, 5)
     (t,) = distribute_inputs((Tensor(x),))

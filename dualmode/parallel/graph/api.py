@@ -16,7 +16,7 @@ from ..._core._tensor import TensorBase
 from ...ops import primitive as _primitive
 from ...tensor import Parameter
 from ..devices import device_num, live_backend, parallel_active
-from ..dtensor import distribute_inputs
+from ..inputs import distribute_inputs
 from ..layout import LayoutSpec
 from .compile import compile_graph
 from .trace import TraceError, current_trace, find_parameters, is_cell, trace

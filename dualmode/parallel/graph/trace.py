@@ -32,7 +32,8 @@ from ..._core._tensor import TensorBase
 from ...ops.interpreter import interpreting
 from ...ops.primitive import _flat
 from ...tensor import Parameter, Tensor
-from ..dtensor import REDISTRIBUTE, device_num
+from ..devices import device_num
+from ..dtensor import REDISTRIBUTE
 from ..sharding import op_strategy_layouts
 from ..strategy import strategies_active
 from ..strategy_checks import check_strategy_for

@@ -1,0 +1,60 @@
+"""Network inputs: a top-level network call splits its Tensor arguments as batch data,
+per the context's ``dataset_strategy``."""
+from __future__ import annotations
+
+import weakref
+
+from .. import context
+from .._core._tensor import TensorBase
+from ..tensor import Parameter
+from .devices import device_num, some_devices
+from .dtensor import distribute, moved
+from .layout import TensorLayout
+
+__all__ = ["distribute_inputs", "RANK_SHARDS"]
+
+#: Tensors a data set made from this rank's own shard (``num_shards`` = the MPI world,
+#: ``shard_id`` = this rank): a network takes them as its local rows of the batch.
+#: (by id: tensors compare elementwise)
+RANK_SHARDS = weakref.WeakValueDictionary()
+
+
+def distribute_inputs(args):
+    """Split the Tensor arguments of a top-level network call as batch data, per the
+    context's ``dataset_strategy`` ("data_parallel", "full_batch" or per-input
+    strategy tuples). Tensors already distributed, Parameters and 0-d values are
+    left alone."""
+    strategy = context.get_auto_parallel_context("dataset_strategy")
+    if strategy == "full_batch":
+        return args
+    n = device_num()
+    out, k = [], 0
+    for i, a in enumerate(args):
+        if not isinstance(a, TensorBase) or a._layout is not None or a.ndim == 0 \
+                or isinstance(a, Parameter):
+            out.append(a)
+            continue
+        shape = tuple(a.shape)
+        if strategy == "data_parallel" and RANK_SHARDS.get(id(a)) is a and some_devices():
+            # this rank's own shard of the data set (num_shards = ranks): it IS the local
+            # rows of a global batch n times as large
+            layout = TensorLayout.batch_split((shape[0] * n,) + shape[1:], n)
+            out.append(moved(a, a._value()[None], layout))
+            k += 1
+            continue
+        if strategy == "data_parallel":
+            if shape[0] % n:
+                raise ValueError(
+                    f"dataset_strategy='data_parallel': input {i} has batch size {shape[0]} "
+                    f"(shape {shape}), which does not divide over {n} devices; use a batch "
+                    f"size that is a multiple of {n} (or drop_remainder=True)")
+            layout = TensorLayout.batch_split(shape, n)
+        else:
+            if k >= len(strategy):
+                raise ValueError(f"dataset_strategy={strategy!r} gives {len(strategy)} "
+                                 f"strategies but the network got more tensor inputs (input "
+                                 f"{i}); give one strategy per input")
+            layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
+        k += 1
+        out.append(moved(a, distribute(a, layout)._data, layout))   # on the tape
+    return tuple(out)
