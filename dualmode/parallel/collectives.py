@@ -59,7 +59,8 @@ import numpy as np
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
 from ..communication import comm_cause, get_backend, group_members
-from ..ops._registry import KIND_GENERIC, apply, const, register, same_as_input, wrap
+from ..ops._registry import (KIND_GENERIC, REGISTRY, apply, const, register, same_as_input,
+                             wrap)
 from ..ops.collectives import WORLD_GROUP
 from . import device_local as dl
 from . import dtensor
@@ -398,14 +399,10 @@ def _one_device_kernel(name):
     return kernel
 
 
-_FORWARD = {}
-
-
 def _register(name, infer, fw, bw, save_outputs=False):
     op = register(name, kind=KIND_GENERIC, infer=infer, kernel=_one_device_kernel(name),
                   backward=bw, save_outputs=save_outputs)
-    _FORWARD[name] = fw
-    _OPDEFS[name] = op
+    op.extras["collective"] = fw           # the forward over the devices' values
     op.extras["device_local"] = _run_local
     return op
 
@@ -421,14 +418,12 @@ def _run_local(op, attrs, inputs, n):
     stack = x._data
     stand_in = np.broadcast_to(np.zeros((), stack.dtype), stack.shape[1:])
     ((shape, _dt),) = _core.infer(op, attrs, stand_in)
-    out, plain = _FORWARD[op.name](attrs, stack, n)
+    out, plain = op.extras["collective"](attrs, stack, n)
     layout = None if plain else dl.DeviceLocalLayout(n, shape)
     if plain and np.ndim(out) == 0:
         out = np.asarray(out)
     return _core.finish(op, attrs, (x,), out, x._node is not None, (layout,))
 
-
-_OPDEFS = {}
 
 ALL_REDUCE = _register("AllReduce", _infer_all_reduce, _fw_all_reduce, _bw_all_reduce,
                        save_outputs=True)
@@ -466,4 +461,4 @@ def run(prim, x):
                             dl.DeviceLocalLayout(n, x.shape))
     attrs = {"group": prim.group, "n": n, "members": members}
     attrs.update(prim._attrs(tuple(x.shape), k))
-    return apply(_OPDEFS[name], attrs, (x,))
+    return apply(REGISTRY[name], attrs, (x,))
