@@ -252,6 +252,14 @@ class SoftmaxCrossEntropyWithLogits(Primitive):
     """(logits, dense labels) -> per-sample loss."""
     name = "SoftmaxCrossEntropyWithLogits"
 
+    @staticmethod
+    def shared_dims(prim, xs):
+        """Logits and dense labels are one array shape: every dim is shared (the op is
+        made of other ops, so it declares this itself)."""
+        if len(xs) != 2 or tuple(xs[0].shape) != tuple(xs[1].shape):
+            return []
+        return [(0, d, 1, d, f"dim {d}") for d in range(xs[0].ndim)]
+
     def construct(self, logits, labels):
         return F.softmax_cross_entropy(logits, labels)
 

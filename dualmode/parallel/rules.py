@@ -13,6 +13,8 @@ import numpy as np
 
 from ..ops._registry import REGISTRY, linearity
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
+from .shared_dims import (bias_add_pairs, elementwise_pairs, matmul_pairs,
+                          sparse_xent_pairs)
 from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
                        register_rule, run_kernel)
 
@@ -83,7 +85,8 @@ def _elementwise_plan(op, attrs, lays, dtypes):
 def _register_elementwise():
     for name, op in REGISTRY.items():
         if op.kind in (KIND_UNARY, KIND_BINARY) or name == "Cast":
-            register_rule(name, per_device=True)(
+            register_rule(name, per_device=True,
+                          shared=elementwise_pairs if op.kind == KIND_BINARY else None)(
                 lambda attrs, lays, dtypes, _op=op: _elementwise_plan(_op, attrs, lays, dtypes))
 
 
@@ -94,7 +97,7 @@ def _swap(x, flag):
     return np.swapaxes(x, -1, -2) if flag else x
 
 
-@register_rule("MatMul")
+@register_rule("MatMul", shared=matmul_pairs)
 def _matmul(attrs, lays, dtypes):
     a, b = lays
     if a is None or b is None or a.partial or b.partial:
@@ -155,7 +158,7 @@ def contract_all(a, b):
     return np.broadcast_to(total[None], (n,) + total.shape)
 
 
-@register_rule("BatchMatMul")
+@register_rule("BatchMatMul", shared=matmul_pairs)
 def _batch_matmul(attrs, lays, dtypes):
     a, b = lays
     if a is None or b is None or a.partial or b.partial:
@@ -203,7 +206,7 @@ def _batch_matmul(attrs, lays, dtypes):
 # ---------------------------------------------------------------------------
 # BiasAdd: the bias follows the channel split
 # ---------------------------------------------------------------------------
-@register_rule("BiasAdd", per_device=True)
+@register_rule("BiasAdd", per_device=True, shared=bias_add_pairs)
 def _bias_add(attrs, lays, dtypes):
     x, b = lays
     if x is None or b is None or x.partial or b.partial:
@@ -391,7 +394,7 @@ def _broadcast_to(attrs, lays, dtypes):
 # ---------------------------------------------------------------------------
 # losses: rows may be split, classes must be whole
 # ---------------------------------------------------------------------------
-@register_rule("SparseSoftmaxCrossEntropyWithLogits")
+@register_rule("SparseSoftmaxCrossEntropyWithLogits", shared=sparse_xent_pairs)
 def _sparse_xent(attrs, lays, dtypes):
     logits, labels = lays
     if logits is None or labels is None or logits.partial or labels.partial:

@@ -34,10 +34,11 @@ import math
 
 import numpy as np
 
-from ..ops._array import _is_advanced
-from .sharding import ShardPlan, layout, register_rule
-from .devices import backend
 from ..context import rng
+from ..ops._array import _is_advanced
+from .devices import backend
+from .shared_dims import concat_pairs
+from .sharding import ShardPlan, layout, register_rule
 
 
 def _parts(dm, axes):
@@ -185,7 +186,7 @@ def _gather_grad(attrs, lays, dtypes):
 # ---------------------------------------------------------------------------
 # Concat / Split: the axis is whole, other dims keep their splits
 # ---------------------------------------------------------------------------
-@register_rule("Concat")
+@register_rule("Concat", shared=concat_pairs)
 def _concat(attrs, lays, dtypes):
     if not lays or not _plain(lays):
         return None

@@ -39,7 +39,6 @@ from .devices import holds_all_devices, op_cause
 from .layout import LayoutError, TensorLayout, stand_in
 from .redistribute import unify_device_matrices
 from .redistribute_bridge import redistribute_grid, redistribute_tensor
-from .strategy_checks import _pairs_for
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "refine",
            "reexpress", "same_placement", "common_device_matrix", "op_strategy_layouts",
@@ -64,15 +63,18 @@ class ShardPlan:
 RULES: dict = {}
 
 
-def register_rule(*names, per_device=False):
+def register_rule(*names, per_device=False, shared=None):
     """Register a sharding rule for the ops `names` (also in ``OpDef.extras["shard"]``).
 
     ``per_device=True`` declares the rule a pure per-device map: each device's outputs
     come from that device's input blocks alone, computed the same way on every device
     (so devices holding equal blocks compute equal results, and a layout that repeats
-    over some axes needs the computation only once per replica set)."""
+    over some axes needs the computation only once per replica set). ``shared(prim, xs)``
+    lists the dims its inputs share (:mod:`dualmode.parallel.shared_dims`): a strategy
+    must split them alike, and they sit on one axis of the op's device matrix."""
     def deco(fn):
         fn.per_device = per_device
+        fn.shared = shared
         for name in names:
             RULES[name] = fn
             if name in REGISTRY:
@@ -120,6 +122,15 @@ def reexpress(layout: TensorLayout, fine: tuple) -> TensorLayout:
     return TensorLayout(fine, tmap, layout.shape, partial)
 
 
+def shared_dims(prim, xs) -> list:
+    """The dims the inputs `xs` of primitive `prim` share, as its op's rule declares them
+    (a composite primitive with no op of its own declares ``shared_dims`` itself)."""
+    rule = RULES.get("RealDiv" if prim.name == "Div" else prim.name)
+    fn = getattr(rule, "shared", None) if rule is not None else \
+        getattr(type(prim), "shared_dims", None)
+    return fn(prim, xs) if fn is not None else []
+
+
 def same_placement(a: TensorLayout, b: TensorLayout) -> bool:
     """Do `a` and `b` put the same blocks on the same devices (and pend the same sums),
     whatever the factorisation of their device matrices (``(4, 2)`` with a dim on axis 1
@@ -151,7 +162,7 @@ def op_strategy_layouts(prim, tensors, device_num: int) -> tuple:
     Cached per (op, strategy, shapes, shared dims, device_num): layouts are values."""
     tensors = list(tensors)
     shapes = tuple(tuple(x.shape) for x in tensors)
-    shared = tuple(tuple(p) for p in _pairs_for(prim, tensors))
+    shared = tuple(tuple(p) for p in shared_dims(prim, tensors))
     strategy = prim.in_strategy
     exact = isinstance(strategy, tuple) and all(
         type(st) is tuple and all(type(v) is int for v in st) for st in strategy)

@@ -13,6 +13,9 @@ inputs: a dim that two inputs share must be split the same way in both, e.g.
 - Concat: every dim but the concat axis; the fused losses: the dims logits and labels
   share.
 
+Which dims an op's inputs share is declared once, with the op's sharding rule
+(``register_rule(..., shared=...)``, functions in :mod:`.shared_dims`).
+
 Softmax / LogSoftmax over a split axis is allowed (the input is redistributed).
 :func:`check_strategy_for` runs before any input is moved, so a failing call leaves
 tensors, parameters and the context untouched. Every error names the op, the strategy
@@ -24,9 +27,9 @@ import math
 
 import numpy as np
 
-from .._core._tensor import KIND_BINARY, TensorBase
-from ..ops._registry import REGISTRY
+from .._core._tensor import TensorBase
 from .layout import LayoutSpec
+from .sharding import shared_dims
 
 __all__ = ["check_strategy_for", "StrategyError"]
 
@@ -96,99 +99,6 @@ def _check_pairs(prim, strategy, xs, pairs):
             f"{i} and dim {dj} of input {j} are one dim of size {size}; valid: {valid})")
 
 
-# ---------------------------------------------------------------------------
-# shared dims per op: (i, di, j, dj, what)
-# ---------------------------------------------------------------------------
-def _matmul_pairs(prim, xs):
-    if len(xs) != 2:
-        return []
-    a, b = xs
-    batch = prim.name == "BatchMatMul"
-    if (a.ndim != 2 or b.ndim != 2) if not batch else (a.ndim < 2 or b.ndim < 2):
-        return []
-    ta, tb = bool(getattr(prim, "transpose_a", False)), bool(getattr(prim, "transpose_b", False))
-    ka = a.ndim - 2 if ta else a.ndim - 1
-    kb = b.ndim - 1 if tb else b.ndim - 2
-    if a.shape[ka] != b.shape[kb]:
-        return []                           # the op's own check names the shape error
-    pairs = [(0, ka, 1, kb, "contracted dim")]
-    if batch:
-        pairs += [(0, da, 1, db, f"batch dim {da}")
-                  for da, db in _aligned(a.shape[:-2], b.shape[:-2])]
-    return pairs
-
-
-def _aligned(s0, s1):
-    """Dims of equal size when the shapes are aligned from the right (broadcasting)."""
-    out = []
-    for k in range(1, min(len(s0), len(s1)) + 1):
-        d0, d1 = len(s0) - k, len(s1) - k
-        if s0[d0] == s1[d1]:
-            out.append((d0, d1))
-    return out[::-1]
-
-
-def _elementwise_pairs(prim, xs):
-    if len(xs) != 2:
-        return []
-    return [(0, d0, 1, d1, "broadcast dim")
-            for d0, d1 in _aligned(tuple(xs[0].shape), tuple(xs[1].shape))]
-
-
-def _bias_add_pairs(prim, xs):
-    if len(xs) != 2 or xs[0].ndim < 2 or xs[1].ndim != 1 or xs[0].shape[1] != xs[1].shape[0]:
-        return []
-    return [(0, 1, 1, 0, "channel dim")]
-
-
-def _concat_pairs(prim, xs):
-    if not xs:
-        return []
-    rank = xs[0].ndim
-    axis = getattr(prim, "axis", 0)
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or \
-            not -rank <= axis < rank:
-        return []
-    axis = int(axis) % rank
-    pairs = []
-    for j in range(1, len(xs)):
-        if xs[j].ndim != rank:
-            return []
-        pairs += [(0, d, j, d, f"dim {d} (not the concat axis)") for d in range(rank)
-                  if d != axis and xs[0].shape[d] == xs[j].shape[d]]
-    return pairs
-
-
-def _sparse_xent_pairs(prim, xs):
-    if len(xs) != 2 or xs[0].ndim != 2 or xs[1].ndim != 1 or xs[0].shape[0] != xs[1].shape[0]:
-        return []
-    return [(0, 0, 1, 0, "batch dim")]
-
-
-def _dense_xent_pairs(prim, xs):
-    if len(xs) != 2 or tuple(xs[0].shape) != tuple(xs[1].shape):
-        return []
-    return [(0, d, 1, d, f"dim {d}") for d in range(xs[0].ndim)]
-
-
-_PAIRS = {
-    "MatMul": _matmul_pairs, "BatchMatMul": _matmul_pairs, "BiasAdd": _bias_add_pairs,
-    "Concat": _concat_pairs,
-    "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent_pairs,
-    "SoftmaxCrossEntropyWithLogits": _dense_xent_pairs,
-}
-
-
-def _pairs_for(prim, xs):
-    fn = _PAIRS.get(prim.name)
-    if fn is not None:
-        return fn(prim, xs)
-    op = REGISTRY.get("RealDiv" if prim.name == "Div" else prim.name)
-    if op is not None and op.kind == KIND_BINARY:
-        return _elementwise_pairs(prim, xs)
-    return []
-
-
 def check_strategy_for(prim, tensor_args):
     """Check that `prim`'s in_strategy splits the dims its inputs share the same way.
 
@@ -201,7 +111,7 @@ def check_strategy_for(prim, tensor_args):
     xs = list(_flat(tensor_args))
     if len(xs) != len(strategy):
         return                               # Primitive._check_inputs names this
-    pairs = _pairs_for(prim, xs)
+    pairs = shared_dims(prim, xs)
     pairs = [p for p in pairs if _entry_ok(strategy[p[0]], xs[p[0]])
              and _entry_ok(strategy[p[2]], xs[p[2]])]
     if pairs:
