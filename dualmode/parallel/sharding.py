@@ -7,7 +7,9 @@ local computation on stacks of shards, and any collective that must finish an ou
 (e.g. AllReduce(max) after a max over a split dim). :func:`sharded_apply`
 redistributes the inputs, runs the local computation in one numpy call over the
 device axis and wraps the outputs. The same rules serve the backward pass (backward
-rules are written with ops) and, later, graph mode.
+rules are written with ops), graph planning and propagation, the data-parallel fast
+path and hybrid parallel's per-device values. A rule keeps pending sums through its op
+when the op is registered as linear in them (:func:`dualmode.parallel.rules.pending_sums`).
 
 Device matrices: layouts of different inputs may use different device matrices with
 the same rank order (e.g. (8,) and (2, 4)); they are re-expressed over their common
@@ -17,10 +19,11 @@ one axis, leftover factor repeated), so inputs that agree need no move.
 
 Repeated calculation (device axes that split nothing), when this process holds every
 device: ops whose rule is registered ``per_device=True`` and whose inputs and outputs
-all repeat over some axes compute one replica and copy the results to the others; a `local` marked with
-:func:`accepts_grids` (MatMul) receives inputs moved into a repeating layout as device
-grids (``device_matrix + local_shape``, size 1 where they repeat), broadcast instead of
-copied per replica.
+all repeat over some axes compute one replica and copy the results to the others (and
+inputs stored once for every device, stride 0, are computed on once); a `local` marked
+with :func:`accepts_grids` (MatMul) receives inputs moved into a repeating layout as
+device grids (``device_matrix + local_shape``, size 1 where they repeat), broadcast
+instead of copied per replica.
 """
 from __future__ import annotations
 
