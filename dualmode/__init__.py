@@ -16,6 +16,8 @@ from .common import initializer  # noqa: F401
 from . import nn  # noqa: E402
 from . import dataset  # noqa: E402
 from . import train  # noqa: E402
+from .train.serialization import (load_checkpoint, load_param_into_net,  # noqa: E402
+                                  save_checkpoint)
 from . import parallel  # noqa: E402
 from . import communication  # noqa: E402
 
@@ -26,5 +28,5 @@ __all__ = [
     "set_context", "get_context", "set_seed", "get_seed", "set_auto_parallel_context",
     "get_auto_parallel_context", "reset_auto_parallel_context", "PYNATIVE_MODE",
     "GRAPH_MODE", "ParallelMode", "nn", "dataset", "train", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
-    "uint8", "bool_",
+    "uint8", "bool_", "save_checkpoint", "load_checkpoint", "load_param_into_net",
 ]

@@ -15,6 +15,7 @@ import numpy as np
 from ..._core._tensor import TensorBase
 from ...parallel.grad_reduce import reduce_gradients
 from ...parallel.graph.trace import current_trace
+from ...parallel.layout import TensorLayout
 from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
 from ...parallel.strategy import is_sharded_layout
 from ...tensor import Parameter
@@ -275,12 +276,19 @@ class Optimizer(Cell):
         return tuple(p.clone(prefix=prefix, init="zeros") for p in self.parameters)
 
     def _match_states(self, i, p, w):
-        """Give parameter i's optimizer states the storage of the parameter when it
-        became per-device (layerwise slices set after the optimizer was built)."""
+        """Give parameter i's optimizer states the layout of the parameter when it
+        became sharded or per-device after the optimizer was built. A state holding a
+        global value (e.g. restored from a checkpoint before the weight was sharded)
+        keeps it, cut into the parameter's local shards; otherwise it starts at zero."""
         for name in self.__dict__.get("_state_names", ()):
             st = getattr(self, name)[i]
             if st._layout != p._layout:
-                st._data = np.zeros(w.shape, w.dtype)
+                if st._layout is None and st._data is not None and \
+                        isinstance(p._layout, TensorLayout) and st.shape == p.shape:
+                    st._data = np.array(redistribute_tensor(st, p._layout, st.name))
+                else:
+                    st._data = np.zeros(w.shape, w.dtype)
+                st._init = None
                 st._layout = p._layout
 
     def extend_repr(self):
