@@ -18,6 +18,8 @@ from . import dataset  # noqa: E402
 from . import train  # noqa: E402
 from .train.serialization import (load_checkpoint, load_param_into_net,  # noqa: E402
                                   save_checkpoint)
+from .train.reshard import (load_distributed_checkpoint,  # noqa: E402
+                            merge_sliced_checkpoints, transform_checkpoints)
 from . import parallel  # noqa: E402
 from . import communication  # noqa: E402
 
@@ -29,4 +31,5 @@ __all__ = [
     "get_auto_parallel_context", "reset_auto_parallel_context", "PYNATIVE_MODE",
     "GRAPH_MODE", "ParallelMode", "nn", "dataset", "train", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
     "uint8", "bool_", "save_checkpoint", "load_checkpoint", "load_param_into_net",
+    "load_distributed_checkpoint", "merge_sliced_checkpoints", "transform_checkpoints",
 ]

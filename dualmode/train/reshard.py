@@ -1,0 +1,374 @@
+"""Sliced checkpoints under another strategy or device count: ``merge_sliced_checkpoints``,
+``transform_checkpoints`` (offline) and ``load_distributed_checkpoint`` (into a network).
+
+Every function works from the per-rank files written by
+``save_checkpoint(..., integrated_save=False)`` and the layouts they were saved under
+(the strategy file, or the layouts recorded in each file's header). A box of a
+parameter's global value is read from the distinct source blocks it overlaps (one
+replica each), and from each only the byte range spanning the overlap
+(``CheckpointFile.read_region``): a device that needs a quarter of a weight reads about
+a quarter of it.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..nn.cell import Cell
+from ..parallel.devices import live_backend
+from ..parallel.layout import TensorLayout
+from .safetensors_io import CheckpointError, CheckpointFile, open_all, write_file
+from .serialization import STEP_NAME, StepCounter, _swap, checkpoint_entries, sliced_path
+from .strategy_file import (layout_from_dict, layout_from_entry, layout_to_dict,
+                            save_strategy_file, strategy_layouts)
+
+__all__ = ["merge_sliced_checkpoints", "transform_checkpoints", "load_distributed_checkpoint",
+           "SlicedCheckpoint"]
+
+
+def _whole(shape):
+    return tuple(slice(0, n) for n in shape)
+
+
+class SlicedCheckpoint:
+    """The per-rank files of one sliced checkpoint, opened and checked together.
+
+    Parameters
+    ----------
+    filenames : list of str
+        One file per rank, in rank order.
+    strategy : str (strategy file) or dict {name: TensorLayout}, optional
+        The layouts the slices were saved under; default: those in the files' headers.
+    owner : str
+        The function name used in error messages.
+    """
+
+    def __init__(self, filenames: Sequence[str], strategy=None, owner="checkpoint"):
+        if isinstance(filenames, (str, os.PathLike)) or not isinstance(filenames, (list, tuple)) \
+                or not filenames:
+            raise TypeError(f"{owner}: checkpoint_filenames must be a non-empty list of file "
+                            f"paths (one per rank, in rank order), got {filenames!r}")
+        for i, p in enumerate(filenames):
+            if not isinstance(p, (str, os.PathLike)):
+                raise TypeError(f"{owner}: checkpoint_filenames[{i}]={p!r} is not a path")
+        self.owner = owner
+        self.paths = [os.fspath(p) for p in filenames]
+        given = strategy_layouts(strategy, owner)
+        self.files: List[CheckpointFile] = list(open_all(self.paths).values())
+        try:
+            self._check(given)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self, given):
+        first = self.files[0]
+        self.meta = first.meta
+        integrated = self.meta.get("kind") == "integrated"
+        if integrated and len(self.files) > 1:
+            raise CheckpointError(f"{self.owner}: {self.paths[0]!r} is an integrated checkpoint "
+                                  f"(global values); pass it alone, not with other files")
+        n = len(self.files)
+        for r, f in enumerate(self.files):
+            kind, rank = f.meta.get("kind"), f.meta.get("rank")
+            if not integrated and (kind != "slice" or rank != r):
+                raise CheckpointError(
+                    f"{self.owner}: checkpoint_filenames[{r}]={f.path!r} holds "
+                    f"{'the slices of rank ' + str(rank) if kind == 'slice' else 'no slices'}; "
+                    f"give one sliced file per rank, in rank order")
+            if set(f.names) != set(first.names):
+                diff = sorted(set(f.names) ^ set(first.names))
+                raise CheckpointError(f"{self.owner}: {f.path!r} and {first.path!r} hold "
+                                      f"different parameters ({diff})")
+        recorded = {name: layout_from_dict(d, f"checkpoint file {first.path!r}, parameter "
+                                              f"{name!r}")
+                    for name, d in self.meta.get("layouts", {}).items()} if not integrated \
+            else {}
+        layouts = dict(recorded) if given is None else {k: v for k, v in given.items()
+                                                         if k in first}
+        self.layouts: Dict[str, Optional[TensorLayout]] = {}
+        for name in first.names:
+            lay = layouts.get(name)
+            if lay is not None and lay.device_num != n:
+                raise CheckpointError(f"{self.owner}: parameter {name!r} was sliced over "
+                                      f"{lay.device_num} devices (strategy) but "
+                                      f"{n} files were given; give one file per rank")
+            want = lay.local_shape if lay is not None else None
+            for f in self.files:
+                got = f.shape(name)
+                if want is not None and got != want:
+                    raise CheckpointError(f"{self.owner}: checkpoint file {f.path!r}, parameter "
+                                          f"{name!r}: slice shape {got} does not match its "
+                                          f"strategy {lay!r} (slice shape {want})")
+            self.layouts[name] = lay
+
+    @property
+    def names(self):
+        return self.files[0].names
+
+    def global_shape(self, name):
+        lay = self.layouts[name]
+        return tuple(lay.shape) if lay is not None else self.files[0].shape(name)
+
+    def dtype(self, name):
+        return self.files[0].dtype(name)
+
+    def read(self, name, box=None) -> np.ndarray:
+        """``global_value[box]`` of `name` from the distinct source blocks it overlaps."""
+        shape = self.global_shape(name)
+        box = _whole(shape) if box is None else tuple(box)
+        lay = self.layouts[name]
+        if lay is None:
+            f = self.files[0]
+            return f.read(name) if box == _whole(shape) else f.read_region(name, box)
+        lo = np.array([s.start for s in box], np.int64)
+        hi = np.array([s.stop for s in box], np.int64)
+        out = np.empty(tuple(hi - lo), self.dtype(name))
+        local = np.asarray(lay.local_shape, np.int64)
+        blocks, ranks = np.unique(lay.block_index, axis=0, return_index=True)
+        starts = blocks * local
+        b_lo = np.maximum(starts, lo)
+        b_hi = np.minimum(starts + local, hi)
+        hit = np.all(b_hi > b_lo, axis=1) if len(shape) else np.ones(len(ranks), bool)
+        for r, s, a, z in zip(ranks[hit], starts[hit], b_lo[hit], b_hi[hit]):   # one per file
+            src = tuple(slice(int(x - o), int(y - o)) for x, y, o in zip(a, z, s))
+            dst = tuple(slice(int(x - o), int(y - o)) for x, y, o in zip(a, z, lo))
+            out[dst] = self.files[int(r)].read_region(name, src)
+        return out
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self.files)
+
+    def close(self):
+        for f in self.files:
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------
+def merge_sliced_checkpoints(checkpoint_filenames, strategy_file, output_path):
+    """Rebuild the global values from per-rank slice files into one integrated file.
+
+    Parameters
+    ----------
+    checkpoint_filenames : list of str
+        One file per rank, in rank order (``<dir>/rank_<r>/<name>``).
+    strategy_file : str or None
+        The strategy the slices were saved under (None: the layouts in the files).
+    output_path : str
+        The integrated checkpoint to write (atomically).
+    """
+    owner = "merge_sliced_checkpoints"
+    if not isinstance(output_path, (str, os.PathLike)):
+        raise TypeError(f"{owner}: output_path must be a file path, got {output_path!r}")
+    with SlicedCheckpoint(checkpoint_filenames, strategy_file, owner) as src:
+        tensors = [(name, src.read(name)) for name in src.names]
+        meta = {k: v for k, v in src.meta.items() if k not in ("rank", "layouts")}
+        meta.update(kind="integrated",
+                    layouts={k: layout_to_dict(v) for k, v in src.layouts.items()
+                             if v is not None})
+    write_file(os.fspath(output_path), tensors, meta)
+
+
+_RANK_DIR = re.compile(r"^rank_(\d+)$")
+
+
+def _rank_dirs(owner, src_dir):
+    if not os.path.isdir(src_dir):
+        raise FileNotFoundError(f"{owner}: src_dir {src_dir!r} does not exist")
+    ranks = sorted(int(m.group(1)) for m in map(_RANK_DIR.match, os.listdir(src_dir)) if m)
+    if not ranks:
+        raise CheckpointError(f"{owner}: src_dir {src_dir!r} has no rank_<r> directories (as "
+                              f"save_checkpoint(..., integrated_save=False) writes)")
+    if ranks != list(range(len(ranks))):
+        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        raise CheckpointError(f"{owner}: src_dir {src_dir!r} lacks rank directories "
+                              f"{['rank_%d' % r for r in missing]}")
+    return len(ranks)
+
+
+def _device_num_of(owner, layouts, what):
+    counts = {lay.device_num for lay in layouts.values()}
+    if len(counts) != 1:
+        raise ValueError(f"{owner}: {what} lays parameters over different device counts "
+                         f"{sorted(counts)}; a strategy is for one device count")
+    return counts.pop()
+
+
+def transform_checkpoints(src_dir, dst_dir, src_strategy_file=None, dst_strategy_file=None):
+    """Re-slice every checkpoint in `src_dir` (``rank_<r>/<name>``, one directory per
+    source rank) for the layouts of `dst_strategy_file`, writing ``dst_dir/rank_<r>/<name>``
+    and ``dst_dir/strategy.json``; with no `dst_strategy_file`, write the integrated
+    (global) checkpoints ``dst_dir/<name>``. Parameters the destination strategy does
+    not list are stored whole on every rank. Offline: no devices are needed."""
+    owner = "transform_checkpoints"
+    for what, v in (("src_dir", src_dir), ("dst_dir", dst_dir)):
+        if not isinstance(v, (str, os.PathLike)):
+            raise TypeError(f"{owner}: {what} must be a directory path, got {v!r}")
+    src_dir, dst_dir = os.fspath(src_dir), os.fspath(dst_dir)
+    n_src = _rank_dirs(owner, src_dir)
+    dst_layouts = strategy_layouts(dst_strategy_file, owner)
+    if dst_layouts is not None and not dst_layouts:
+        raise ValueError(f"{owner}: dst_strategy_file {dst_strategy_file!r} lists no "
+                         f"parameters; omit it to write integrated checkpoints")
+    n_dst = _device_num_of(owner, dst_layouts, "dst_strategy_file") if dst_layouts else None
+    names = sorted(f for f in os.listdir(os.path.join(src_dir, "rank_0"))
+                   if os.path.isfile(os.path.join(src_dir, "rank_0", f))
+                   and not f.startswith("."))
+    if not names:
+        raise CheckpointError(f"{owner}: {os.path.join(src_dir, 'rank_0')!r} holds no "
+                              f"checkpoint files")
+    os.makedirs(dst_dir, exist_ok=True)
+    for base in names:
+        files = [os.path.join(src_dir, f"rank_{r}", base) for r in range(n_src)]
+        if dst_layouts is None:
+            merge_sliced_checkpoints(files, src_strategy_file, os.path.join(dst_dir, base))
+            continue
+        with SlicedCheckpoint(files, src_strategy_file, owner) as src:
+            for name, lay in dst_layouts.items():
+                if name in src.layouts and tuple(lay.shape) != src.global_shape(name):
+                    raise ValueError(f"{owner}: dst_strategy_file gives parameter {name!r} "
+                                     f"shape {lay.shape}; the checkpoint holds "
+                                     f"{src.global_shape(name)}")
+            meta = {k: v for k, v in src.meta.items() if k not in ("rank", "layouts")}
+            meta.update(kind="slice", device_num=n_dst,
+                        layouts={k: layout_to_dict(v) for k, v in dst_layouts.items()
+                                 if k in src.layouts})
+            cache = {}
+            for r in range(n_dst):                  # one file per destination rank
+                tensors = []
+                for name in src.names:
+                    lay = dst_layouts.get(name)
+                    box = lay.device_slices()[r] if lay is not None else None
+                    key = (name, None if box is None else
+                           tuple((b.start, b.stop) for b in box))
+                    if key not in cache:
+                        cache[key] = src.read(name, box)
+                    tensors.append((name, cache[key]))
+                path = sliced_path(os.path.join(dst_dir, base), r)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                write_file(path, tensors, dict(meta, rank=r))
+    if dst_layouts is not None:
+        save_strategy_file(os.path.join(dst_dir, "strategy.json"), dst_layouts)
+
+
+# ---------------------------------------------------------------------------------
+def _local_ranks(n):
+    b = live_backend()
+    if b is not None and b.world_size == n:
+        return np.asarray(b.local_ranks, np.int64)
+    return np.arange(n, dtype=np.int64)
+
+
+def _device_count():
+    b = live_backend()
+    return b.world_size if b is not None else 1
+
+
+def load_distributed_checkpoint(network, checkpoint_filenames, predict_strategy=None,
+                                train_strategy_filename=None, strict_load=False):
+    """Load slices saved under one strategy and device count into `network` running
+    under another, reading only the bytes each of this process's devices needs.
+
+    Parameters
+    ----------
+    network : Cell
+    checkpoint_filenames : list of str
+        The per-rank files of the training run, in rank order (or one integrated file).
+    predict_strategy : dict {name: [device_matrix, tensor_map, ...]}, optional
+        The layouts to load into (``Model.infer_predict_layout``/``infer_train_layout``);
+        a parameter not listed keeps its current layout (global when it has none).
+    train_strategy_filename : str, optional
+        The strategy file of the training run (default: the layouts in the files).
+    strict_load : bool
+        As in ``load_param_into_net``.
+
+    Returns
+    -------
+    list of str
+        The names of `network`'s parameters that were not loaded.
+    """
+    owner = "load_distributed_checkpoint"
+    if not isinstance(network, Cell):
+        raise TypeError(f"{owner}: network must be a dualmode.nn.Cell, got "
+                        f"{type(network).__name__}")
+    if predict_strategy is not None and not isinstance(predict_strategy, dict):
+        raise TypeError(f"{owner}: predict_strategy must be a dict {{name: layout}} (as "
+                        f"Model.infer_predict_layout returns) or None, got "
+                        f"{type(predict_strategy).__name__}")
+    targets = checkpoint_entries(network, owner)
+    n = _device_count()
+    with SlicedCheckpoint(checkpoint_filenames, train_strategy_filename, owner) as src:
+        known = set(src.names)
+        if predict_strategy:
+            unknown = [k for k in predict_strategy if k not in targets]
+            if unknown:
+                raise ValueError(f"{owner}: predict_strategy names {unknown}, which the "
+                                 f"network does not have")
+        if strict_load:
+            extra = [k for k in src.names if k not in targets]
+            missing = [k for k in targets if k not in known]
+            if extra or missing:
+                raise ValueError(f"{owner}: strict_load=True and the checkpoint's parameters "
+                                 f"{extra} are not in the network / the network's "
+                                 f"{missing} are not in the checkpoint")
+        staged, not_loaded = [], []
+        for name, target in targets.items():
+            if name not in known:
+                not_loaded.append(name)
+                continue
+            where = f"{owner}: parameter {name!r} (files {src.paths[0]!r}...)"
+            if isinstance(target, StepCounter):
+                v = src.read(name)
+                if v.shape != () or v.dtype.kind not in "iu":
+                    raise CheckpointError(f"{where}: {STEP_NAME} must be an integer scalar")
+                staged.append((target, (int(v), None)))
+                continue
+            shape = tuple(target.shape)
+            if src.global_shape(name) != shape:
+                raise ValueError(f"{where}: shape {src.global_shape(name)} in the checkpoint "
+                                 f"but {shape} in the network")
+            if src.dtype(name) != np.dtype(target.dtype):
+                raise TypeError(f"{where}: dtype {src.dtype(name)} in the checkpoint but "
+                                f"{np.dtype(target.dtype)} in the network")
+            lay = target._layout
+            if predict_strategy and name in predict_strategy:
+                lay = layout_from_entry(predict_strategy[name], shape,
+                                        f"{owner}: predict_strategy[{name!r}]")
+                if lay.device_num != n:
+                    raise ValueError(f"{owner}: predict_strategy[{name!r}] lays the parameter "
+                                     f"over {lay.device_num} devices but {n} are running")
+            if lay is not None and not isinstance(lay, TensorLayout):
+                raise ValueError(f"{where}: the network holds it as per-device "
+                                 f"(layerwise_parallel) values; it cannot be re-sliced")
+            staged.append((target, _load_one(src, name, lay)))
+    for target, new in staged:              # nothing can fail from here on
+        _swap(target, new)
+    return not_loaded
+
+
+def _load_one(src, name, lay):
+    """(local stack or global value, layout) of `name` for this process's devices."""
+    if lay is None:
+        return src.read(name), None
+    ranks = _local_ranks(lay.device_num)
+    local = np.asarray(lay.local_shape, np.int64)
+    starts = lay.block_index[ranks] * local
+    lo, hi = starts.min(axis=0), (starts + local).max(axis=0)
+    region = src.read(name, tuple(slice(int(a), int(z)) for a, z in zip(lo, hi)))
+    if tuple(lo) == (0,) * lay.ndim and tuple(hi) == tuple(lay.shape):
+        return lay.local_blocks_of(region, ranks), lay
+    if len(ranks) == 1:                             # one device per process (MPI)
+        return np.ascontiguousarray(region[None]), lay
+    rel = starts - lo                               # some devices of many: not a hot path
+    return np.stack([region[tuple(slice(int(a), int(a + m)) for a, m in zip(row, local))]
+                     for row in rel]), lay
