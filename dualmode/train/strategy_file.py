@@ -45,6 +45,7 @@ def _ms_tensor_map(lay: TensorLayout) -> list:
 
 
 def _axes_from_ms(entry, n, owner):
+    given = entry
     if isinstance(entry, bool):
         entry = None
     if isinstance(entry, numbers.Integral):
@@ -54,7 +55,7 @@ def _axes_from_ms(entry, n, owner):
     if not isinstance(entry, (list, tuple)) or not all(
             isinstance(e, numbers.Integral) and not isinstance(e, bool) and 0 <= e < n
             for e in entry):
-        raise ValueError(f"{owner}: tensor_map entry {entry!r} is not valid; each entry is "
+        raise ValueError(f"{owner}: tensor_map entry {given!r} is not valid; each entry is "
                          f"-1 (not split), a device axis 0..{n - 1} counted from the last "
                          f"axis, or a list of them")
     return tuple(n - 1 - int(e) for e in entry)
