@@ -42,6 +42,10 @@ __all__ = [
     "get_algo_parameters",
     "reset_algo_parameters",
     "reset_context",
+    "PSConfig",
+    "set_ps_context",
+    "get_ps_context",
+    "reset_ps_context",
 ]
 
 GRAPH_MODE = 0
@@ -118,6 +122,19 @@ def _new_generator(seed: Optional[int]) -> np.random.Generator:
     return np.random.default_rng(0 if seed is None else seed)
 
 
+@dataclass(frozen=True)
+class PSConfig:
+    """Values of :func:`set_ps_context` (parameter server mode, SPEC §6)."""
+
+    enable_ps: bool = False
+    mode: str = "sync"
+    staleness: Optional[int] = None
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    connect_timeout: float = 60.0
+    recovery_interval: int = 1
+
+
 @dataclass
 class CommState:
     """The process's live communication backend and its named groups (written by
@@ -143,6 +160,10 @@ class ContextState:
     seed: Optional[int] = None
     generator: np.random.Generator = field(default_factory=lambda: _new_generator(None))
     comm: CommState = field(default_factory=CommState)
+    ps: PSConfig = field(default_factory=PSConfig)
+    #: the live parameter-server role of this process (a worker's client), set by
+    #: :mod:`dualmode.ps` at ``init()``; ``reset_context`` leaves it alone, as ``comm``
+    ps_role: Any = None
 
 
 _STATE = ContextState()
@@ -156,7 +177,7 @@ def reset_context() -> None:
     """
     fresh = ContextState()
     for f in dataclasses.fields(ContextState):
-        if f.name != "comm":
+        if f.name not in ("comm", "ps_role"):
             setattr(_STATE, f.name, getattr(fresh, f.name))
 
 
@@ -615,3 +636,89 @@ def get_algo_parameters(key: str) -> Any:
 def reset_algo_parameters() -> None:
     """Restore every :func:`set_algo_parameters` key to its default."""
     _STATE.algo = AlgoParameters()
+
+
+# ------------------------------------------------------------ parameter server
+
+
+_PS_MODES = ("sync", "async")
+
+
+def _check_positive_seconds(func: str, key: str, value: Any) -> float:
+    expected = "a finite number of seconds > 0"
+    if not isinstance(value, numbers.Real) or _is_bool(value):
+        raise _type_error(func, key, value, expected)
+    if not 0 < value < float("inf"):
+        raise _value_error(func, key, value, expected)
+    return float(value)
+
+
+def _check_staleness(func: str, key: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    return _check_int_range(func, key, value, 0, None)
+
+
+_PS_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
+    "enable_ps": _check_bool,
+    "mode": lambda f, k, v: _check_choice(f, k, v, _PS_MODES),
+    "staleness": _check_staleness,
+    "heartbeat_interval": _check_positive_seconds,
+    "heartbeat_timeout": _check_positive_seconds,
+    "connect_timeout": _check_positive_seconds,
+    "recovery_interval": lambda f, k, v: _check_int_range(f, k, v, 1, None),
+}
+
+
+def set_ps_context(**kwargs: Any) -> None:
+    """Configure parameter server mode (MindSpore's ``set_ps_context``); call it before
+    ``communication.init()``.
+
+    Parameters
+    ----------
+    enable_ps : bool
+        Turn parameter server mode on: ``init()`` then reads this process's role from
+        ``DM_ROLE`` / ``MS_ROLE`` and joins the cluster (see ``docs/parameter_server.md``).
+    mode : str
+        ``"sync"`` (default: each step applies the mean of every live worker's gradient)
+        or ``"async"`` (each push is applied on arrival).
+    staleness : int or None
+        async only: a gradient computed on weights more than ``staleness`` updates old is
+        not applied (the worker gets the current weights). None (default): no bound.
+    heartbeat_interval, heartbeat_timeout : float
+        Seconds between heartbeats (default 1) and without one before a node is taken as
+        dead (default 10; must exceed the interval).
+    connect_timeout : float
+        Seconds to wait for the scheduler, the whole cluster, or a server's answer
+        before giving up with an error naming the address (default 60).
+    recovery_interval : int
+        With ``DM_RECOVERY_PATH`` set, servers checkpoint after every this many applied
+        steps (default 1); workers keep the gradients since the last checkpoint and push
+        them again to a restarted server.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`set_auto_parallel_context`; nothing is changed.
+    """
+    func = "set_ps_context"
+    values = _validate(func, kwargs, _PS_CHECKERS)
+    new = dataclasses.replace(_STATE.ps, **values)
+    if new.heartbeat_timeout <= new.heartbeat_interval:
+        raise ValueError(f"{func}: heartbeat_timeout={new.heartbeat_timeout} must exceed "
+                         f"heartbeat_interval={new.heartbeat_interval}")
+    if new.staleness is not None and new.mode != "async":
+        raise ValueError(f"{func}: staleness={new.staleness} needs mode='async'; sync "
+                         "training has no stale gradients")
+    _STATE.ps = new
+
+
+def get_ps_context(key: str) -> Any:
+    """Return the value of one :func:`set_ps_context` key."""
+    _check_key("get_ps_context", key, _PS_CHECKERS)
+    return getattr(_STATE.ps, key)
+
+
+def reset_ps_context() -> None:
+    """Restore every :func:`set_ps_context` key to its default (parameter server off)."""
+    _STATE.ps = PSConfig()

@@ -388,6 +388,34 @@ class Parameter(DeclaredShape, Tensor):
         self._init = None
         return self
 
+    @property
+    def is_param_ps(self) -> bool:
+        """Whether :meth:`set_param_ps` marked this weight as held by the parameter
+        servers."""
+        return bool(self.__dict__.get("_ps", False))
+
+    def set_param_ps(self, init_in_server: bool = False):
+        """Hold this weight on the parameter servers (parameter server mode, SPEC §6):
+        workers push its gradient and pull its new value at each optimizer call.
+        Without ``set_ps_context(enable_ps=True)`` the mark changes nothing, so the same
+        script also runs on one device.
+
+        Parameters
+        ----------
+        init_in_server : bool
+            Must be False: the value is initialised on the workers (all alike, from the
+            same seed) and sent to the servers at the first optimizer call.
+        """
+        if not isinstance(init_in_server, bool):
+            raise TypeError(f"Parameter {self.name}: set_param_ps(init_in_server="
+                            f"{init_in_server!r}) needs a bool")
+        if init_in_server:
+            raise ValueError(f"Parameter {self.name}: set_param_ps(init_in_server=True) is "
+                             "not supported; dualmode initialises server-held weights on the "
+                             "workers (init_in_server=False) and sends them to the servers")
+        self.__dict__["_ps"] = True
+        return self
+
     def clone(self, prefix="clone", init="same"):
         """A new parameter named `prefix.name`: a copy, or filled by `init` ("zeros", ...)."""
         if init == "same":

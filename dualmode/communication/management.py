@@ -128,6 +128,14 @@ def init(backend_name: Optional[str] = None) -> None:
     if backend_name is not None and not isinstance(backend_name, str):
         raise TypeError(f"init: backend_name={backend_name!r} has type "
                         f"{type(backend_name).__name__}; expected a str or None")
+    if context._STATE.ps.enable_ps:
+        # parameter server mode: the role from the environment (SPEC §6); the scheduler
+        # and the servers never return from the join
+        if _PS_JOIN[0] is None:
+            raise RuntimeError("init: set_ps_context(enable_ps=True) needs dualmode.ps, "
+                               "which is not loaded; import dualmode")
+        _install(_PS_JOIN[0](backend_name))
+        return
     launched = _mpi_launch()
     name = backend_name
     if name is None or name in _MINDSPORE_NAMES:
@@ -147,6 +155,11 @@ def init(backend_name: Optional[str] = None) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"init: the factory registered for {name!r} returned "
                         f"{type(backend).__name__}; expected a dualmode.communication.Backend")
+    _install(backend)
+
+
+def _install(backend: Backend) -> None:
+    """Make `backend` the live one (after checking a configured ``global_rank``)."""
     set_rank = context._STATE.auto_parallel.global_rank
     if (set_rank is not None and len(backend.local_ranks) < backend.world_size
             and set_rank not in backend.local_ranks):
@@ -161,6 +174,16 @@ def init(backend_name: Optional[str] = None) -> None:
     _STATE.member_arrays = {}
     GlobalComm.BACKEND = backend.name
     GlobalComm.INITED = True
+
+
+#: ``join(backend_name) -> Backend``: joining a parameter server cluster, installed by
+#: :mod:`dualmode.ps` (a layer above this one) when it is imported
+_PS_JOIN = [None]
+
+
+def set_ps_join(join) -> None:
+    """Install the function ``init()`` calls under ``set_ps_context(enable_ps=True)``."""
+    _PS_JOIN[0] = join
 
 
 def _close(backend: Optional[Backend]) -> None:

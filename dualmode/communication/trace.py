@@ -26,6 +26,8 @@ Reduce         ``S``
 Scatter        ``(n-1)/n S_total``          ``S_total`` = the root's whole buffer
 Gather         ``(n-1)/n S_total``          ``S_total`` = the gathered buffer (n S)
 Send/Recv      ``S``
+Push, Pull     ``S``                        a PS worker's gradients to / weights from the
+                                            servers (S = the bytes of the arrays moved)
 ============== ============================ ===============================================
 
 A collective over groups of one device moves nothing: it is **recorded** with
@@ -42,7 +44,7 @@ __all__ = ["KINDS", "REASONS", "CommRecord", "TraceState", "comm_cause", "curren
            "record", "note_memory", "bytes_per_device", "activate", "deactivate"]
 
 KINDS = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "Reduce",
-         "Scatter", "Gather", "Send/Recv")
+         "Scatter", "Gather", "Send/Recv", "Push", "Pull")
 REASONS = ("forward", "backward", "gradient", "redistribution", "parameter_broadcast", "user")
 
 
@@ -104,7 +106,7 @@ def bytes_per_device(kind: str, group_size: int, buffer_bytes: int,
         return (n - 1) * s
     if kind in ("ReduceScatter", "AlltoAll"):
         return (n - 1) * s / n
-    if kind in ("Broadcast", "Reduce", "Send/Recv"):
+    if kind in ("Broadcast", "Reduce", "Send/Recv", "Push", "Pull"):
         return s
     if kind in ("Scatter", "Gather"):
         total = n * s if total_bytes is None else float(total_bytes)

@@ -4,7 +4,7 @@ from .activation import ReLU, Sigmoid, Softmax, Tanh, get_activation
 from .basic import Dense, Dropout, Flatten
 from .cell import Cell
 from .container import CellList, SequentialCell
-from .embedding import Embedding
+from .embedding import Embedding, EmbeddingLookup
 from .loss import (CrossEntropyLoss, L1Loss, LossBase, MSELoss,
                    SoftmaxCrossEntropyWithLogits)
 from .normalization import LayerNorm
@@ -13,7 +13,7 @@ from .wrap import TrainOneStepCell, WithLossCell
 
 __all__ = [
     "Cell", "SequentialCell", "CellList", "Dense", "Flatten", "Dropout", "ReLU", "Tanh",
-    "Sigmoid", "Softmax", "get_activation", "Embedding", "LayerNorm", "LossBase",
+    "Sigmoid", "Softmax", "get_activation", "Embedding", "EmbeddingLookup", "LayerNorm", "LossBase",
     "MSELoss", "L1Loss", "CrossEntropyLoss", "SoftmaxCrossEntropyWithLogits", "Optimizer",
     "SGD", "Momentum", "Adam", "WithLossCell", "TrainOneStepCell", "utils",
 ]

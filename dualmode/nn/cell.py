@@ -251,6 +251,14 @@ class Cell:
         """``OrderedDict`` of parameter name (``param.name``) -> parameter."""
         return OrderedDict((p.name, p) for p in self.get_parameters(expand=recurse))
 
+    def set_param_ps(self, recurse: bool = True, init_in_server: bool = False) -> "Cell":
+        """Hold every trainable weight of this cell (and its descendants when `recurse`)
+        on the parameter servers (``Parameter.set_param_ps``); returns self."""
+        for param in self.get_parameters(expand=recurse):
+            if param.requires_grad:
+                param.set_param_ps(init_in_server)
+        return self
+
     # ---- modes -------------------------------------------------------------------
     def set_train(self, mode: bool = True) -> "Cell":
         """Set training mode on this cell and every descendant; returns self."""

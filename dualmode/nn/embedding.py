@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
+from ..ps.embedding import RowCache, before_lookup
+from ..ps.worker import active_worker
 from ..common import dtype as _dt
 from ..common.initializer import Initializer, _as_init
 from ..tensor import Tensor
@@ -11,7 +13,7 @@ from ._checks import check_bool, check_int, check_tensor
 from .basic import make_parameter
 from .cell import Cell
 
-__all__ = ["Embedding"]
+__all__ = ["Embedding", "EmbeddingLookup"]
 
 
 class _ZeroRow(Initializer):
@@ -99,3 +101,100 @@ class Embedding(Cell):
     def extend_repr(self):
         return (f"vocab_size={self.vocab_size}, embedding_size={self.embedding_size}, "
                 f"use_one_hot={self.use_one_hot}, padding_idx={self.padding_idx}")
+
+
+_TARGETS = ("CPU", "DEVICE")
+
+
+class EmbeddingLookup(Cell):
+    """An embedding table looked up by ids, made for large tables held by parameter
+    servers (MindSpore's ``nn.EmbeddingLookup``).
+
+    Outside parameter server mode it is a plain lookup (``ops.gather`` on the table).
+    In parameter server mode, once its table is held by the servers
+    (``set_param_ps()``), the table is split by rows over the servers; with
+    ``sparse=True`` a step pushes and pulls only the rows of the batch's de-duplicated
+    ids, and ``vocab_cache_size=K`` keeps the K most recently used rows valid on the
+    worker so only the others are pulled (the servers' changes to cached rows come back
+    with each step: results equal the uncached run). See ``dualmode.ps.embedding``.
+
+    Parameters
+    ----------
+    vocab_size, embedding_size : int
+        Rows and columns of the table.
+    param_init : str, Initializer, number or Tensor
+        Initial table; default "normal".
+    target : str
+        "CPU" or "DEVICE" (the same here).
+    slice_mode : str
+        Only "batch_slice" (the batch is split, the table replicated or on servers).
+    manual_shapes : None
+    max_norm : None
+    sparse : bool
+        Push and pull only the used rows (parameter server mode).
+    vocab_cache_size : int
+        Rows kept on the worker (0: no cache); needs ``sparse=True``.
+    dtype : dtype
+        The integer dtype of the ids (int32 by default); the table is float32.
+    """
+
+    def __init__(self, vocab_size, embedding_size, param_init="normal", target="CPU",
+                 slice_mode="batch_slice", manual_shapes=None, max_norm=None, sparse=True,
+                 vocab_cache_size=0, dtype=_dt.int32):
+        super().__init__()
+        owner = "EmbeddingLookup"
+        self.vocab_size = check_int(owner, "vocab_size", vocab_size, 1)
+        self.embedding_size = check_int(owner, "embedding_size", embedding_size, 1)
+        if target not in _TARGETS:
+            raise ValueError(f"{owner}: target={target!r} is not valid; expected one of "
+                             + ", ".join(repr(t) for t in _TARGETS))
+        if slice_mode != "batch_slice":
+            raise ValueError(f"{owner}: slice_mode={slice_mode!r} is not supported; expected "
+                             "'batch_slice' (shard the table with a Gather strategy, or hold "
+                             "it on parameter servers with set_param_ps)")
+        if manual_shapes is not None:
+            raise ValueError(f"{owner}: manual_shapes={manual_shapes!r} is not supported; "
+                             "expected None")
+        if max_norm is not None:
+            raise ValueError(f"{owner}: max_norm={max_norm!r} is not supported; expected None")
+        self.sparse = check_bool(owner, "sparse", sparse)
+        self.vocab_cache_size = check_int(owner, "vocab_cache_size", vocab_cache_size, 0)
+        if self.vocab_cache_size and not self.sparse:
+            raise ValueError(f"{owner}: vocab_cache_size={self.vocab_cache_size} needs "
+                             "sparse=True (the cache exchanges rows, not the whole table)")
+        self.target = target
+        self.dtype = _dt.as_dtype(dtype, owner)
+        if self.dtype.kind not in "iu":
+            raise TypeError(f"{owner}: dtype {self.dtype} is the dtype of the ids and must be "
+                            "an integer dtype (int32 or int64)")
+        self.embedding_table = make_parameter(owner, "param_init", param_init,
+                                              (self.vocab_size, self.embedding_size),
+                                              _dt.float32, "embedding_table")
+        table = self.embedding_table
+        table.ps_split = True              # split by rows over the servers
+        table.ps_sparse = self.sparse
+        self._cache = RowCache(self.vocab_cache_size)
+
+    def construct(self, ids):
+        check_tensor("EmbeddingLookup", "ids", ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"EmbeddingLookup: ids have dtype {ids.dtype}; expected an "
+                            "integer dtype")
+        table = self.embedding_table
+        worker = active_worker()
+        if worker is not None and table.is_param_ps and self.sparse:
+            arr = np.asarray(ids)
+            if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+                bad = arr.min() if arr.min() < 0 else arr.max()
+                raise ValueError(f"EmbeddingLookup: id {bad} is out of range; ids must be in "
+                                 f"[0, vocab_size={self.vocab_size})")
+            before_lookup(worker, table, self._cache, arr)
+        try:
+            return ops.gather(table, ids, 0)
+        except ValueError as e:
+            raise ValueError(f"EmbeddingLookup: ids must be in [0, vocab_size="
+                             f"{self.vocab_size}); {e}") from None
+
+    def extend_repr(self):
+        return (f"vocab_size={self.vocab_size}, embedding_size={self.embedding_size}, "
+                f"sparse={self.sparse}, vocab_cache_size={self.vocab_cache_size}")

@@ -18,6 +18,8 @@ from ...parallel.graph.trace import current_trace
 from ...parallel.layout import TensorLayout
 from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
 from ...parallel.strategy import is_sharded_layout
+from ...ps.optim import register_optimizer_class
+from ...ps.worker import active_worker
 from ...tensor import Parameter
 from .._checks import check_float
 from ..cell import Cell
@@ -149,6 +151,10 @@ class Optimizer(Cell):
 
     _eager_only = True      # GRAPH_MODE never compiles an update step alone
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        register_optimizer_class(cls)      # a parameter server can build it by name
+
     def __init__(self, learning_rate, parameters, weight_decay=0.0, loss_scale=1.0):
         super().__init__(auto_prefix=False)
         owner = type(self).__name__
@@ -227,6 +233,10 @@ class Optimizer(Cell):
                              f"parameters; they must be aligned with optimizer.parameters")
         _check_gradients(owner, gradients, params)         # all of them, before any effect
         gradients = reduce_gradients(gradients, params)   # data-parallel AllReduce
+        worker = active_worker()
+        # parameter server mode: the servers update the weights they hold (push the
+        # gradients, pull the new values); this optimizer updates the others
+        on_servers = worker.step(self, gradients) if worker is not None else ()
         step = self.global_step
         scale = self._inv_scale
         decay = self._decay
@@ -234,7 +244,7 @@ class Optimizer(Cell):
             lr = group.lr(step)
             for i in range(group.start, group.stop):
                 p = params[i]
-                if not p.requires_grad:
+                if not p.requires_grad or i in on_servers:
                     continue
                 g = gradients[i]
                 if p._layout is not None and is_sharded_layout(p._layout):

@@ -1,0 +1,27 @@
+"""dualmode.ps: parameter server mode (SPEC §6) over ZeroMQ.
+
+    import dualmode as dm
+    dm.set_ps_context(enable_ps=True)            # before init()
+    dm.communication.init()                      # scheduler / servers: serve, then exit
+    net = Net(); net.set_param_ps()              # workers: these weights live on servers
+    opt = nn.Momentum(net.trainable_params(), 0.01, 0.9)
+    ...                                          # opt(grads) pushes and pulls
+
+Roles come from DM_ROLE / MS_ROLE and the other variables of :mod:`.env`;
+``python -m dualmode.run --ps --server_num S --worker_num W train.py`` starts them all.
+Modules: :mod:`.transport` (messages), :mod:`.env` (roles), :mod:`.scheduler`,
+:mod:`.server`, :mod:`.worker`, :mod:`.placement`, :mod:`.optim` (the optimizer a
+server runs), :mod:`.embedding` (sparse rows and the worker-side cache),
+:mod:`.launch` (the launcher's ``--ps``). See ``docs/parameter_server.md``.
+"""
+from ..communication.management import set_ps_join
+from ..context import get_ps_context, reset_ps_context, set_ps_context
+from .embedding import RowCache
+from .role import join
+from .transport import PSError
+from .worker import WorkerClient, active_worker
+
+set_ps_join(join)
+
+__all__ = ["set_ps_context", "get_ps_context", "reset_ps_context", "active_worker",
+           "WorkerClient", "RowCache", "PSError"]

@@ -1,0 +1,77 @@
+"""The worker side of a sparse server-held embedding table (``nn.EmbeddingLookup``).
+
+Each forward pass looks at the de-duplicated ids of its batch. Without a cache
+(``vocab_cache_size=0``) their rows are pulled from the servers (only those rows) into
+the worker's table before the lookup; with a cache of K rows, the rows used most
+recently (at most K) stay valid on the worker and only the others are pulled. After
+each optimizer step the servers answer with the rows the step changed (the union over
+all workers in sync mode), and the cached ones are overwritten with them, so a cached
+row always equals the server's: results equal the uncached run. The gradient pushed for
+the table is its rows at the ids used since the last step (de-duplicated), and the
+servers update those rows only.
+"""
+from __future__ import annotations
+
+import collections
+from typing import List
+
+import numpy as np
+
+__all__ = ["RowCache", "before_lookup"]
+
+
+class RowCache:
+    """Which rows of one table are valid on this worker, and which ids were used since
+    the last push."""
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self.lru: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        self.touched: List[np.ndarray] = []
+
+    def to_pull(self, uniq: np.ndarray) -> np.ndarray:
+        """The ids among `uniq` whose rows are not valid here."""
+        if not self.capacity or not self.lru:
+            return uniq
+        cached = np.fromiter(self.lru.keys(), dtype=np.int64, count=len(self.lru))
+        return uniq[~np.isin(uniq, cached)]
+
+    def use(self, uniq: np.ndarray) -> None:
+        """Mark `uniq` as used now (cached, most recent) and to be pushed."""
+        self.touched.append(uniq)
+        if not self.capacity:
+            return
+        lru = self.lru
+        for i in uniq[-self.capacity:].tolist():
+            lru[i] = None
+            lru.move_to_end(i)
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def touched_ids(self) -> np.ndarray:
+        """The de-duplicated ids used since the last push."""
+        if not self.touched:
+            return np.zeros(0, np.int64)
+        return np.unique(np.concatenate(self.touched)).astype(np.int64)
+
+    def clear_touched(self) -> None:
+        self.touched = []
+
+    def refresh(self, param, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Overwrite the cached rows among `ids` with the servers' `rows`."""
+        if not self.capacity or not self.lru:
+            return
+        keep = np.fromiter((i in self.lru for i in ids.tolist()), dtype=bool, count=len(ids))
+        if keep.any():
+            param._value()[ids[keep]] = rows[keep]
+
+
+def before_lookup(client, param, cache: RowCache, ids: np.ndarray) -> None:
+    """Make the rows of `ids` in `param` current (pull what is not cached) and note the
+    ids for the next push."""
+    uniq = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+    client.sparse[id(param)] = cache
+    need = cache.to_pull(uniq)
+    if len(need):
+        client.pull_rows(param, need)
+    cache.use(uniq)

@@ -1,0 +1,111 @@
+"""The optimizer a server runs, described by the worker that owns it.
+
+A worker's optimizer is sent to the servers as a small JSON spec per parameter (class
+name, hyper-parameters, learning rate, weight decay, loss scale); a server builds the
+same dualmode optimizer class over its shard of that parameter. The classes are looked
+up in a registry that :class:`dualmode.nn.Optimizer` fills as its subclasses are
+defined (the nn layer sits above this package). State (momentum, Adam moments, step
+counter) lives on the server.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from ..tensor import Parameter
+
+__all__ = ["register_optimizer_class", "optimizer_spec", "build_optimizer", "state_arrays",
+           "optimizer_meta", "restore_optimizer"]
+
+#: optimizer class name -> class (registered by dualmode.nn.Optimizer.__init_subclass__)
+_CLASSES: Dict[str, type] = {}
+#: the constructor arguments a server needs, per class (besides learning rate, weight
+#: decay and loss scale)
+_HYPER: Dict[str, Tuple[str, ...]] = {
+    "SGD": ("momentum", "dampening", "nesterov"),
+    "Momentum": ("momentum", "use_nesterov"),
+    "Adam": ("beta1", "beta2", "eps", "use_nesterov"),
+}
+
+
+def register_optimizer_class(cls: type) -> None:
+    """Make `cls` buildable on a server under its class name."""
+    _CLASSES[cls.__name__] = cls
+
+
+def _lr_spec(owner: str, name: str, schedule) -> Any:
+    if schedule.value is not None:
+        return schedule.value
+    if schedule.values is not None:
+        return list(schedule.values)
+    raise ValueError(f"{owner}: parameter {name!r} is held by the parameter servers and its "
+                     "learning rate is a callable, which cannot be sent to them; give a "
+                     "float or a list with one value per step")
+
+
+def optimizer_spec(opt, index: int) -> Dict[str, Any]:
+    """The JSON spec of `opt` for its parameter `index`."""
+    owner = type(opt).__name__
+    if owner not in _HYPER or _CLASSES.get(owner) is not type(opt):
+        raise ValueError(f"{owner}: parameter {opt.parameters[index].name!r} is held by the "
+                         f"parameter servers, which run SGD, Momentum or Adam; {owner} cannot "
+                         "run there (keep its weights on the workers, or use one of those)")
+    group = next(g for g in opt._groups if g.start <= index < g.stop)
+    hyper = {k: getattr(opt, k) for k in _HYPER[owner]}
+    return {"cls": owner, "hyper": hyper, "loss_scale": opt.loss_scale,
+            "lr": _lr_spec(owner, opt.parameters[index].name, group.lr),
+            "weight_decay": opt._decay[index]}
+
+
+def build_optimizer(spec: Dict[str, Any], param: Parameter):
+    """The optimizer `spec` describes, over the one server-held `param`."""
+    cls = _CLASSES.get(spec.get("cls"))
+    if cls is None:
+        raise ValueError(f"optimizer class {spec.get('cls')!r} is not known on this server; "
+                         "expected one of " + ", ".join(sorted(_HYPER)))
+    group = {"params": [param], "lr": spec["lr"], "weight_decay": spec["weight_decay"]}
+    return cls([group], learning_rate=spec["lr"], loss_scale=spec["loss_scale"],
+               **spec["hyper"])
+
+
+def state_arrays(opt) -> Dict[str, np.ndarray]:
+    """The optimizer's state arrays (momentum, moments), by state name."""
+    out = {}
+    for name in opt.__dict__.get("_state_names", ()):
+        out[name] = getattr(opt, name)[0]._data
+    return out
+
+
+def optimizer_meta(opt) -> Dict[str, Any]:
+    """What besides the state arrays a restarted server needs: the step counter and
+    SGD's first-step flags."""
+    return {"global_step": opt.global_step, "fresh": list(opt.__dict__.get("_fresh", []))}
+
+
+def restore_optimizer(opt, meta: Dict[str, Any], states: Dict[str, np.ndarray]) -> None:
+    """Put a checkpointed state back into `opt`."""
+    opt.global_step = int(meta["global_step"])
+    if "_fresh" in opt.__dict__:
+        opt._fresh = list(meta["fresh"])
+    for name, arr in states.items():
+        getattr(opt, name)[0]._data = np.array(arr)
+
+
+def swap_rows(opt, param: Parameter, rows: np.ndarray) -> List[Tuple[Any, np.ndarray]]:
+    """Point `param` and the optimizer's states at copies of their `rows` (a sparse
+    update runs on those rows only); returns what :func:`unswap_rows` writes back."""
+    saved = []
+    for t in [param] + [getattr(opt, name)[0] for name in opt.__dict__.get("_state_names", ())]:
+        saved.append((t, t._data))
+        t._data = t._data[rows]
+        t._shape = t._data.shape
+    return saved
+
+
+def unswap_rows(saved, rows: np.ndarray) -> None:
+    """Write the updated rows back and restore the full arrays."""
+    for t, full in saved:
+        full[rows] = t._data
+        t._data = full
+        t._shape = full.shape

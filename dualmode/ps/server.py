@@ -1,0 +1,409 @@
+"""A server: holds shards of the server-held weights and runs the optimizer on them.
+
+Workers talk to it through a ROUTER socket on its data address; the scheduler through
+a DEALER (heartbeats, ``worker_lost`` / ``worker_done``, ``shutdown``). One thread,
+one poll loop: requests are handled in arrival order, so a pull always sees a whole
+step.
+
+A **group** is the set of shards one optimizer of the workers owns on this server
+(``"opt0"``, ...); each group has a **version**, the number of steps applied. Requests:
+
+``init``       the group's shards (names, shapes, optimizer spec) with the worker's
+               initial values; the first worker's values are kept, and a worker whose
+               values differ is refused (seed every worker alike). Answer: the values.
+``push``       one step's gradients (dense arrays, or ids and rows for a sparse
+               table). sync: the step is applied when every live worker has pushed it,
+               with the mean of their gradients; async: at once (a gradient more than
+               ``staleness`` versions old is dropped). Answer, once applied: the new
+               values (for a sparse table: the rows the step changed).
+``pull_rows``  rows of a sparse table by id.
+
+With DM_RECOVERY_PATH set, the shards, optimizer states and versions are written to
+``<path>/server_<id>.safetensors`` (atomically) after every ``recovery_interval``
+applied steps; a server restarted by hand loads it and goes on from there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import zmq
+from safetensors import safe_open
+from safetensors.numpy import save as st_save
+
+from .. import context
+from ..tensor import Parameter, Tensor
+from .env import ClusterEnv
+from .optim import (build_optimizer, optimizer_meta, restore_optimizer, state_arrays,
+                    swap_rows, unswap_rows)
+from .scheduler import log
+from .transport import PSError, local_host, recv, send
+
+__all__ = ["run_server", "checkpoint_path"]
+
+
+def checkpoint_path(root: str, server_id: int) -> str:
+    """The recovery file of server `server_id` under `root`."""
+    return os.path.join(root, f"server_{server_id}.safetensors")
+
+
+@dataclass
+class _Key:
+    spec: Dict[str, Any]
+    param: Parameter
+    opt: Any
+    changed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def sparse(self) -> bool:
+        return bool(self.spec.get("sparse"))
+
+
+@dataclass
+class _Group:
+    gid: str
+    keys: List[_Key]
+    version: int = 0
+    pending: Dict[int, Dict[int, List[np.ndarray]]] = field(default_factory=dict)
+    owed: Dict[int, List[Tuple[bytes, dict]]] = field(default_factory=dict)
+    since_checkpoint: int = 0
+    dropped: int = 0
+
+
+def _public_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: spec[k] for k in ("name", "shape", "dtype", "rows", "sparse")}
+
+
+class _Server:
+    def __init__(self, env: ClusterEnv, cfg: context.PSConfig):
+        self.env, self.cfg = env, cfg
+        self.ctx = zmq.Context.instance()
+        self.sched = self.ctx.socket(zmq.DEALER)
+        self.sched.setsockopt(zmq.LINGER, 500)
+        self.sched.connect(env.sched_address)
+        self.data = self.ctx.socket(zmq.ROUTER)
+        self.data.setsockopt(zmq.LINGER, 500)
+        self.groups: Dict[str, _Group] = {}
+        self.live: set = set(range(env.worker_num))
+        self.id = -1
+        self.address = None
+        self.push_bytes = self.pull_bytes = 0
+
+    # ------------------------------------------------------------ joining
+    def join(self) -> None:
+        env, cfg = self.env, self.cfg
+        host = env.node_host or local_host(env.sched_host)
+        port = self.data.bind_to_random_port("tcp://*")
+        self.address = f"tcp://{host}:{port}"
+        send(self.sched, {"op": "register", "role": "server", "address": self.address,
+                          "pid": os.getpid(), "server_num": env.server_num,
+                          "worker_num": env.worker_num, "mode": cfg.mode,
+                          "staleness": cfg.staleness})
+        head = self._await_scheduler()
+        self.id = head["id"]
+        if "bind" in head and head["bind"] != self.address:
+            # a restarted server listens where the one it replaces did
+            self.data.unbind(f"tcp://0.0.0.0:{port}")
+            bind = head["bind"]
+            try:
+                self.data.bind("tcp://*:" + bind.rsplit(":", 1)[1])
+            except zmq.ZMQError as exc:
+                raise RuntimeError(f"init: restarted server {self.id} cannot listen on "
+                                   f"{bind} again ({exc}); the port is in use") from None
+            self.address = bind
+            self.recover()
+        log("server", f"server {self.id} of {env.server_num} serving on {self.address}")
+
+    def _await_scheduler(self) -> dict:
+        cfg, env = self.cfg, self.env
+        end = time.monotonic() + cfg.connect_timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"init: the scheduler at DM_SCHED_HOST:DM_SCHED_PORT="
+                                   f"{env.sched_host}:{env.sched_port} did not form the "
+                                   f"cluster within connect_timeout={cfg.connect_timeout:g} "
+                                   "s (is it running, and do all roles use that address?)")
+            if self.sched.poll(int(min(left, 1.0) * 1000)):
+                head, _ = recv(self.sched, "scheduler")
+                if head.get("op") == "error":
+                    raise RuntimeError("init: the scheduler refused this server: "
+                                       + head["message"])
+                if head.get("op") == "cluster":
+                    return head
+
+    # ---------------------------------------------------------- recovery
+    def checkpoint(self) -> None:
+        root = self.env.recovery_path
+        if root is None:
+            return
+        tensors, meta = {}, {}
+        for gid, g in self.groups.items():
+            keys = []
+            for k, key in enumerate(g.keys):
+                tensors[f"{gid}/{k}/value"] = key.param._data
+                tensors[f"{gid}/{k}/changed"] = key.changed
+                for name, arr in state_arrays(key.opt).items():
+                    tensors[f"{gid}/{k}/state/{name}"] = arr
+                keys.append({"spec": key.spec, "opt": optimizer_meta(key.opt)})
+            meta[gid] = {"version": g.version, "keys": keys}
+        os.makedirs(root, exist_ok=True)
+        path = checkpoint_path(root, self.id)
+        tmp = path + f".tmp{os.getpid()}"
+        blob = st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                       metadata={"dualmode_ps": json.dumps(meta)})
+        with open(tmp, "wb") as fh:
+            fh.write(blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    def recover(self) -> None:
+        root = self.env.recovery_path
+        path = checkpoint_path(root, self.id) if root else None
+        if path is None or not os.path.exists(path):
+            log("server", f"server {self.id} restarted without a recovery checkpoint "
+                f"(DM_RECOVERY_PATH={root!r}); workers that used it will fail")
+            return
+        with safe_open(path, "np") as fh:
+            meta = json.loads(fh.metadata()["dualmode_ps"])
+            arrays = {k: fh.get_tensor(k) for k in fh.keys()}
+        for gid, gm in meta.items():
+            keys = []
+            for k, km in enumerate(gm["keys"]):
+                key = self._make_key(km["spec"], arrays[f"{gid}/{k}/value"])
+                states = {name.rsplit("/", 1)[1]: arr for name, arr in arrays.items()
+                          if name.startswith(f"{gid}/{k}/state/")}
+                restore_optimizer(key.opt, km["opt"], states)
+                key.changed = arrays[f"{gid}/{k}/changed"]
+                keys.append(key)
+            self.groups[gid] = _Group(gid, keys, version=gm["version"])
+        log("server", f"server {self.id} resumed from {path}: " + ", ".join(
+            f"{gid} at step {g.version}" for gid, g in self.groups.items()))
+
+    # ------------------------------------------------------------ requests
+    def _make_key(self, spec: Dict[str, Any], value: np.ndarray) -> _Key:
+        param = Parameter(Tensor._from_array(np.array(value, dtype=spec["dtype"])),
+                          name=spec["name"])
+        return _Key(spec, param, build_optimizer(spec["opt"], param))
+
+    def on_init(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
+        gid, worker, specs = head["group"], head["worker"], head["keys"]
+        g = self.groups.get(gid)
+        if g is None:
+            if head.get("step", 0) > 0:
+                return self.error(ident, head, f"server {self.id} has no state for {gid} "
+                                  f"at step {head['step']}: it was restarted without a "
+                                  "recovery checkpoint (set DM_RECOVERY_PATH on the servers "
+                                  "to resume after a server fails)")
+            keys = [self._make_key(spec, a) for spec, a in zip(specs, arrays)]
+            g = self.groups[gid] = _Group(gid, keys)
+            log("server", f"{gid}: {len(keys)} shard(s) from worker {worker}: "
+                + ", ".join(f"{k.spec['name']}{tuple(k.spec['shape'])}" for k in keys))
+            self.checkpoint()
+        else:
+            mine = [_public_spec(k.spec) for k in g.keys]
+            theirs = [_public_spec(s) for s in specs]
+            if mine != theirs:
+                return self.error(ident, head, f"worker {worker} describes {gid} as "
+                                  f"{theirs}, but server {self.id} holds {mine}; every "
+                                  "worker must build the same network and optimizer")
+            if g.version == 0:
+                for k, a in zip(g.keys, arrays):
+                    if not np.array_equal(k.param._data, a):
+                        return self.error(ident, head, f"worker {worker}'s initial value "
+                                          f"of parameter {k.spec['name']!r} differs from "
+                                          "the first worker's; seed every worker alike "
+                                          "(dm.set_seed) before building the network")
+        self.reply(ident, head, {"op": "init_ok", "version": g.version},
+                   [k.param._data for k in g.keys])
+
+    def on_push(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
+        gid, worker, step = head["group"], head["worker"], head["step"]
+        g = self.groups.get(gid)
+        if g is None:
+            return self.error(ident, head, f"server {self.id} has no state for {gid}: it "
+                              "was restarted without a recovery checkpoint (set "
+                              "DM_RECOVERY_PATH on the servers to resume after a failure)")
+        self.push_bytes += sum(a.nbytes for a in arrays)
+        grads = self._split(g, arrays, f"push from worker {worker}")
+        if self.cfg.mode == "async":
+            if self.cfg.staleness is not None and g.version - head["base"] > self.cfg.staleness:
+                g.dropped += 1
+                log("server", f"{gid}: dropped a gradient of worker {worker} computed on "
+                    f"step {head['base']} (now {g.version}; staleness={self.cfg.staleness})")
+            else:
+                self.apply(g, [grads], mean=False)
+            return self.answer(ident, head, g, head.get("want_rows"))
+        if step < g.version:              # pushed again after a restart: already applied
+            return self.answer(ident, head, g, head.get("want_rows"))
+        if step > g.version:
+            return self.reply(ident, head, {"op": "replay", "version": g.version})
+        g.pending.setdefault(step, {})[worker] = grads
+        g.owed.setdefault(step, []).append((ident, head))
+        self.maybe_apply(g)
+
+    def _split(self, g: _Group, arrays: List[np.ndarray], where: str) -> list:
+        out, i = [], 0
+        for key in g.keys:
+            if key.sparse:
+                out.append((arrays[i], arrays[i + 1]))
+                i += 2
+            else:
+                out.append(arrays[i])
+                i += 1
+        if i != len(arrays):
+            raise PSError(f"{where}: {len(arrays)} arrays for {len(g.keys)} shard(s)")
+        return out
+
+    def maybe_apply(self, g: _Group) -> None:
+        step = g.version
+        got = g.pending.get(step, {})
+        if not got or not self.live.issubset(got):
+            return
+        self.apply(g, list(got.values()), mean=True)
+        g.pending.pop(step, None)
+        for ident, head in g.owed.pop(step, []):
+            self.answer(ident, head, g, head.get("want_rows"))
+
+    def apply(self, g: _Group, pushes: list, mean: bool) -> None:
+        n = len(pushes)
+        for k, key in enumerate(g.keys):
+            if key.sparse:
+                ids = np.concatenate([p[k][0] for p in pushes])
+                rows = np.concatenate([p[k][1] for p in pushes])
+                uniq, inv = np.unique(ids, return_inverse=True)
+                grad = np.zeros((len(uniq),) + rows.shape[1:], rows.dtype)
+                np.add.at(grad, inv, rows)
+                if mean and n > 1:
+                    grad /= n
+                local = uniq - key.spec["rows"][0]
+                saved = swap_rows(key.opt, key.param, local)
+                try:
+                    key.opt((Tensor._from_array(grad),))
+                finally:
+                    unswap_rows(saved, local)
+                key.changed = uniq
+            else:
+                grad = pushes[0][k] if n == 1 else np.sum([p[k] for p in pushes], axis=0)
+                if mean and n > 1:
+                    grad = grad / n
+                key.opt((Tensor._from_array(np.asarray(grad, key.param._data.dtype)),))
+        g.version += 1
+        g.since_checkpoint += 1
+        if g.since_checkpoint >= self.cfg.recovery_interval:
+            self.checkpoint()
+            g.since_checkpoint = 0
+
+    def answer(self, ident: bytes, head: dict, g: _Group, want_rows) -> None:
+        arrays = []
+        for k, key in enumerate(g.keys):
+            if key.sparse:
+                if want_rows and want_rows[k]:
+                    ids = key.changed
+                    arrays += [ids, key.param._data[ids - key.spec["rows"][0]]]
+                else:
+                    arrays += [np.zeros(0, np.int64),
+                               np.zeros((0,) + key.param._data.shape[1:], key.param._data.dtype)]
+            else:
+                arrays.append(key.param._data)
+        self.reply(ident, head, {"op": "pulled", "version": g.version}, arrays)
+
+    def on_pull_rows(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
+        g = self.groups.get(head["group"])
+        if g is None:
+            return self.error(ident, head, f"server {self.id} has no state for "
+                              f"{head['group']}")
+        key = g.keys[head["key"]]
+        ids = arrays[0]
+        self.reply(ident, head, {"op": "rows", "version": g.version},
+                   [key.param._data[ids - key.spec["rows"][0]]])
+
+    def reply(self, ident: bytes, req: dict, head: dict, arrays=()) -> None:
+        head["req"] = req.get("req")
+        self.pull_bytes += send(self.data, head, arrays, ident=ident)
+
+    def error(self, ident: bytes, req: dict, message: str) -> None:
+        log("server", "refused a request: " + message)
+        self.reply(ident, req, {"op": "error", "message": message})
+
+    # ------------------------------------------------------------------ loop
+    def on_scheduler(self, head: dict) -> Optional[int]:
+        op = head.get("op")
+        if op in ("worker_lost", "worker_done"):
+            w = head["worker"]
+            self.live.discard(w)
+            why = "lost" if op == "worker_lost" else "finished"
+            if op == "worker_lost":
+                log("server", f"worker {w} {why}; sync steps go on with the live workers "
+                    f"{sorted(self.live)}")
+            for g in self.groups.values():
+                self.maybe_apply(g)
+        elif op == "shutdown":
+            for g in self.groups.values():
+                if g.since_checkpoint:
+                    self.checkpoint()
+                    break
+            log("server", f"server {self.id} stopping: " + ", ".join(
+                f"{gid} at step {g.version}" + (f" ({g.dropped} stale gradients dropped)"
+                                                if g.dropped else "")
+                for gid, g in self.groups.items()))
+            send(self.sched, {"op": "bye"})
+            return 0
+        return None
+
+    def serve(self) -> int:
+        cfg = self.cfg
+        poller = zmq.Poller()
+        poller.register(self.data, zmq.POLLIN)
+        poller.register(self.sched, zmq.POLLIN)
+        last_ack = last_hb = time.monotonic()
+        tick = int(min(cfg.heartbeat_interval, 0.5) * 1000)
+        handlers = {"init": self.on_init, "push": self.on_push, "pull_rows": self.on_pull_rows}
+        while True:
+            events = dict(poller.poll(tick))
+            if self.sched in events:
+                while self.sched.poll(0):
+                    head, _ = recv(self.sched, "scheduler")
+                    last_ack = time.monotonic()
+                    status = self.on_scheduler(head)
+                    if status is not None:
+                        return status
+            if self.data in events:
+                for _ in range(64):
+                    if not self.data.poll(0):
+                        break
+                    ident, head, arrays = recv(self.data, f"server {self.id}", router=True)
+                    handler = handlers.get(head.get("op"))
+                    if handler is None:
+                        self.error(ident, head, f"unknown request op={head.get('op')!r}")
+                        continue
+                    try:
+                        handler(ident, head, arrays)
+                    except (PSError, ValueError, TypeError, KeyError) as exc:
+                        self.error(ident, head, f"{type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            if now - last_hb >= cfg.heartbeat_interval:
+                send(self.sched, {"op": "hb"})
+                last_hb = now
+            if now - last_ack > cfg.heartbeat_timeout:
+                log("server", f"server {self.id}: the scheduler at {self.env.sched_host}:"
+                    f"{self.env.sched_port} is lost (no answer for "
+                    f"{now - last_ack:.1f} s); ending the job")
+                return 1
+
+
+def run_server(env: ClusterEnv, cfg: context.PSConfig) -> int:
+    """Join the cluster and serve until the scheduler says the workers are done; the
+    exit status."""
+    server = _Server(env, cfg)
+    try:
+        server.join()
+        return server.serve()
+    finally:
+        server.data.close()
+        server.sched.close()

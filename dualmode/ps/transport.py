@@ -1,0 +1,143 @@
+"""Messages over ZeroMQ: a JSON header frame, then one raw frame per numpy array.
+
+A message is ``[header, buf_0, buf_1, ...]``: the header is a JSON object whose
+``"arrays"`` entry lists ``[dtype, shape]`` of each following frame; the arrays travel as
+their own buffers (``send_multipart(..., copy=False)``: no copy on send, and the
+received frames are wrapped with ``np.frombuffer``, no copy on receive). Nothing is
+pickled. Received arrays are read-only views of the frames; copy before writing.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import zmq
+
+__all__ = ["encode", "decode", "send", "recv", "poll_recv", "local_host", "tcp_address",
+           "check_host", "check_port", "PSError"]
+
+_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+           "bool")
+
+
+class PSError(RuntimeError):
+    """A failure of the parameter server cluster (lost peer, timeout, refused request)."""
+
+
+def encode(header: Dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> List[Any]:
+    """The frames of a message: the JSON header (with the arrays' dtypes and shapes)
+    followed by the arrays' buffers (C-contiguous; copied only when they are not)."""
+    bufs, specs = [], []
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        specs.append([a.dtype.name, list(a.shape)])
+        bufs.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+    head = dict(header)
+    head["arrays"] = specs
+    return [json.dumps(head).encode("utf-8")] + bufs
+
+
+def decode(frames: Sequence[Any], where: str) -> Tuple[Dict[str, Any], List[np.ndarray]]:
+    """(header, arrays) of a received message; a malformed one raises PSError naming
+    `where` (the peer or socket it came from)."""
+    if not frames:
+        raise PSError(f"{where}: received an empty message")
+    first = frames[0]
+    raw = first.bytes if isinstance(first, zmq.Frame) else first
+    try:
+        head = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise PSError(f"{where}: the message header is not JSON ({exc})") from None
+    if not isinstance(head, dict):
+        raise PSError(f"{where}: the message header is a {type(head).__name__}; expected "
+                      "a JSON object")
+    specs = head.pop("arrays", [])
+    if len(specs) != len(frames) - 1:
+        raise PSError(f"{where}: the header lists {len(specs)} arrays but "
+                      f"{len(frames) - 1} buffers followed")
+    arrays = []
+    for (dtype, shape), fr in zip(specs, frames[1:]):
+        if dtype not in _DTYPES:
+            raise PSError(f"{where}: array dtype {dtype!r} is not accepted; expected one of "
+                          + ", ".join(_DTYPES))
+        buf = fr.buffer if isinstance(fr, zmq.Frame) else fr
+        arr = np.frombuffer(buf, dtype=np.dtype(dtype))
+        count = int(np.prod(shape)) if shape else 1
+        if arr.size != count:
+            raise PSError(f"{where}: an array of shape {tuple(shape)} ({dtype}) arrived with "
+                          f"{arr.size} elements")
+        arrays.append(arr.reshape(shape))
+    return head, arrays
+
+
+def send(sock: zmq.Socket, header: Dict[str, Any], arrays: Sequence[np.ndarray] = (),
+         ident: Optional[bytes] = None) -> int:
+    """Send one message (prefixed by the peer identity on a ROUTER); the bytes of its
+    arrays (what a push or pull moves)."""
+    frames = encode(header, arrays)
+    if ident is not None:
+        frames.insert(0, ident)
+    sock.send_multipart(frames, copy=False)
+    return int(sum(np.asarray(a).nbytes for a in arrays))
+
+
+def recv(sock: zmq.Socket, where: str, router: bool = False):
+    """Receive one message: ``(header, arrays)``, or ``(ident, header, arrays)`` on a
+    ROUTER."""
+    frames = sock.recv_multipart(copy=False)
+    if router:
+        ident = frames[0].bytes
+        head, arrays = decode(frames[1:], where)
+        return ident, head, arrays
+    return decode(frames, where)
+
+
+def poll_recv(sock: zmq.Socket, timeout_s: float, where: str):
+    """:func:`recv` within `timeout_s` seconds, else None."""
+    if sock.poll(max(0, int(timeout_s * 1000))):
+        return recv(sock, where)
+    return None
+
+
+def local_host(peer_host: str) -> str:
+    """The address of this machine that `peer_host` can reach (the interface a UDP
+    socket towards it would use; 127.0.0.1 for a local peer)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer_host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def tcp_address(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def check_host(var: str, host: str) -> str:
+    """`host` resolved to an IPv4 address (ValueError naming `var` when it cannot be)."""
+    try:
+        return socket.gethostbyname(host)
+    except (OSError, UnicodeError):
+        raise ValueError(f"{var}={host!r} is not a host name or IPv4 address that resolves "
+                         "here; expected e.g. 127.0.0.1 or the scheduler's host name") from None
+
+
+def check_port(var: str, value: str) -> int:
+    """`value` as a TCP port (ValueError naming `var`)."""
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{var}={value!r} is not a valid port; expected an int in "
+                         "[1, 65535]")
+    return port
+
+
+def deadline(seconds: float) -> float:
+    """The monotonic time `seconds` from now."""
+    return time.monotonic() + seconds

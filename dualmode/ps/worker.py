@@ -1,0 +1,404 @@
+"""A worker's side of parameter server mode: joining, heartbeats, push and pull.
+
+The worker registers with the scheduler (its MPI rank as id when it runs under MPI),
+gets the servers' addresses and opens one DEALER socket to each. A background thread
+owns the scheduler socket: it sends heartbeats and notices when the scheduler is gone.
+
+An optimizer call (``Optimizer.construct``) hands the gradients of its server-held
+parameters to :meth:`WorkerClient.step`: the first call places the parameters over the
+servers (:mod:`.placement`) and sends each server its shards and the optimizer spec
+(``init``); every call sends each server one ``push`` with the gradients of its shards
+and returns once every server has answered with the new values, which are written
+into the parameters. A server that does not answer is asked again every
+``heartbeat_timeout`` seconds (a restarted server resumes from its checkpoint and
+answers; with ``recovery_interval > 1`` it asks for the steps since that checkpoint,
+which the worker keeps); after ``connect_timeout`` seconds without an answer the call
+raises an error naming the server.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+import zmq
+
+from .. import context
+from .._core._tensor import TensorBase
+from ..communication import trace
+from .env import ClusterEnv
+from .optim import optimizer_spec
+from .placement import Shard, place
+from .transport import PSError, decode, send
+
+__all__ = ["WorkerClient", "active_worker"]
+
+
+def active_worker() -> Optional["WorkerClient"]:
+    """The live worker client of this process, or None (not a PS worker)."""
+    return context._STATE.ps_role
+
+
+@dataclass
+class _OptSession:
+    """One optimizer's server-held parameters."""
+
+    gid: str
+    params: tuple                               # the optimizer's parameters
+    held: Tuple[int, ...]                       # indices into optimizer.parameters
+    shards: Dict[int, List[Shard]]              # server -> its shards, in key order
+    step: int = 0
+    version: int = 0
+    history: collections.deque = field(default_factory=collections.deque)
+
+
+class WorkerClient:
+    """This process as worker ``rank`` of the cluster."""
+
+    def __init__(self, env: ClusterEnv, cfg: context.PSConfig, rank: Optional[int]):
+        self.env, self.cfg = env, cfg
+        self.ctx = zmq.Context.instance()
+        self.sched = self.ctx.socket(zmq.DEALER)
+        self.sched.setsockopt(zmq.LINGER, 500)
+        self.sched.connect(env.sched_address)
+        self.requested_rank = rank
+        self.rank = -1
+        self.servers: List[str] = []
+        self.socks: List[zmq.Socket] = []
+        self.sessions: Dict[int, _OptSession] = {}
+        self.sparse: Dict[int, Any] = {}        # id(param) -> its EmbeddingLookup cache
+        self.req = itertools.count(1)
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        self.lost: Optional[str] = None
+        self._finish = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------ joining
+    def join(self) -> None:
+        env, cfg = self.env, self.cfg
+        send(self.sched, {"op": "register", "role": "worker", "rank": self.requested_rank,
+                          "pid": os.getpid(), "server_num": env.server_num,
+                          "worker_num": env.worker_num, "mode": cfg.mode,
+                          "staleness": cfg.staleness})
+        end = time.monotonic() + cfg.connect_timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                self.sched.close(linger=0)
+                raise RuntimeError(
+                    f"init: no answer from the scheduler at DM_SCHED_HOST:DM_SCHED_PORT="
+                    f"{env.sched_host}:{env.sched_port} within connect_timeout="
+                    f"{cfg.connect_timeout:g} s: it is not running there, or not all of the "
+                    f"{env.server_num} server(s) (DM_SERVER_NUM) and {env.worker_num} "
+                    "worker(s) (DM_WORKER_NUM) joined")
+            if self.sched.poll(int(min(left, 0.5) * 1000)):
+                head, _ = decode(self.sched.recv_multipart(), "scheduler")
+                if head.get("op") == "error":
+                    self.sched.close(linger=0)
+                    raise RuntimeError("init: the scheduler refused this worker: "
+                                       + head["message"])
+                if head.get("op") == "cluster":
+                    break
+        self.rank = head["id"]
+        self.servers = list(head["servers"])
+        for addr in self.servers:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            self.socks.append(s)
+        self._thread = threading.Thread(target=self._heartbeat, name="dualmode-ps-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.finish)
+
+    def _heartbeat(self) -> None:
+        cfg, env = self.cfg, self.env
+        sock = self.sched
+        last_ack = last_hb = time.monotonic()
+        lost_at = None
+        while True:
+            if self._finish.is_set():
+                if self.lost is None:
+                    send(sock, {"op": "finish"})
+                sock.close(linger=500)
+                return
+            now = time.monotonic()
+            if now - last_hb >= cfg.heartbeat_interval:
+                send(sock, {"op": "hb"})
+                last_hb = now
+            if sock.poll(100):
+                head, _ = decode(sock.recv_multipart(), "scheduler")
+                if head.get("op") == "hb_ack":
+                    last_ack = time.monotonic()
+            if lost_at is None and now - last_ack > cfg.heartbeat_timeout:
+                lost_at = now
+                self.lost = (f"the scheduler at {env.sched_host}:{env.sched_port} is lost (no "
+                             f"answer to heartbeats for {now - last_ack:.1f} s); the job ends")
+                print(f"[dualmode.ps worker] worker {self.rank}: {self.lost}", file=sys.stderr,
+                      flush=True)
+            if lost_at is not None and now - lost_at > cfg.heartbeat_timeout:
+                # the script did not stop by itself (no PS call since): end the process
+                os._exit(1)
+
+    def finish(self) -> None:
+        """Tell the scheduler this worker is done (at exit)."""
+        if self._thread is None or self._finish.is_set():
+            return
+        self._finish.set()
+        self._thread.join(timeout=2.0)
+        for s in self.socks:
+            s.close(linger=0)
+
+    # ---------------------------------------------------------- requests
+    def _check_alive(self) -> None:
+        if self.lost is not None:
+            raise RuntimeError(f"parameter server worker {self.rank}: {self.lost}")
+
+    def request_all(self, requests: Dict[int, Tuple[dict, list]]) -> Dict[int, Tuple[dict, list]]:
+        """Send each server its request and wait for every answer (asking again every
+        heartbeat_timeout; RuntimeError after connect_timeout without one)."""
+        cfg = self.cfg
+        pending = {}
+        for k, (head, arrays) in requests.items():
+            head = dict(head, req=next(self.req))
+            pending[k] = (head, arrays)
+            self._send(k, head, arrays)
+        answers = {}
+        poller = zmq.Poller()
+        for k in pending:
+            poller.register(self.socks[k], zmq.POLLIN)
+        sent_at = {k: time.monotonic() for k in pending}
+        waited_from = time.monotonic()
+        while pending:
+            self._check_alive()
+            events = dict(poller.poll(100))
+            for k in list(pending):
+                sock = self.socks[k]
+                while sock in events and sock.poll(0):
+                    frames = sock.recv_multipart(copy=False)
+                    head, arrays = decode(frames, f"server {k} ({self.servers[k]})")
+                    if head.get("req") != pending[k][0]["req"]:
+                        continue                       # the answer to an earlier resend
+                    if head.get("op") == "error":
+                        raise RuntimeError(f"parameter server {k} ({self.servers[k]}): "
+                                           + head["message"])
+                    if head.get("op") == "replay":
+                        self._replay(k, pending[k][0], head["version"])
+                        sent_at[k] = waited_from = time.monotonic()
+                        break
+                    answers[k] = (head, arrays)
+                    self.bytes_pulled += sum(a.nbytes for a in arrays)
+                    poller.unregister(sock)
+                    del pending[k]
+                    waited_from = time.monotonic()
+                    break
+            now = time.monotonic()
+            for k in pending:
+                if now - sent_at[k] > cfg.heartbeat_timeout:
+                    self._send(k, *pending[k])
+                    sent_at[k] = now
+            if pending and now - waited_from > cfg.connect_timeout:
+                names = ", ".join(f"server {k} ({self.servers[k]})" for k in pending)
+                raise RuntimeError(f"parameter server worker {self.rank}: no answer from "
+                                   f"{names} within connect_timeout={cfg.connect_timeout:g} "
+                                   "s; it is down (restart it with DM_RECOVERY_PATH set to "
+                                   "resume) or another worker stalls the step")
+        return answers
+
+    def _send(self, k: int, head: dict, arrays) -> None:
+        n = send(self.socks[k], head, arrays)
+        if head["op"] == "push":
+            self.bytes_pushed += n
+
+    def _replay(self, k: int, current: dict, version: int) -> None:
+        """Server `k` restarted from the checkpoint of step `version`: push it the
+        steps since then again, then the current one."""
+        sess = next(s for s in self.sessions.values() if s.gid == current["group"])
+        kept = {step: req for step, req in sess.history}
+        missing = [s for s in range(version, current["step"]) if s not in kept]
+        if missing:
+            raise RuntimeError(f"parameter server {k} ({self.servers[k]}) resumed at step "
+                               f"{version}, but this worker no longer has the gradients of "
+                               f"step(s) {missing} (recovery_interval="
+                               f"{self.cfg.recovery_interval})")
+        for s in range(version, current["step"]):
+            head, arrays = kept[s][k]
+            self.request_all({k: (head, arrays)})
+        self._send(k, current, self.history_arrays(sess, current["step"], k))
+
+    @staticmethod
+    def history_arrays(sess: _OptSession, step: int, k: int) -> list:
+        for s, req in sess.history:
+            if s == step:
+                return req[k][1]
+        raise PSError(f"step {step} is not kept")
+
+    # ------------------------------------------------------------ training
+    def held_indices(self, opt) -> Tuple[int, ...]:
+        """Indices of `opt`'s parameters held by the servers."""
+        return tuple(i for i, p in enumerate(opt.parameters)
+                     if getattr(p, "is_param_ps", False) and p.requires_grad)
+
+    def _session(self, opt, held: Tuple[int, ...]) -> _OptSession:
+        sess = self.sessions.get(id(opt))
+        if sess is not None:
+            return sess
+        params = opt.parameters
+        owner = type(opt).__name__
+        for i in held:
+            p = params[i]
+            if p._layout is not None:
+                raise ValueError(f"{owner}: parameter {p.name!r} is stored sharded or per "
+                                 "device and cannot also be held by the parameter servers; "
+                                 "remove its sharding strategy or do not call set_param_ps "
+                                 "on it")
+        specs = {i: optimizer_spec(opt, i) for i in held}
+        shards = place([(i, params[i]) for i in held], len(self.servers))
+        sess = _OptSession(f"opt{len(self.sessions)}", params, held, shards)
+        inits = {}
+        for k, lst in shards.items():
+            keys, arrays = [], []
+            for sh in lst:
+                p = params[sh.index]
+                value = np.asarray(p._value())
+                part = value if sh.rows is None else value[sh.rows[0]:sh.rows[1]]
+                keys.append({"name": p.name, "shape": list(part.shape),
+                             "dtype": part.dtype.name, "opt": specs[sh.index],
+                             "rows": None if sh.rows is None else list(sh.rows),
+                             "sparse": sh.sparse})
+                arrays.append(part)
+            inits[k] = ({"op": "init", "group": sess.gid, "worker": self.rank, "keys": keys,
+                         "step": 0}, arrays)
+        answers = self.request_all(inits)
+        self._write_values(opt, sess, answers, init=True)
+        self.sessions[id(opt)] = sess
+        return sess
+
+    def _check_hybrid(self, opt, held: Tuple[int, ...]) -> None:
+        if self.env.worker_num == 1:
+            return
+        rest = [p for i, p in enumerate(opt.parameters) if p.requires_grad and i not in held]
+        if not rest:
+            return
+        backend = context._STATE.comm.backend
+        owner = type(opt).__name__
+        if getattr(backend, "name", None) != "mpi":
+            raise RuntimeError(f"{owner}: parameter {rest[0].name!r} is trainable but not "
+                               "held by the parameter servers, and this worker runs without "
+                               f"MPI, so its {self.env.worker_num} workers cannot all-reduce "
+                               "it; call net.set_param_ps() for every trainable weight, or "
+                               "start the job with python -m dualmode.run --ps (workers "
+                               "under MPI)")
+        if context._STATE.auto_parallel.parallel_mode == "stand_alone":
+            raise RuntimeError(f"{owner}: parameter {rest[0].name!r} stays on the workers but "
+                               "parallel_mode='stand_alone' does not all-reduce it among the "
+                               f"{self.env.worker_num} workers; set_auto_parallel_context("
+                               "parallel_mode='data_parallel', gradients_mean=True)")
+
+    def step(self, opt, gradients) -> Set[int]:
+        """Push `opt`'s server-held gradients, pull the new values into the parameters;
+        the indices handled (the optimizer updates the others)."""
+        self._check_alive()
+        held = self.held_indices(opt)
+        self._check_hybrid(opt, held)
+        if not held:
+            return set()
+        sess = self._session(opt, held)
+        params = opt.parameters
+        requests = {}
+        for k, lst in sess.shards.items():
+            arrays, want = [], []
+            for sh in lst:
+                g = gradients[sh.index]
+                g = g._value() if isinstance(g, TensorBase) else np.asarray(g)
+                p = params[sh.index]
+                if sh.sparse:
+                    cache = self.sparse.get(id(p))
+                    ids = cache.touched_ids() if cache is not None else np.zeros(0, np.int64)
+                    ids = ids[(ids >= sh.rows[0]) & (ids < sh.rows[1])]
+                    arrays += [ids, np.asarray(g[ids], p.dtype)]
+                    want.append(bool(cache is not None and cache.capacity))
+                else:
+                    part = g if sh.rows is None else g[sh.rows[0]:sh.rows[1]]
+                    arrays.append(np.asarray(part, p.dtype))
+                    want.append(False)
+            requests[k] = ({"op": "push", "group": sess.gid, "worker": self.rank,
+                            "step": sess.step, "base": sess.version, "want_rows": want},
+                           arrays)
+        for i in held:
+            cache = self.sparse.get(id(params[i]))
+            if cache is not None:
+                cache.clear_touched()
+        if self.cfg.recovery_interval > 1:
+            sess.history.append((sess.step, requests))
+            while len(sess.history) > self.cfg.recovery_interval:
+                sess.history.popleft()
+        before = self.bytes_pushed, self.bytes_pulled
+        answers = self.request_all(requests)
+        self._record(self.bytes_pushed - before[0], self.bytes_pulled - before[1])
+        self._write_values(opt, sess, answers)
+        sess.step += 1
+        return set(held)
+
+    def _write_values(self, opt, sess: _OptSession, answers, init: bool = False) -> None:
+        params = opt.parameters
+        versions = []
+        for k, (head, arrays) in answers.items():
+            versions.append(head.get("version", 0))
+            it = iter(arrays)
+            for sh in sess.shards[k]:
+                p = params[sh.index]
+                if sh.sparse and not init:
+                    ids, rows = next(it), next(it)
+                    cache = self.sparse.get(id(p))
+                    if cache is not None and len(ids):
+                        cache.refresh(p, ids, rows)
+                    continue
+                value = next(it)
+                target = p._value()
+                if sh.rows is None:
+                    np.copyto(target, value.reshape(target.shape))
+                else:
+                    target[sh.rows[0]:sh.rows[1]] = value
+        sess.version = max(versions) if versions else sess.version
+
+    def pull_rows(self, p, ids: np.ndarray) -> None:
+        """Write the servers' current rows `ids` of the sparse table `p` into it."""
+        self._check_alive()
+        requests, where = {}, {}
+        for sess in self.sessions.values():
+            for k, lst in sess.shards.items():
+                for key, sh in enumerate(lst):
+                    if not sh.sparse or sess.params[sh.index] is not p:
+                        continue
+                    sel = ids[(ids >= sh.rows[0]) & (ids < sh.rows[1])]
+                    if len(sel):
+                        requests[k] = ({"op": "pull_rows", "group": sess.gid, "key": key},
+                                       [sel])
+                        where[k] = sel
+        if not requests:
+            return
+        before = self.bytes_pulled
+        answers = self.request_all(requests)
+        self._record(0, self.bytes_pulled - before)
+        target = p._value()
+        for k, (head, arrays) in answers.items():
+            target[where[k]] = arrays[0]
+
+    def _record(self, pushed: int, pulled: int) -> None:
+        if trace._STATE.reports:
+            if pushed:
+                with trace.comm_cause("ParameterServer", "gradient"):
+                    trace.record("Push", 2, 1, pushed)
+            if pulled:
+                with trace.comm_cause("ParameterServer", "gradient"):
+                    trace.record("Pull", 2, 1, pulled)
+
