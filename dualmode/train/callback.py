@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import re
+import time
 from types import SimpleNamespace
 
 import numpy as np
 
-__all__ = ["Callback", "RunContext", "LossMonitor", "CallbackList"]
+from .serialization import save_checkpoint
+
+__all__ = ["Callback", "RunContext", "LossMonitor", "CallbackList", "TimeMonitor",
+           "CheckpointConfig", "ModelCheckpoint"]
 
 
 class RunContext:
@@ -149,3 +155,138 @@ class LossMonitor(Callback):
                 bar.write(line)
             else:
                 print(line, flush=True)
+
+
+def _positive_int(owner, name, value, allow_zero=False):
+    lo = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"{owner}: {name}={value!r} must be an int >= {lo}")
+    return int(value)
+
+
+class TimeMonitor(Callback):
+    """Print ``epoch time: T ms, per step time: S ms`` at the end of every epoch
+    (MindSpore's format); the per-epoch times (seconds) are kept in ``epoch_times``.
+
+    Parameters
+    ----------
+    data_size : int, optional
+        Steps per epoch used for the per-step time (default: the epoch's batch count).
+    """
+
+    def __init__(self, data_size=None):
+        if data_size is not None:
+            data_size = _positive_int("TimeMonitor", "data_size", data_size)
+        self.data_size = data_size
+        self.epoch_times = []
+        self._start = None
+
+    def on_train_epoch_begin(self, run_context):
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, run_context):
+        if self._start is None:
+            return
+        seconds = time.perf_counter() - self._start
+        self.epoch_times.append(seconds)
+        cb = run_context.original_args()
+        steps = self.data_size or cb.batch_num or 1
+        ms = seconds * 1000.0
+        print(f"epoch time: {ms:5.3f} ms, per step time: {ms / steps:5.3f} ms", flush=True)
+
+
+class CheckpointConfig:
+    """When and how :class:`ModelCheckpoint` saves (MindSpore's ``CheckpointConfig``).
+
+    Parameters
+    ----------
+    save_checkpoint_steps : int
+        Save every this many steps (counted over the whole run).
+    keep_checkpoint_max : int
+        Keep only the newest this many files (0: keep all).
+    integrated_save : bool
+        True: global values in one file; False: each rank's slices (``rank_<r>/``) and
+        the strategy file, no gather.
+    """
+
+    def __init__(self, save_checkpoint_steps=1, keep_checkpoint_max=5, integrated_save=True):
+        owner = "CheckpointConfig"
+        self.save_checkpoint_steps = _positive_int(owner, "save_checkpoint_steps",
+                                                   save_checkpoint_steps)
+        self.keep_checkpoint_max = _positive_int(owner, "keep_checkpoint_max",
+                                                 keep_checkpoint_max, allow_zero=True)
+        if not isinstance(integrated_save, bool):
+            raise TypeError(f"{owner}: integrated_save must be a bool, got "
+                            f"{integrated_save!r}")
+        self.integrated_save = integrated_save
+
+    def __repr__(self):
+        return (f"CheckpointConfig(save_checkpoint_steps={self.save_checkpoint_steps}, "
+                f"keep_checkpoint_max={self.keep_checkpoint_max}, "
+                f"integrated_save={self.integrated_save})")
+
+
+class ModelCheckpoint(Callback):
+    """Save the network and its optimizer (states and step) every
+    ``config.save_checkpoint_steps`` steps as ``<directory>/<prefix>-<epoch>_<step>.safetensors``
+    (step within the epoch, as MindSpore), keeping the newest
+    ``config.keep_checkpoint_max`` files. ``latest`` is the path of the last save.
+    """
+
+    def __init__(self, prefix="CKP", directory=None, config=None):
+        owner = "ModelCheckpoint"
+        if not isinstance(prefix, str) or not prefix or os.sep in prefix:
+            raise ValueError(f"{owner}: prefix={prefix!r} must be a non-empty file name "
+                             f"prefix without {os.sep!r}")
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"{owner}: directory must be a path (str) or None, got "
+                            f"{type(directory).__name__}")
+        if config is None:
+            config = CheckpointConfig()
+        if not isinstance(config, CheckpointConfig):
+            raise TypeError(f"{owner}: config must be a CheckpointConfig, got "
+                            f"{type(config).__name__}")
+        self.prefix = prefix
+        self.directory = os.fspath(directory) if directory is not None else os.getcwd()
+        self.config = config
+        self.latest = None
+        self._saved = []
+
+    def on_train_begin(self, run_context):
+        os.makedirs(self.directory, exist_ok=True)
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        if cb.cur_step_num % self.config.save_checkpoint_steps:
+            return
+        step = (cb.cur_step_num - 1) % cb.batch_num + 1 if cb.batch_num else cb.cur_step_num
+        path = os.path.join(self.directory,
+                            f"{self.prefix}-{cb.cur_epoch_num}_{step}.safetensors")
+        cells = [c for c in (cb.train_network, cb.optimizer) if c is not None]
+        save_checkpoint(cells, path, integrated_save=self.config.integrated_save,
+                        append_dict={"epoch_num": cb.cur_epoch_num,
+                                     "step_num": cb.cur_step_num})
+        self.latest = path
+        if path in self._saved:
+            self._saved.remove(path)
+        self._saved.append(path)
+        self._prune()
+
+    def _prune(self):
+        keep = self.config.keep_checkpoint_max
+        if not keep:
+            return
+        while len(self._saved) > keep:
+            old = self._saved.pop(0)
+            targets = [old] if self.config.integrated_save else \
+                [os.path.join(d, os.path.basename(old)) for d in self._rank_dirs()]
+            for t in targets:
+                try:
+                    os.remove(t)
+                except FileNotFoundError:
+                    pass
+
+    def _rank_dirs(self):
+        pattern = re.compile(r"^rank_\d+$")
+        return [os.path.join(self.directory, d) for d in os.listdir(self.directory)
+                if pattern.match(d) and os.path.isdir(os.path.join(self.directory, d))]

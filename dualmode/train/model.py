@@ -10,8 +10,12 @@ from ..autograd import value_and_grad
 from ..nn import Cell
 from ..parallel.devices import parallel_active
 from ..parallel.grad_reduce import broadcast_parameters
+from ..parallel.layout import TensorLayout
 from .callback import CallbackList, RunContext
+from .layouts import (apply_context_strategy, network_parameters, parameter_layouts,
+                      save_context_strategy)
 from .metrics import Metric, get_metric
+from .strategy_file import layout_entry
 
 __all__ = ["Model"]
 
@@ -121,6 +125,8 @@ class Model:
         self._network.set_train(True)
         if context.get_auto_parallel_context("parameter_broadcast") and parallel_active():
             broadcast_parameters(self._network.trainable_params())
+        apply_context_strategy(self._parameters(), "Model.train")
+        strategy_saved = False
         cbs.on_train_begin(ctx)
         use_bar = _stdout_is_terminal()
         batches = _Batches(train_dataset)
@@ -132,21 +138,84 @@ class Model:
             try:
                 for cols in batches.take(batch_num):
                     cb.cur_step_num += 1
-                    cbs.on_train_step_begin(ctx)
-                    cb.net_outputs = self._train_step(*cols)
-                    if bar is not None:
-                        bar.update(1)
-                    cbs.on_train_step_end(ctx)
+                    with _StepErrors(cb):
+                        cbs.on_train_step_begin(ctx)
+                        cb.net_outputs = self._train_step(*cols)
+                        if not strategy_saved:          # layouts are fixed by the first step
+                            strategy_saved = True
+                            self._save_strategy()
+                        if bar is not None:
+                            bar.update(1)
+                        cbs.on_train_step_end(ctx)
                     if ctx.get_stop_requested():
                         break
             finally:
                 if bar is not None:
                     bar.close()
                 cb.progress_bar = None
-            cbs.on_train_epoch_end(ctx)
+            with _StepErrors(cb):
+                cbs.on_train_epoch_end(ctx)
             if ctx.get_stop_requested():
                 break
         cbs.on_train_end(ctx)
+
+    def _parameters(self):
+        return network_parameters(self._network, self._optimizer)
+
+    def _save_strategy(self):
+        params = self._parameters()
+        layouts = {p.name: p._layout for p in params if isinstance(p._layout, TensorLayout)}
+        save_context_strategy(layouts, {p.name: p.dtype for p in params})
+
+    # ---- layouts ------------------------------------------------------------------
+    def _infer(self, fn, args, owner):
+        apply_context_strategy(self._parameters(), owner)
+        layouts = parameter_layouts(fn, args, self._parameters(), owner)
+        save_context_strategy({k: v for k, v in layouts.items() if any(v.tensor_map)})
+        return {name: layout_entry(lay) for name, lay in layouts.items()}
+
+    def infer_predict_layout(self, *predict_data):
+        """The layout of every parameter when the network runs on `predict_data`,
+        ``{name: [device_matrix, tensor_map, slice_shape, 0, True, ""]}`` (MindSpore's
+        form; see ``dualmode.train.strategy_file``), found by compiling the network
+        without running it: no weight changes. Feed it to
+        ``load_distributed_checkpoint(..., predict_strategy=...)``."""
+        if not predict_data:
+            raise ValueError("Model.infer_predict_layout: give the network's inputs "
+                             "(predict_data), e.g. model.infer_predict_layout(Tensor(x))")
+        net = self._network
+        return self._infer(lambda *xs: net.call_construct(*xs), predict_data,
+                           "Model.infer_predict_layout")
+
+    def infer_train_layout(self, train_dataset, dataset_sink_mode=True, sink_size=-1):
+        """The layout of every parameter (and optimizer state) in training on
+        `train_dataset`'s batches, found by compiling the loss on its first batch
+        without running a step: no weight changes. Same form as
+        :meth:`infer_predict_layout`."""
+        if not hasattr(train_dataset, "get_dataset_size"):
+            raise TypeError(f"Model.infer_train_layout: train_dataset must be a "
+                            f"dualmode.dataset dataset, got {type(train_dataset).__name__}")
+        first = next(iter(_Batches(train_dataset).take(1)), None)
+        if first is None:
+            raise ValueError("Model.infer_train_layout: train_dataset is empty")
+        net, loss_fn = self._network, self._loss_fn
+        if loss_fn is None:
+            def fn(*cols):
+                return net.call_construct(*cols)
+        else:
+            if len(first) < 2:
+                raise ValueError(f"Model.infer_train_layout: with a loss_fn each data row needs "
+                                 f"inputs and a label; got {len(first)} column(s)")
+
+            def fn(*cols):
+                return loss_fn(net.call_construct(*cols[:-1]), cols[-1])
+        layouts = self._infer(fn, tuple(first), "Model.infer_train_layout")
+        if self._optimizer is not None:            # states share their weight's layout
+            for prefix in self._optimizer.__dict__.get("_state_names", ()):
+                for p, st in zip(self._optimizer.parameters, getattr(self._optimizer, prefix)):
+                    if p.name in layouts:
+                        layouts[st.name] = layouts[p.name]
+        return layouts
 
     # ---- evaluation -------------------------------------------------------------
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
@@ -185,6 +254,33 @@ class Model:
             return self._network(*predict_data)
         finally:
             self._network.set_train(True)
+
+
+class _StepErrors:
+    """Re-raise an error of a training step with the epoch and step it happened in."""
+
+    def __init__(self, cb):
+        self.cb = cb
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if err is None or not isinstance(err, Exception) or \
+                getattr(err, "_dm_step_named", False):
+            return False
+        cb = self.cb
+        step = (cb.cur_step_num - 1) % cb.batch_num + 1 if cb.batch_num else cb.cur_step_num
+        where = f"epoch: {cb.cur_epoch_num} step: {step}"
+        msg = str(err)
+        if where not in msg:
+            msg = f"Model.train: error in {where}: {msg}"
+        try:
+            new = type(err)(msg)
+        except Exception:                    # an exception type that takes other arguments
+            new = RuntimeError(f"{type(err).__name__}: {msg}")
+        new._dm_step_named = True
+        raise new.with_traceback(tb) from err
 
 
 class _Batches:
