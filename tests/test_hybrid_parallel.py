@@ -180,15 +180,19 @@ def test_column_then_row_parallel_mlp_equals_single_device(ctx):
     W2 + AllReduce, column-parallel W3 + AllGather. The gradient of y (plain, consumed
     per device) arrives as a partial sum, which AllReduce's backward resolves."""
     n = 4
-    W1, W2, W3 = _rand(8, 16, seed=50), _rand(16, 8, seed=51), _rand(8, 12, seed=52)
-    x = _rand(5, 8, seed=53)
+    # float64: the two runs sum in different orders, and the gradients of this chain
+    # (ReLU, Tanh, two sums) differ by about 1e-5 in float32 on some BLAS builds
+    f64 = np.float64
+    W1, W2, W3 = (_rand(8, 16, seed=50).astype(f64), _rand(16, 8, seed=51).astype(f64),
+                  _rand(8, 12, seed=52).astype(f64))
+    x = _rand(5, 8, seed=53).astype(f64)
 
     def program(n_dev):
-        w1 = Parameter(Tensor(np.zeros((8, 16 // n_dev), np.float32)), name="w1",
+        w1 = Parameter(Tensor(np.zeros((8, 16 // n_dev), f64)), name="w1",
                        layerwise_parallel=True)
-        w2 = Parameter(Tensor(np.zeros((16 // n_dev, 8), np.float32)), name="w2",
+        w2 = Parameter(Tensor(np.zeros((16 // n_dev, 8), f64)), name="w2",
                        layerwise_parallel=True)
-        w3 = Parameter(Tensor(np.zeros((8, 12 // n_dev), np.float32)), name="w3",
+        w3 = Parameter(Tensor(np.zeros((8, 12 // n_dev), f64)), name="w3",
                        layerwise_parallel=True)
         for w, full, dim in ((w1, W1, 1), (w2, W2, 0), (w3, W3, 1)):
             set_layerwise_slices(w, full, dim=dim)

@@ -7,7 +7,7 @@ import dualmode as dm
 from dualmode import Tensor, ops
 from dualmode.parallel import CommReport, TensorLayout
 from dualmode.parallel import sharding
-from dualmode.parallel.sharding import RULES, ShardPlan, _shared_replicas
+from dualmode.parallel.sharding import RULES, ShardPlan, shared_replicas
 
 
 
@@ -37,18 +37,18 @@ def test_elementwise_on_repeated_layout_runs_once_per_replica_set(eight, monkeyp
                                atol=1e-5)
 
 
-def test_shared_replicas_needs_a_per_device_op_without_post_collectives(eight):
+def testshared_replicas_needs_a_per_device_op_without_post_collectives(eight):
     dm8 = (2, 4)
     x = TensorLayout(dm8, ((1,), ()), (8, 4))
     plan = ShardPlan((x,), (x,), lambda attrs, stacks: stacks[0])
     relu, gather = RULES["ReLU"], RULES["Gather"]
     assert relu.per_device and not gather.per_device
-    assert _shared_replicas(relu, plan, dm8) == (0,)
-    assert _shared_replicas(gather, plan, dm8) == ()               # not a per-device op
+    assert shared_replicas(relu, plan, dm8) == (0,)
+    assert shared_replicas(gather, plan, dm8) == ()               # not a per-device op
     post = ShardPlan((x,), (x,), plan.local, (("max", (1,)),))
-    assert _shared_replicas(relu, post, dm8) == ()
+    assert shared_replicas(relu, post, dm8) == ()
     split = TensorLayout(dm8, ((0,), (1,)), (8, 4))
-    assert _shared_replicas(relu, ShardPlan((split,), (split,), plan.local), dm8) == ()
+    assert shared_replicas(relu, ShardPlan((split,), (split,), plan.local), dm8) == ()
 
 
 def _records(rep):

@@ -110,14 +110,19 @@ def assemble(t) -> np.ndarray:
 def resolve_partial(t, op_name):
     """AllReduce a partial tensor into one without pending sums (plain when nothing else
     is split). Recorded on the tape, so gradients flow through it."""
-    layout = t._layout
-    backend = _backend()
+    stack, layout = resolve_stack(t._data, t._layout, op_name)
+    return moved(t, stack, layout)
+
+
+def resolve_stack(stack, layout, op_name):
+    """`stack` in `layout` with its pending sums AllReduced: ``(stack, layout without
+    partial)``, or ``(global value, None)`` when nothing else is split."""
     with _cause(op_name):
-        out = backend.all_reduce(t._data, members=_members(layout, layout.partial), op="sum")
+        out = _backend().all_reduce(stack, members=_members(layout, layout.partial), op="sum")
     rest = layout.without_partial()
     if all(m == () for m in rest.tensor_map):
-        return moved(t, np.asarray(out[0]), None)
-    return moved(t, np.asarray(out), rest)
+        return np.asarray(out[0]), None
+    return np.asarray(out), rest
 
 
 # Moving a tensor into another layout changes where its pieces live, not its value,
@@ -139,21 +144,25 @@ def _members(layout, axes):
 
 def _gather_global(t, op_name):
     """The global value of a distributed input, moved by an AllGather (fallback)."""
-    layout = t._layout
+    return gather_stack(t._data, t._layout, op_name)
+
+
+def gather_stack(stack, layout, op_name):
+    """The global value of `stack` in `layout`: pending sums AllReduced, splits
+    AllGathered (reported as "redistribution")."""
     if layout.partial:
-        t = resolve_partial(t, op_name)
-        if t._layout is None:
-            return t._value()
-        layout = t._layout
+        stack, layout = resolve_stack(stack, layout, op_name)
+        if layout is None:
+            return stack
     backend = _backend()
     if is_batch_layout(layout):
         with _cause(op_name, "redistribution"):
-            out = backend.all_gather(t._data, members=None, axis=0)
+            out = backend.all_gather(stack, members=None, axis=0)
         return np.asarray(out[0])
-    if t._data.shape[0] != layout.device_num:
+    if stack.shape[0] != layout.device_num:
         # a process holding some devices: one AllGather of the stacks over the world
         with _cause(op_name, "redistribution"):
-            out = backend.all_gather(np.ascontiguousarray(t._data)[:, None], members=None,
+            out = backend.all_gather(np.ascontiguousarray(stack)[:, None], members=None,
                                      axis=0)
         return layout.assemble(out[0])
     # one AllGather over the axes that split the tensor; under "sim" the blocks are
@@ -162,8 +171,8 @@ def _gather_global(t, op_name):
     for a in layout.split_axes:
         group *= layout.device_matrix[a]
     with _cause(op_name, "redistribution"):
-        record("AllGather", group, layout.device_num // group, t._data[0].nbytes)
-    return layout.assemble(t._data)
+        record("AllGather", group, layout.device_num // group, stack[0].nbytes)
+    return layout.assemble(stack)
 
 
 # ---------------------------------------------------------------------------
@@ -278,7 +287,15 @@ def _batch_global(op, attrs, inputs, layouts, rec):
                 isinstance(x, TensorBase) and x._layout is not None and need != have)):
             return None
     merged = [_merged(x) for x in inputs]
-    out = _run(op, attrs, merged)
+    arrays, out_lays = batch_global_outputs(_run(op, attrs, merged), op, plan, merged)
+    return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
+                        rec, tuple(out_lays))
+
+
+def batch_global_outputs(out, op, plan, merged=()):
+    """The outputs of `op`'s kernel run once on the global values (`out`) stored in the
+    layouts of its rule's `plan`: ``(arrays, layouts)``, a layout None for a replicated
+    result kept as one plain value."""
     outs = out if op.multi_output else (out,)
     arrays, out_lays = [], []
     for o, lay in zip(outs, plan.outputs):
@@ -301,8 +318,7 @@ def _batch_global(op, attrs, inputs, layouts, rec):
         else:
             arrays.append(lay.local_blocks(o))
         out_lays.append(lay)
-    return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
-                        rec, tuple(out_lays))
+    return arrays, out_lays
 
 
 _core.set_dist_hooks(dist_apply, assemble)

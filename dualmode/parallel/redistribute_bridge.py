@@ -29,15 +29,23 @@ def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistributi
     """The local stack of `x` (a Tensor, distributed or not, or an array) in `dst`;
     the collectives are reported with `reason`."""
     if isinstance(x, TensorBase) and x._layout is not None:
-        src = x._layout
-        if src.device_num == dst.device_num:
-            stack = x._data
-            plan = plan_redistribution(src, dst, stack.itemsize or 1)
-            return execute(plan, stack, op_name=op_name, reason=reason)
-        global_value = src.assemble(world_stack(x._data, src))
-        _report_gather(src, x._data[0].nbytes, op_name, reason)
-    else:
-        global_value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+        return move_stack(x._data, x._layout, dst, op_name, reason)
+    return local_stack(x._value() if isinstance(x, TensorBase) else np.asarray(x), dst)
+
+
+def move_stack(stack, src: TensorLayout, dst: TensorLayout, op_name=None,
+               reason="redistribution"):
+    """`stack` (this process's shards in `src`) as its shards in `dst`."""
+    if src.device_num == dst.device_num:
+        plan = plan_redistribution(src, dst, stack.itemsize or 1)
+        return execute(plan, stack, op_name=op_name, reason=reason)
+    global_value = src.assemble(world_stack(stack, src))
+    _report_gather(src, stack[0].nbytes, op_name, reason)
+    return local_stack(global_value, dst)
+
+
+def local_stack(global_value, dst: TensorLayout):
+    """This process's blocks of a global value in `dst` (no communication)."""
     b = live_backend()
     if b is not None and len(b.local_ranks) < dst.device_num == b.world_size:
         # a process holding some devices ("mpi"): only its own blocks

@@ -199,20 +199,23 @@ def rule_plan(op, attrs, inputs, layouts):
     """``(plan, input layouts, device matrix, dtypes)`` of `op`'s sharding rule for
     inputs in `layouts` (None: not distributed), every layout over one device matrix;
     None when the op has no rule or the rule declines."""
+    specs = [lay if lay is not None else
+             tuple(x.shape) if isinstance(x, TensorBase) else
+             tuple(np.shape(x)) if np.ndim(x) > 0 else None
+             for x, lay in zip(inputs, layouts)]
+    return plan_for(op, attrs, specs, [x.dtype for x in inputs])
+
+
+def plan_for(op, attrs, specs, dtypes):
+    """:func:`rule_plan` from what is known before anything runs: per input its
+    TensorLayout, or the shape of a whole (undistributed) value, or None for a scalar."""
     rule = RULES.get(op.name)
     if rule is None:
         return None
-    dm = common_device_matrix(layouts)
-    lays = []
-    for x, lay in zip(inputs, layouts):
-        if lay is not None:
-            lays.append(reexpress(lay, dm))
-        elif isinstance(x, TensorBase) or np.ndim(x) > 0:
-            lays.append(TensorLayout.replicated(tuple(np.shape(x) if not isinstance(
-                x, TensorBase) else x.shape), dm))
-        else:
-            lays.append(None)
-    dtypes = [x.dtype for x in inputs]
+    dm = common_device_matrix([s for s in specs if isinstance(s, TensorLayout)])
+    lays = [reexpress(s, dm) if isinstance(s, TensorLayout) else
+            TensorLayout.replicated(s, dm) if s is not None else None for s in specs]
+    dtypes = list(dtypes)
     plan = _plan(rule, op.name, attrs, lays, dtypes)
     if plan is None:
         return None
@@ -225,7 +228,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     if found is None:
         return None
     plan, lays, dm, dtypes = found
-    reps = _shared_replicas(RULES[op.name], plan, dm)
+    reps = shared_replicas(RULES[op.name], plan, dm)
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
     elif _wants_grids(plan, lays, inputs, dm):
@@ -240,7 +243,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
             else:
                 stacks.append(to_layout(x, need, op.name))
         _validate(op, attrs, stacks, dtypes, plan)
-        outs = _run_local(RULES[op.name], op, attrs, plan, stacks)
+        outs = run_local(RULES[op.name], op, attrs, plan, stacks)
     for i, post in enumerate(plan.post):
         if post is not None:
             red_op, axes = post
@@ -278,7 +281,7 @@ def _plan(rule, name, attrs, lays, dtypes):
     return plan
 
 
-def _run_local(rule, op, attrs, plan, stacks):
+def run_local(rule, op, attrs, plan, stacks):
     """The plan's local computation as a list of output stacks. When every device holds
     the same inputs (stacks stored once, stride 0 along the devices: equal shares of a
     pending sum, replicated values) a per-device rule computes one device's outputs and
@@ -306,7 +309,7 @@ def _validate(op, attrs, stacks, dtypes, plan):
 # ---------------------------------------------------------------------------
 # replicated device axes: compute once, not once per replica
 # ---------------------------------------------------------------------------
-def _shared_replicas(rule, plan, dm) -> tuple:
+def shared_replicas(rule, plan, dm) -> tuple:
     """Device axes along which every input and output of `plan` is replicated (neither
     split nor partial), when `rule` is a per-device map (``register_rule(...,
     per_device=True)``) and this process holds every device; () otherwise."""
@@ -353,6 +356,21 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
                 grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)[first]
         stacks.append(_compact(grid, dm_c, need.local_shape))
     _validate(op, attrs, stacks, dtypes, plan)
+    return once_per_replica_set(op, attrs, plan, stacks, dm, reps)
+
+
+def replica_grid(stack, need, dm, reps):
+    """The stack of an input in layout `need` reduced to one replica along the device
+    axes `reps` (a view), as :func:`once_per_replica_set` takes it."""
+    first = tuple(slice(0, 1) if a in reps else slice(None) for a in range(len(dm)))
+    dm_c = tuple(1 if a in reps else s for a, s in enumerate(dm))
+    return _compact(stack.reshape(dm + need.local_shape)[first], dm_c, need.local_shape)
+
+
+def once_per_replica_set(op, attrs, plan, stacks, dm, reps):
+    """`plan.local` on one replica along `reps` (inputs given so, see
+    :func:`replica_grid`), every replica then given the results (a list of stacks)."""
+    dm_c = tuple(1 if a in reps else s for a, s in enumerate(dm))
     out = plan.local(attrs, stacks)
     outs = list(out) if op.multi_output else [out]
     n = math.prod(dm)

@@ -67,16 +67,12 @@ def delayed_local_shards(param, lay: TensorLayout) -> np.ndarray:
 
 def _store_sharded(param, lay, op_name):
     """A parameter lives in the layout of the first sharded op that consumes it."""
-    owner = param.__dict__.get("_sharded_by")
     if param._layout is not None:
         if param._layout == lay:
             return param
         if same_placement(param._layout, lay):     # the same blocks, another matrix
             return moved(param, param._data, lay)
-        raise ValueError(
-            f"Parameter {param.name}: {op_name} needs it in layout {lay!r} but it is stored "
-            f"as {param._layout!r} for {owner}; a parameter used by several ops must get one "
-            f"consistent layout (give both ops the same strategy for it)")
+        raise placement_conflict(param, lay, op_name)
     if param._data is None and param._init is not None:
         param._data = delayed_local_shards(param, lay)      # delayed: only local blocks
         param._init = None
@@ -86,6 +82,16 @@ def _store_sharded(param, lay, op_name):
     param.__dict__["_sharded_by"] = op_name
     note_memory(0)                  # active reports see the parameter storage change
     return param
+
+
+def placement_conflict(param, lay, op_name, stored_as=None, owner=None) -> ValueError:
+    """The error for `op_name` needing `param` in `lay` while it is stored otherwise."""
+    stored = stored_as if stored_as is not None else param._layout
+    owner = owner if owner is not None else param.__dict__.get("_sharded_by")
+    return ValueError(
+        f"Parameter {param.name}: {op_name} needs it in layout {lay!r} but it is stored "
+        f"as {stored!r} for {owner}; a parameter used by several ops must get one "
+        f"consistent layout (give both ops the same strategy for it)")
 
 
 def _to(x, lay, op_name):

@@ -49,7 +49,10 @@ from ..sharding import RULES, common_device_matrix, reexpress
 from ..strategy import _to, is_sharded_layout
 from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
+from ..devices import some_devices
+from .executor import Program
 from .ir import CALL, Const, Graph, Ref, flatten_refs, verify
+from .lower import insert_communication
 from .propagate import propagate
 from .trace import trace
 
@@ -378,9 +381,10 @@ def _redistribution_costs(steps) -> float:
 class CompiledGraph:
     """A graph ready to run; ``strategies()`` and ``dump()`` show what was planned."""
 
-    def __init__(self, graph: Graph, sharded: bool):
+    def __init__(self, graph: Graph, sharded: bool, program: Optional[Program] = None):
         self.graph = graph
         self.sharded = sharded
+        self.program = program          # the lowered graph the executor runs (sharded)
         self.backward_graph = None      # forward + backward, when derived at compile time
         self._plan = tuple(self._prepare(graph))
         # parameters a configured strategy (or parameter_plan) places: an op whose
@@ -402,6 +406,9 @@ class CompiledGraph:
                    tuple(v.id for v in node.outputs), node.op_name)
 
     def __call__(self, args):
+        prog = self.program
+        if prog is not None and not (_core.recording() and self._taped(args)):
+            return prog.outputs(prog.run(prog.bind(args)))
         g = self.graph
         env = {}
         sharded = self.sharded
@@ -458,6 +465,10 @@ class CompiledGraph:
                     x = _to(x, lay, g.meta.get("name", "ops.shard"))
             return x
         return build(g.outputs)
+
+    def _taped(self, args) -> bool:
+        return any(isinstance(a, TensorBase) and a._node is not None for a in args) or any(
+            p._node is not None for p, _ in self.graph.params)
 
     # ---- introspection ------------------------------------------------------------
     def strategies(self) -> dict:
@@ -572,7 +583,11 @@ def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name=
             graph = propagate_strategies(graph, n, arg_sources=arg_sources,
                                          fully_use_devices=fully_use_devices)
         graph = plan_communication(graph, n, arg_sources=arg_sources)
-    compiled = CompiledGraph(graph, sharded)
+        lowered = insert_communication(graph, n, arg_sources=arg_sources,
+                                       some_devices=some_devices(), name=name)
+        compiled = CompiledGraph(graph, sharded, Program(lowered))
+    else:
+        compiled = CompiledGraph(graph, sharded)
     if sharded and not any(node.backward for node in graph.nodes):
         with _core.paused_recording():      # compiling may happen inside a caller's grad
             compiled.backward_graph = derive_backward(compiled, n, arg_sources=arg_sources)

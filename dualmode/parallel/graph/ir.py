@@ -17,10 +17,16 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Value", "Ref", "Const", "Node", "Graph", "GraphError", "verify", "CALL"]
+__all__ = ["Value", "Ref", "Const", "Node", "Graph", "GraphError", "verify", "CALL", "MOVE",
+           "REDUCE"]
 
 #: ``Node.op`` of an opaque call (an optimizer update): ``attrs["fn"](*inputs)``.
 CALL = "Call"
+#: ``Node.op`` of a communication node inserted by lowering: one value moved from layout
+#: ``attrs["src"]`` to ``attrs["dst"]`` (None: a whole value on every device).
+MOVE = "Move"
+#: ``Node.op`` of an AllReduce(``attrs["op"]``) finishing an op's output over device axes.
+REDUCE = "AllReduce"
 
 
 class GraphError(RuntimeError):
@@ -83,6 +89,7 @@ class Node:
     out_layouts: Optional[tuple] = None
     cost: float = 0.0
     chosen: Optional[tuple] = None      # the strategy tuples propagation chose (display)
+    run: Any = field(default=None, compare=False)   # how the executor runs it (lower.py)
 
     @property
     def op_name(self) -> str:

@@ -1,0 +1,186 @@
+"""The executor of a lowered graph (lower.py): it runs the IR, nothing else.
+
+Every value lives in an environment as this process's stack of shards (or, for a
+value whose layout is None, the one whole value) — plain numpy arrays, no Tensor
+objects, no tape, no layout decided at run time. Each node is one step:
+
+* MOVE: the redistribution plan made at compile time, run through the backend
+  (collectives recorded for CommReport), or a local slice / view;
+* REDUCE: one AllReduce through the backend;
+* an op: its kernel on the global values ("global", "plain") or its sharding rule's
+  local computation on the stacks ("rule", "once");
+* CALL: the opaque call (an optimizer update), given Tensors and the Parameters.
+
+:meth:`Program.run` can stop after a node and resume from a saved environment: a
+compiled block differentiated by its caller runs the forward nodes, keeps the
+environment, and runs the backward nodes (derived once at compile time) when the
+caller's tape asks for the gradients.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..._core import _tensor as _core
+from ..._core._tensor import TensorBase
+from ..devices import backend as _backend
+from ..devices import op_cause
+from ..dtensor import batch_global_outputs, gather_stack, resolve_stack
+from ..redistribute import execute
+from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
+from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
+from ..strategy import _to
+from .ir import CALL, MOVE, REDUCE, Const, Ref
+
+__all__ = ["Program"]
+
+
+def _const(x):
+    """The value a Const input contributes: an array, a stack, or a Python number."""
+    v = x.value
+    if isinstance(v, TensorBase):
+        return v._data if v._layout is not None else v._value()
+    return v
+
+
+class Program:
+    """A lowered graph, ready to run."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.layouts = graph.meta["layouts"]
+        self.param_plans = graph.meta["params"]
+        self.name = graph.meta.get("name", "graph")
+        self.steps = tuple(self._prepare(graph))
+
+    def _prepare(self, graph):
+        for node in graph.nodes:
+            ins = tuple((True, x.id) if isinstance(x, Ref) else (False, _const(x))
+                        for x in node.inputs)
+            outs = tuple(v.id for v in node.outputs)
+            reason = "backward" if node.backward else None
+            if node.op == MOVE:
+                yield (MOVE, node.attrs, ins, outs, reason)
+            elif node.op == REDUCE:
+                yield (REDUCE, node.attrs, ins, outs, reason)
+            elif node.op == CALL:
+                yield (CALL, node.attrs, ins, outs,
+                       tuple(self.layouts.get(x.id) if isinstance(x, Ref) else None
+                             for x in node.inputs))
+            else:
+                yield (node.run.mode, node, ins, outs, reason)
+
+    # ---- binding -----------------------------------------------------------------------
+    def bind(self, args, params_by_id=None):
+        """The environment holding the arguments and parameters."""
+        g = self.graph
+        env = {}
+        for v, x in zip(g.args, args):
+            env[v.id] = x._data if self.layouts[v.id] is not None else x._value()
+        self.params = {}
+        for p, v in g.params:
+            plan = self.param_plans[v.id]
+            self.params[v.id] = p
+            lay = plan.layout
+            if p._layout == lay:
+                val = p
+            elif plan.store:
+                val = _to(p, lay, plan.owner)          # its first sharded use
+            elif lay is None:
+                val = _core.wrap_dist(gather_stack(p._data, p._layout, self.name), None)
+            else:
+                val = _core.wrap_dist(redistribute_tensor(p, lay, self.name), lay)
+            env[v.id] = val._data if lay is not None else val._value()
+        return env
+
+    # ---- running -----------------------------------------------------------------------
+    def run(self, env, start=0, stop=None):
+        steps = self.steps if stop is None and start == 0 else self.steps[start:stop]
+        for kind, what, ins, outs, extra in steps:
+            xs = [env[x] if is_ref else x for is_ref, x in ins]
+            if kind == MOVE:
+                env[outs[0]] = _move(what, xs[0], extra)
+            elif kind == REDUCE:
+                lay = what["layout"]
+                with op_cause(what["cause"], extra):
+                    out = np.asarray(_backend().all_reduce(
+                        xs[0], members=lay.group_members(what["axes"]), op=what["op"]))
+                env[outs[0]] = out if what["dst"] is not None else np.asarray(out[0])
+            elif kind == CALL:
+                what["fn"](*self._tensors(ins, xs, extra))
+            else:
+                res = _run_op(kind, what, xs, extra)
+                for vid, o in zip(outs, res):
+                    env[vid] = o
+        return env
+
+    def _tensors(self, ins, xs, lays):
+        out = []
+        for (is_ref, x), val, lay in zip(ins, xs, lays):
+            if is_ref and x in self.params:
+                out.append(self.params[x])        # the optimizer updates the Parameter
+            elif is_ref:
+                out.append(_core.wrap_dist(val, lay))
+            else:
+                out.append(val)
+        return out
+
+    def outputs(self, env, tree=None):
+        """The graph's output structure with Tensors for its values."""
+        lays = self.layouts
+
+        def build(t):
+            if isinstance(t, Ref):
+                return _core.wrap_dist(env[t.id], lays[t.id])
+            if isinstance(t, Const):
+                return t.value
+            if isinstance(t, tuple):
+                return tuple(build(y) for y in t)
+            if isinstance(t, list):
+                return [build(y) for y in t]
+            if isinstance(t, dict):
+                return {k: build(y) for k, y in t.items()}
+            return t
+        return build(self.graph.outputs if tree is None else tree)
+
+
+def _move(attrs, x, reason):
+    kind = attrs["kind"]
+    if kind == "view":
+        return x
+    if kind == "slice":
+        return local_stack(np.asarray(x), attrs["dst"])
+    cause = attrs["cause"]
+    if kind == "resolve":
+        with op_cause(cause, reason):
+            return resolve_stack(x, attrs["src"], cause)[0]
+    if kind == "gather":
+        with op_cause(cause, reason):
+            return gather_stack(x, attrs["src"], cause)
+    plan = attrs["plan"]
+    if plan is not None:
+        return execute(plan, x, op_name=cause, reason=attrs["reason"])
+    return move_stack(x, attrs["src"], attrs["dst"], cause, attrs["reason"])
+
+
+def _run_op(mode, node, xs, reason):
+    op, attrs, run = node.op, node.attrs, node.run
+    if mode == "plain":
+        out = run_kernel(op, attrs, [np.asarray(x) if isinstance(x, np.generic) else x
+                                     for x in xs])
+        return out if op.multi_output else (out,)
+    plan = run.plan
+    if mode == "global":
+        merged = [x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+                  if stacked else x for x, stacked in zip(xs, run.stacked)]
+        with op_cause(op.name, reason):
+            arrays, _ = batch_global_outputs(run_kernel(op, attrs, merged), op, plan, merged)
+        return arrays
+    with op_cause(op.name, reason):
+        if mode == "once":
+            stacks = [replica_grid(x, need, run.dm, run.reps) if need is not None else x
+                      for x, need in zip(xs, plan.inputs)]
+            outs = once_per_replica_set(op, attrs, plan, stacks, run.dm, run.reps)
+        else:
+            outs = run_local(RULES[op.name], op, attrs, plan, xs)
+    return [o if lay is not None else np.asarray(o[0])
+            for o, lay in zip(outs, run.outputs)]
