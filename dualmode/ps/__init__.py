@@ -23,5 +23,18 @@ from .worker import WorkerClient, active_worker
 
 set_ps_join(join)
 
+
+def pull_weights(params) -> None:
+    """On a parameter server worker, make every server-held weight among `params` (a
+    list of Parameters, or a Cell) equal to the servers' value: the rows of sparse
+    embedding tables that this worker did not use lately are pulled. Call it before
+    reading or saving whole tables. Does nothing outside a worker."""
+    worker = active_worker()
+    if worker is None:
+        return
+    if hasattr(params, "get_parameters"):
+        params = list(params.get_parameters())
+    worker.pull_tables(params)
+
 __all__ = ["set_ps_context", "get_ps_context", "reset_ps_context", "active_worker",
-           "WorkerClient", "RowCache", "PSError"]
+           "WorkerClient", "RowCache", "PSError", "pull_weights"]

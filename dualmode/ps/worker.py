@@ -393,6 +393,16 @@ class WorkerClient:
         for k, (head, arrays) in answers.items():
             target[where[k]] = arrays[0]
 
+    def pull_tables(self, params) -> None:
+        """Pull every row of the sparse server-held tables among `params` (the worker
+        keeps only the rows it used current; call this before reading whole tables)."""
+        for p in params:
+            if id(p) in self.sparse and any(
+                    sh.sparse and s.params[sh.index] is p
+                    for s in self.sessions.values() for lst in s.shards.values()
+                    for sh in lst):
+                self.pull_rows(p, np.arange(p.shape[0], dtype=np.int64))
+
     def _record(self, pushed: int, pulled: int) -> None:
         if trace._STATE.reports:
             if pushed:

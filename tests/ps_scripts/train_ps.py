@@ -62,7 +62,8 @@ def batch(step, rank, workers, per):
     n = workers * per
     x = rng.standard_normal((n, IN)).astype(np.float32)
     ids = rng.integers(0, VOCAB, (n, 3)).astype(np.int32)
-    y = rng.integers(0, OUT, n).astype(np.int32)
+    teacher = np.random.default_rng(7).standard_normal((IN, OUT))
+    y = np.argmax(x @ teacher, axis=1).astype(np.int32)       # learnable labels
     sl = slice(rank * per, (rank + 1) * per)
     return Tensor(x[sl]), Tensor(ids[sl]), Tensor(y[sl])
 
@@ -131,6 +132,7 @@ def main():
         net.set_param_ps()
     with dm.parallel.CommReport() as report:
         losses = train(cfg, net, opt, rank, workers, cfg["steps"])
+    dm.ps.pull_weights(net)
     weights = [p.asnumpy() for p in net.trainable_params()]
     np.savez(os.path.join(out, f"worker_{rank}.npz"), np.array(losses),
              np.array([report.bytes("Push"), report.bytes("Pull")]), *weights)

@@ -1,0 +1,169 @@
+"""Parameter server mode with real processes (scheduler + 2 servers + 2 workers): sync
+training equals one device on the concatenated batch, async lowers the loss, the
+embedding cache equals the uncached run, the seed's MS_* shell scripts work, and the
+faults: a killed worker, a killed and restarted server, a dead scheduler."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from _ps import Cluster, base_env, program
+
+pytest.importorskip("zmq", reason="parameter server mode needs pyzmq")
+
+FLOATS = 16 * 8 + 16 + 4 * 16 + 4          # the weights of the test network
+
+
+def _assert_weights(got, ref):
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
+def test_ps_sync_equals_single_device(opt, tmp_path):
+    cfg = {"opt": opt, "steps": 5}
+    with Cluster(tmp_path, cfg) as c:
+        c.start_all()
+        codes = c.wait()
+        assert set(codes.values()) == {0}, c.all_logs()
+        ref_losses, ref_weights = program().reference(cfg, workers=2)
+        for rank in (0, 1):
+            losses, moved, weights = c.result(rank)
+            _assert_weights(weights, ref_weights)
+            # CommReport: every step pushes every gradient and pulls every weight
+            assert moved.tolist() == [5 * FLOATS * 4, 5 * FLOATS * 4]
+        # each worker's loss is the mean over its half of the batch
+        mean = (c.result(0)[0] + c.result(1)[0]) / 2
+        np.testing.assert_allclose(mean, ref_losses, rtol=1e-5)
+        assert "Start the scheduler node is successful!" in c.log("scheduler")
+
+
+def test_ps_ms_shell_scripts(tmp_path):
+    """The seed's Scheduler.sh / Server.sh / Worker.sh (MS_* variables, one background
+    process per role, logs scheduler.log, server_<i>.log, worker_<i>.log) unchanged."""
+    env = base_env("MS", 2, 2)
+    script = os.path.join(os.path.dirname(__file__), "ps_scripts", "train_ps.py")
+    cfg = '\'{"opt": "momentum", "steps": 3}\''
+    common = "".join(f"export {k}={env[k]}\n" for k in
+                     ("MS_SERVER_NUM", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT"))
+    run = f"{sys.executable} {script} {cfg} {tmp_path}"
+    scripts = {
+        "Scheduler.sh": f"export MS_ROLE=MS_SCHED\n{run} > scheduler.log 2>&1 &\n",
+        "Server.sh": "export MS_ROLE=MS_PSERVER\nfor((server_id=0;server_id<${MS_SERVER_NUM};"
+                     f"server_id++))\ndo\n{run} > server_${{server_id}}.log 2>&1 &\ndone\n",
+        "Worker.sh": "export MS_ROLE=MS_WORKER\nfor((worker_id=0;worker_id<${MS_WORKER_NUM};"
+                     f"worker_id++))\ndo\n{run} > worker_${{worker_id}}.log 2>&1 &\ndone\n",
+    }
+    groups = []
+    try:
+        for name, body in scripts.items():
+            (tmp_path / name).write_text("#!/bin/bash\n" + common + body)
+            proc = subprocess.Popen(["bash", name], cwd=tmp_path, env=env,
+                                    start_new_session=True)
+            proc.wait(timeout=10)
+            groups.append(proc.pid)
+        end = time.monotonic() + 60
+        while time.monotonic() < end and any(_group_alive(g) for g in groups):
+            time.sleep(0.1)
+        assert not any(_group_alive(g) for g in groups), "the roles did not finish in 60 s"
+    finally:
+        for g in groups:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    logs = {p.name: p.read_text() for p in tmp_path.glob("*.log")}
+    assert sorted(logs) == ["scheduler.log", "server_0.log", "server_1.log", "worker_0.log",
+                            "worker_1.log"]
+    assert "exiting with status 0" in logs["scheduler.log"], logs
+    _, ref_weights = program().reference({"opt": "momentum", "steps": 3}, workers=2)
+    for rank in (0, 1):
+        data = np.load(tmp_path / f"worker_{rank}.npz")
+        _assert_weights([data[f"arr_{i}"] for i in range(2, len(data.files))], ref_weights)
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_ps_async_decreases_loss(tmp_path):
+    cfg = {"opt": "sgd", "steps": 30, "mode": "async", "batch": 16}
+    with Cluster(tmp_path, cfg) as c:
+        c.start_all()
+        assert set(c.wait().values()) == {0}, c.all_logs()
+        for rank in (0, 1):
+            losses = c.result(rank)[0]
+            assert losses[-5:].mean() < losses[:5].mean() - 0.05, losses
+
+
+@pytest.mark.parametrize("cache", [0, 8])
+def test_ps_embedding_sparse_equals_single_device(cache, tmp_path):
+    """Sparse rows over 2 servers, without and with a worker cache (smaller than the
+    rows a step uses), give the single-device numbers (SGD: a lazy update of the used
+    rows is the dense update)."""
+    cfg = {"opt": "sgd", "steps": 4, "embed": True, "cache": cache}
+    with Cluster(tmp_path, cfg) as c:
+        c.start_all()
+        assert set(c.wait().values()) == {0}, c.all_logs()
+        _, ref_weights = program().reference(cfg, workers=2)
+        for rank in (0, 1):
+            _assert_weights(c.result(rank)[2], ref_weights)
+        # the table is split by rows over both servers
+        assert "embedding_table(20, 6)" in c.log("server_0") + c.log("server_1")
+
+
+def test_ps_killed_worker_job_goes_on(tmp_path):
+    """Worker 1 dies at step 3: after the heartbeat timeout the servers apply the steps
+    with worker 0 alone, and say so."""
+    cfg = {"opt": "momentum", "steps": 6, "stop_after": 3, "stop_rank": 1}
+    with Cluster(tmp_path, cfg) as c:
+        c.start_all()
+        codes = c.wait()
+        assert codes["worker_0"] == 0 and codes["scheduler"] == 0, c.all_logs()
+        _, ref_weights = program().reference(cfg, workers=2, alive_until={1: 3})
+        _assert_weights(c.result(0)[2], ref_weights)
+        assert "worker 1 (pid" in c.log("scheduler") and "lost" in c.log("scheduler")
+        assert "sync steps go on with the live workers [0]" in c.log("server_0")
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_ps_server_restart_recovers(interval, tmp_path):
+    """Server 0 killed mid-run and started again with DM_RECOVERY_PATH resumes from its
+    checkpoint (every step, or every 3 with the workers pushing the missed steps
+    again): the final weights equal the uninterrupted run."""
+    cfg = {"opt": "adam", "steps": 8, "sleep": 0.15, "recovery_interval": interval}
+    rec = {"DM_RECOVERY_PATH": str(tmp_path / "recovery")}
+    with Cluster(tmp_path, cfg) as c:
+        c.start_all(rec)
+        c.wait_for_log("server_0", "opt0:")
+        time.sleep(0.7)
+        c.kill("server_0")
+        c.start("DM_PSERVER", "server_0b", rec)
+        codes = c.wait(["scheduler", "server_1", "server_0b", "worker_0", "worker_1"])
+        assert set(codes.values()) == {0}, c.all_logs()
+        assert "resumed from" in c.log("server_0b")
+        _, ref_weights = program().reference(cfg, workers=2)
+        for rank in (0, 1):
+            _assert_weights(c.result(rank)[2], ref_weights)
+
+
+def test_ps_dead_scheduler_ends_job(tmp_path):
+    cfg = {"opt": "sgd", "steps": 200, "sleep": 0.05}
+    with Cluster(tmp_path, cfg) as c:
+        c.start_all()
+        c.wait_for_log("server_0", "opt0:")
+        c.kill("scheduler")
+        codes = c.wait(["server_0", "server_1", "worker_0", "worker_1"], timeout=20)
+        assert all(code != 0 for code in codes.values()), c.all_logs()
+        for name in ("server_0", "worker_0"):
+            assert "the scheduler at 127.0.0.1:" in c.log(name), c.all_logs()
+            assert "is lost" in c.log(name)
