@@ -73,7 +73,7 @@ class _Scheduler:
         self.workers: List[Optional[_Node]] = [None] * env.worker_num
         self.formed = False
         self.waiting_servers: List[tuple] = []      # (ident, header) of restarted servers
-        self.mode = None
+        self.mode = (cfg.mode, cfg.staleness)
 
     # ---------------------------------------------------------------- helpers
     def reply(self, ident: bytes, head: dict) -> None:
@@ -100,14 +100,11 @@ class _Scheduler:
                                    f"{head.get('pid')}) does not match DM_{var}={mine} on "
                                    f"the scheduler; every process needs the same value")
         mode = (head.get("mode"), head.get("staleness"))
-        if self.mode is None:
-            self.mode = mode
-        elif mode != self.mode:
+        if mode != self.mode:
             return self.refuse(ident, f"set_ps_context(mode={mode[0]!r}, staleness={mode[1]}) "
                                f"on a {role} (pid {head.get('pid')}) differs from "
-                               f"mode={self.mode[0]!r}, staleness={self.mode[1]} of the "
-                               "nodes registered before it; every process needs the same "
-                               "settings")
+                               f"mode={self.mode[0]!r}, staleness={self.mode[1]} on the "
+                               "scheduler; every process needs the same settings")
         if role == "server":
             return self.register_server(ident, head)
         if role == "worker":

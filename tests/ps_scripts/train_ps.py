@@ -42,8 +42,8 @@ class Net(nn.Cell):
         return self.fc2(self.relu(self.fc1(x)))
 
 
-def build(cfg):
-    dm.set_seed(1)
+def build(cfg, rank=0):
+    dm.set_seed(1 + (rank if cfg.get("seed_by_rank") else 0))
     net = Net(cfg.get("embed", False), cfg.get("cache", 0))
     params = net.trainable_params()
     name = cfg.get("opt", "sgd")
@@ -123,8 +123,10 @@ def main():
     dm.communication.init()
     rank = dm.communication.get_rank()
     workers = dm.communication.get_group_size()
-    net, opt = build(cfg)
-    if cfg.get("hybrid"):
+    net, opt = build(cfg, rank)
+    if cfg.get("hybrid_plain"):
+        net.fc1.set_param_ps()                       # fc2 stays on the workers
+    elif cfg.get("hybrid"):
         net.fc1.set_param_ps()
         if cfg.get("embed"):
             net.lookup.set_param_ps()
