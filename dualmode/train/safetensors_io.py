@@ -312,8 +312,8 @@ class CheckpointFile:
                              f"{shape} in {self.path!r}")
         if any(a == z for a, z in zip(starts, stops)):
             return np.zeros(tuple(z - a for a, z in zip(starts, stops)), dtype)
-        if not shape:
-            return self.read(name)
+        if not shape or all(a == 0 and z == n for a, z, n in zip(starts, stops, shape)):
+            return self.read(name)                    # the whole tensor: no strided copy
         strides = np.cumprod((1,) + shape[:0:-1])[::-1].astype(np.int64) * dtype.itemsize
         first = int(np.dot(starts, strides))
         last = int(np.dot(np.subtract(stops, 1), strides)) + dtype.itemsize
