@@ -38,6 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ._rank_wrapper import FAIL_MARK
 from .communication.rank_table import RankTable, load_rank_table
+from .ps.launch import launch_ps
 
 __all__ = ["main", "build_command", "parse_args", "LaunchConfig"]
 
@@ -60,6 +61,8 @@ class LaunchConfig:
     mpiexec: str
     script: str
     args: Tuple[str, ...]
+    ps: bool = False
+    server_num: int = 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds node 0 waits for the other nodes (and they for it)")
     p.add_argument("--mpiexec", default=None,
                    help="the mpiexec to use; default: the one on PATH (mpich wheel)")
+    p.add_argument("--ps", action="store_true",
+                   help="parameter server mode: a scheduler, --server_num servers and "
+                        "--worker_num workers (logs scheduler.log, server_<i>.log, "
+                        "worker_<i>.log)")
+    p.add_argument("--server_num", type=int, default=None,
+                   help="servers of a --ps job")
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
@@ -143,6 +152,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     elif ns.master_port is not None and not 1 <= ns.master_port <= 65535:
         raise ValueError(f"{_PREFIX}: --master_port={ns.master_port} is not valid; expected "
                          "an int in [1, 65535]")
+    if ns.ps:
+        if ns.server_num is None or ns.server_num < 1:
+            raise ValueError(f"{_PREFIX}: --ps needs --server_num, an int >= 1; got "
+                             f"{ns.server_num!r}")
+        if ns.nnodes > 1 or ns.hostfile:
+            raise ValueError(f"{_PREFIX}: --ps starts every role on this machine; "
+                             f"--nnodes={ns.nnodes} and --hostfile are not supported with it "
+                             "(on several machines start the roles with the DM_* / MS_* "
+                             "variables, see docs/parameter_server.md)")
+    elif ns.server_num is not None:
+        raise ValueError(f"{_PREFIX}: --server_num={ns.server_num} needs --ps")
     if ns.hostfile and not os.path.isfile(ns.hostfile):
         raise ValueError(f"{_PREFIX}: --hostfile={ns.hostfile!r} does not exist")
     if ns.rdzv_timeout <= 0:
@@ -156,7 +176,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     return LaunchConfig(worker_num, os.path.abspath(ns.log_dir), ns.nnodes, ns.node_rank,
                         ns.master_addr, ns.master_port, ns.hostfile, table,
                         ns.rdzv_timeout, _find_mpiexec(ns.mpiexec),
-                        os.path.abspath(ns.script), tuple(args))
+                        os.path.abspath(ns.script), tuple(args), bool(ns.ps),
+                        ns.server_num or 0)
 
 
 def build_command(cfg: LaunchConfig, hostfile: Optional[str] = None) -> List[str]:
@@ -334,6 +355,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the job; the exit status (0, or non-zero naming the failed rank)."""
     try:
         cfg = parse_args(argv)
+        if cfg.ps:
+            return launch_ps(cfg.script, cfg.args, cfg.server_num, cfg.worker_num,
+                             cfg.log_dir, cfg.mpiexec, cfg.master_addr, cfg.master_port)
         if cfg.nnodes > 1 and cfg.node_rank > 0:
             return _follow_master(cfg)
         peers = []

@@ -80,7 +80,11 @@ def train(cfg, net, opt, rank, workers, steps):
         if cfg.get("stop_after") is not None and rank == cfg.get("stop_rank", 1) \
                 and step == cfg["stop_after"]:
             os._exit(0)                                 # dies without saying goodbye
-        loss, grads = grad_fn(*batch(step, rank, workers, cfg.get("batch", 4)))
+        if cfg.get("hybrid"):       # data parallel under MPI: the global batch, split
+            data = batch(step, 0, 1, cfg.get("batch", 4) * workers)
+        else:
+            data = batch(step, rank, workers, cfg.get("batch", 4))
+        loss, grads = grad_fn(*data)
         opt(grads)
         losses.append(float(loss.asnumpy()))
         if cfg.get("sleep"):
