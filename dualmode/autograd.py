@@ -18,7 +18,7 @@ from ._core._tensor import TensorBase
 from .ops import _array, _math
 from .tensor import Parameter
 
-__all__ = ["grad", "value_and_grad"]
+__all__ = ["grad", "value_and_grad", "vjp"]
 
 
 def _check_position(grad_position):
@@ -71,8 +71,9 @@ def _detach(x):
     return x
 
 
-def _differentiate(fn, positions, weights, single_weight, has_aux, args, kwargs):
-    """Run fn on args, return (outputs, position grads, weight grads)."""
+def _differentiate(fn, positions, weights, single_weight, has_aux, args, kwargs, sens=None):
+    """Run fn on args, return (outputs, position grads, weight grads). `sens`: one
+    cotangent per output (None: not differentiated) instead of ones."""
     pos = (positions,) if isinstance(positions, int) else (positions or ())
     for p in pos:
         if p >= len(args):
@@ -114,6 +115,10 @@ def _differentiate(fn, positions, weights, single_weight, has_aux, args, kwargs)
             roots = (out[0],)
         else:
             roots = out if isinstance(out, tuple) else (out,)
+        if sens is not None:
+            if len(sens) != len(roots):
+                raise ValueError(f"grad: {len(sens)} cotangents for {len(roots)} outputs")
+            roots = tuple(r for r, s in zip(roots, sens) if s is not None)
         for i, r in enumerate(roots):
             if not isinstance(r, TensorBase):
                 raise TypeError(f"grad: output {i} of the function is a {type(r).__name__}; "
@@ -121,7 +126,8 @@ def _differentiate(fn, positions, weights, single_weight, has_aux, args, kwargs)
             if r.dtype.kind != "f":
                 raise TypeError(f"grad: output {i} of the function has dtype {r.dtype}; "
                                 f"differentiated outputs must be floating tensors")
-        seeds = tuple(_array.ones(r.shape, r.dtype) for r in roots)
+        seeds = tuple(_array.ones(r.shape, r.dtype) for r in roots) if sens is None else \
+            tuple(s for s in sens if s is not None)
         nslots = len(pos) + len(weights)
         grads = _core.run_backward(tuple(roots), seeds, tape, nslots, _math.ADD,
                                    _zeros_like_meta)
@@ -209,3 +215,21 @@ def grad(fn, grad_position=0, weights=None, has_aux=False):
     return _make(fn, grad_position, weights, has_aux, False)
 
 
+
+
+def vjp(fn, grad_position=None, weights=None):
+    """A function ``(args, cotangents) -> (fn(*args), gradients)``: the gradients of
+    ``sum(output_i * cotangent_i)``, i.e. the vector-Jacobian product; `fn` returns a
+    tuple of Tensors and a cotangent None leaves its output out. The gradients are
+    shaped as :func:`value_and_grad` gives them for the same `grad_position`/`weights`.
+    (Graph mode derives a compiled block's backward pass with it.)"""
+    positions = _check_position(grad_position)
+    ws, single = _check_weights(weights)
+    if positions is None and not ws:
+        raise ValueError("vjp: grad_position and weights are both None; nothing to "
+                         "differentiate with respect to")
+
+    def wrapper(args, cotangents):
+        return _differentiate(fn, positions, ws, single, False, tuple(args), {},
+                              sens=tuple(cotangents))
+    return wrapper

@@ -38,15 +38,14 @@ from typing import Optional
 import numpy as np
 
 from ..._core import _tensor as _core
-from ..._core._tensor import TensorBase
-from ...autograd import value_and_grad
-from ...tensor import Parameter, Tensor
-from ..dtensor import moved
+from ..._core._tensor import KIND_GENERIC, OpDef, TensorBase
+from ...autograd import vjp
+from ...tensor import Tensor
+from ..dtensor import gather_stack
 from ..layout import TensorLayout
 from ..redistribute import plan_redistribution
 from ..redistribute_bridge import redistribute_tensor
 from ..sharding import RULES, common_device_matrix, reexpress
-from ..strategy import _to, is_sharded_layout
 from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
 from ..devices import some_devices
@@ -379,96 +378,52 @@ def _redistribution_costs(steps) -> float:
 # the compiled graph: executor and introspection
 # ---------------------------------------------------------------------------
 class CompiledGraph:
-    """A graph ready to run; ``strategies()`` and ``dump()`` show what was planned."""
+    """A graph ready to run; ``strategies()`` and ``dump()`` show what was planned.
+
+    A sharded graph runs its lowered program (lower.py, executor.py). Called while the
+    caller's tape records (the caller differentiates through it), it runs as one op on
+    that tape: the forward nodes of its derived forward+backward program now, the
+    backward nodes when the tape reaches it (:class:`Block`). A graph that is not
+    sharded runs its nodes through the dispatcher on whole values (recorded by a tape
+    like any eager op)."""
 
     def __init__(self, graph: Graph, sharded: bool, program: Optional[Program] = None):
         self.graph = graph
         self.sharded = sharded
         self.program = program          # the lowered graph the executor runs (sharded)
         self.backward_graph = None      # forward + backward, when derived at compile time
-        self._plan = tuple(self._prepare(graph))
-        # parameters a configured strategy (or parameter_plan) places: an op whose
-        # strategy was propagated lends them a moved copy instead of storing them
-        params = {v.id: p for p, v in graph.params}
-        self._pinned = {id(params[x.id]) for node in graph.nodes
-                        if node.op_name == "Redistribute"
-                        for x in node.inputs if isinstance(x, Ref) and x.id in params}
-        self._pinned |= {id(p) for (p, _), lay in zip(graph.params, graph.param_layouts or ())
-                         if lay is not None}
-
-    @staticmethod
-    def _prepare(graph):
-        """Per node: (op, attrs, input getters, in_layouts, out_layouts, out ids, name)."""
-        for node in graph.nodes:
-            ins = tuple((True, x.id) if isinstance(x, Ref) else (False, x.value)
-                        for x in node.inputs)
-            yield (node.op, node.attrs, ins, node.in_layouts, node.out_layouts,
-                   tuple(v.id for v in node.outputs), node.op_name)
+        self.block = None               # its program, for callers that differentiate
+        self._plan = tuple((node.op, node.attrs,
+                            tuple((True, x.id) if isinstance(x, Ref) else (False, x.value)
+                                  for x in node.inputs),
+                            tuple(v.id for v in node.outputs), node.op_name)
+                           for node in graph.nodes)
 
     def __call__(self, args):
         prog = self.program
-        if prog is not None and not (_core.recording() and self._taped(args)):
-            return prog.outputs(prog.run(prog.bind(args)))
+        if prog is None:
+            return self._run_plain(args)
+        if self.block is not None and _core.recording() and self.block.taped(args):
+            return self.block(args)
+        return prog.outputs(prog.run(prog.bind(args)))
+
+    def _run_plain(self, args):
+        """Not sharded: the nodes through the dispatcher, on whole values."""
         g = self.graph
-        env = {}
-        sharded = self.sharded
-        for k, v in enumerate(g.args):
-            x = args[k]
-            lay = g.arg_layouts[k] if g.arg_layouts else None
-            env[v.id] = _to(x, lay, g.meta.get("name", "ops.shard")) \
-                if sharded and lay is not None else x
-        for k, (p, v) in enumerate(g.params):
-            lay = g.param_layouts[k] if g.param_layouts else None
-            env[v.id] = _to(p, lay, f"parameter_plan[{p.name!r}]") \
-                if sharded and lay is not None else p
+        env = {v.id: x for v, x in zip(g.args, args)}
+        env.update({v.id: p for p, v in g.params})
         apply = _core.apply
-        for op, attrs, ins, in_lays, out_lays, outs, name in self._plan:
+        for op, attrs, ins, outs, name in self._plan:
             xs = tuple(env[x] if is_ref else x for is_ref, x in ins)
-            if sharded and in_lays is not None:
-                if name == "Redistribute":
-                    xs = tuple(_to(x, lay, name) if lay is not None else x
-                               for x, lay in zip(xs, in_lays))
-                else:
-                    xs = tuple(_place(x, lay, name, self._pinned) if lay is not None else x
-                               for x, lay in zip(xs, in_lays))
             if op == CALL:
                 attrs["fn"](*xs)
-                continue
-            if name == "Redistribute":        # moved by `_to` above (or not sharded)
+            elif name == "Redistribute":
                 env[outs[0]] = xs[0]
-                continue
-            out = apply(op, attrs, xs)
-            res = out if op.multi_output else (out,)
-            if sharded and out_lays is not None:
-                res = tuple(_to(o, lay, name) if lay is not None else o
-                            for o, lay in zip(res, out_lays))
-            for vid, o in zip(outs, res):
-                env[vid] = o
-        leaves = iter(g.out_layouts) if g.out_layouts else None
-
-        def build(t):
-            if isinstance(t, Ref):
-                x = env[t.id]
-            elif isinstance(t, Const):
-                x = t.value
-            elif isinstance(t, tuple):
-                return tuple(build(y) for y in t)
-            elif isinstance(t, list):
-                return [build(y) for y in t]
-            elif isinstance(t, dict):
-                return {k: build(y) for k, y in t.items()}
             else:
-                return t
-            if leaves is not None:
-                lay = next(leaves)
-                if sharded and lay is not None and isinstance(x, TensorBase):
-                    x = _to(x, lay, g.meta.get("name", "ops.shard"))
-            return x
-        return build(g.outputs)
-
-    def _taped(self, args) -> bool:
-        return any(isinstance(a, TensorBase) and a._node is not None for a in args) or any(
-            p._node is not None for p, _ in self.graph.params)
+                out = apply(op, attrs, xs)
+                for vid, o in zip(outs, out if op.multi_output else (out,)):
+                    env[vid] = o
+        return _build(g.outputs, env)
 
     # ---- introspection ------------------------------------------------------------
     def strategies(self) -> dict:
@@ -560,18 +515,6 @@ class CompiledGraph:
         return f"CompiledGraph({len(self.graph.nodes)} nodes)\n{self.graph!r}"
 
 
-def _place(x, lay, name, pinned=frozenset()):
-    """`x` in layout `lay` for an op whose strategy was propagated: a parameter not yet
-    sharded comes to live there (its first use) unless a configured strategy places it
-    (`pinned`); one already stored in another layout, or pinned, lends a moved copy
-    instead (configured strategies, by contrast, must agree)."""
-    if isinstance(x, TensorBase) and x._layout == lay:
-        return x
-    if isinstance(x, Parameter) and (is_sharded_layout(x._layout) or id(x) in pinned):
-        return moved(x, redistribute_tensor(x, lay, name), lay)
-    return _to(x, lay, name)
-
-
 def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name="ops.shard",
                   in_strategy=None, out_strategy=None, parameter_plan=None,
                   arg_sources=None, fully_use_devices=False) -> CompiledGraph:
@@ -590,34 +533,46 @@ def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name=
         compiled = CompiledGraph(graph, sharded)
     if sharded and not any(node.backward for node in graph.nodes):
         with _core.paused_recording():      # compiling may happen inside a caller's grad
-            compiled.backward_graph = derive_backward(compiled, n, arg_sources=arg_sources)
+            found = derive_backward(compiled, n, arg_sources=arg_sources, name=name)
+        if found is not None:
+            compiled.backward_graph, compiled.block = found
     return compiled
 
 
-def derive_backward(compiled: CompiledGraph, n: int, *, arg_sources=None) -> Optional[Graph]:
-    """The forward graph and its backward pass, traced at compile time: the tape of
-    ``value_and_grad`` over a replay of the graph on abstract values, with respect to its
-    floating arguments and trained parameters. Forward nodes keep their compiled layouts;
-    the communication of every node, backward ones included, is then planned from the
-    sharding rules (what ``dump(backward=True)`` shows). None when nothing is
-    differentiable. At run time the same backward runs on the caller's tape."""
+def derive_backward(compiled: CompiledGraph, n: int, *, arg_sources=None, name="graph"):
+    """The forward graph and its backward pass, derived once at compile time:
+    ``(planned graph, Block)``, or None when nothing is differentiable.
+
+    It is the trace of a vector-Jacobian product (:func:`~dualmode.autograd.vjp`) over a
+    replay of the graph, with respect to its floating arguments and trained parameters,
+    taking one cotangent argument per floating output. Forward nodes keep their
+    compiled layouts; every node, backward ones included, is then planned and lowered
+    like the forward (what ``dump(backward=True)`` shows and what a differentiating
+    caller runs)."""
     g = compiled.graph
     positions = tuple(k for k, v in enumerate(g.args) if v.dtype.kind == "f")
     weights = [p for p, v in g.params if p.requires_grad and v.dtype.kind == "f"]
-    leaves = [x for x in flatten_refs(g.outputs) if isinstance(x, Ref)]
     values = g.values()
-    if not leaves or not all(values[x.id].dtype.kind == "f" for x in leaves) or             not (positions or weights):
+    leaves = flatten_refs(g.outputs)
+    diff = tuple(isinstance(x, Ref) and values[x.id].dtype.kind == "f" for x in leaves)
+    if not any(diff) or not (positions or weights):
         return None
     replay = CompiledGraph(g, sharded=False)
+    nargs = len(g.args)
+    fn = vjp(lambda *xs: tuple(_flat_outputs(g.outputs, replay(list(xs)))),
+             positions or None, weights or None)
 
-    def forward(*xs):
-        out = replay(list(xs))
-        flat = [t for t in _leaves(out) if isinstance(t, TensorBase)]
-        return tuple(flat) if len(flat) > 1 else flat[0]
+    def forward_backward(*xs):
+        cots = iter(xs[nargs:])
+        out, grads = fn(xs[:nargs], [next(cots) if d else None for d in diff])
+        if positions and weights:
+            grads = tuple(grads[0]) + tuple(grads[1])
+        return out, tuple(grads)
 
-    fn = value_and_grad(forward, positions or None, weights or None)
-    stand_ins = [Tensor(np.broadcast_to(np.zeros((), v.dtype), v.shape)) for v in g.args]
-    both = trace(fn, stand_ins, name=f"{g.meta.get('name', 'graph')} backward",
+    shapes = [v.shape for v in g.args] + [values[x.id].shape for x, d in zip(leaves, diff) if d]
+    dtypes = [v.dtype for v in g.args] + [values[x.id].dtype for x, d in zip(leaves, diff) if d]
+    stand_ins = [Tensor(np.broadcast_to(np.zeros((), d), s)) for s, d in zip(shapes, dtypes)]
+    both = trace(forward_backward, stand_ins, name=f"{g.meta.get('name', 'graph')} backward",
                  params=[p for p, _ in g.params])
     by_name = {node.name: node for node in g.nodes}
     nodes = tuple(node.replace(in_layouts=by_name[node.name].in_layouts,
@@ -625,24 +580,134 @@ def derive_backward(compiled: CompiledGraph, n: int, *, arg_sources=None) -> Opt
                                chosen=by_name[node.name].chosen, cost=by_name[node.name].cost)
                   if not node.backward and node.name in by_name else node
                   for node in both.nodes)
-    both = verify(both.replace(nodes=nodes, arg_layouts=g.arg_layouts,
+    ncots = len(both.args) - nargs
+    both = verify(both.replace(nodes=nodes, arg_layouts=tuple(g.arg_layouts or
+                                                              (None,) * nargs)
+                               + (None,) * ncots,
                                param_layouts=_param_layouts_for(both, g)))
-    return plan_communication(both, n, arg_sources={
-        v.id: (arg_sources or {}).get(old.id) for v, old in zip(both.args, g.args)})
+    # a cotangent arrives in its output's layout (pending sums resolved)
+    lowered_out = flatten_refs(compiled.program.graph.outputs)
+    cot_lays = [_cotangent_layout(compiled.program.layouts[x.id])
+                for x, d in zip(lowered_out, diff) if d]
+    sources = {v.id: (arg_sources or {}).get(old.id) for v, old in zip(both.args, g.args)}
+    sources.update({v.id: lay for v, lay in zip(both.args[nargs:], cot_lays)})
+    planned = plan_communication(both, n, arg_sources=sources)
+    lowered = insert_communication(planned, n, arg_sources=sources,
+                                   some_devices=some_devices(), name=name)
+    block = Block(Program(lowered), nargs, positions, weights, diff, cot_lays, g.outputs)
+    return planned, block
+
+
+def _cotangent_layout(lay):
+    if lay is None:
+        return None
+    if lay.partial:
+        lay = lay.without_partial()
+    return lay if any(lay.tensor_map) else None
+
+
+class Block:
+    """A compiled block run as one op on the caller's tape: its forward nodes now, its
+    backward nodes (derived once at compile time) when the tape asks for gradients."""
+
+    def __init__(self, program, nargs, positions, weights, diff, cot_layouts, template):
+        self.program = program
+        self.nargs = nargs
+        self.positions = positions
+        self.weights = tuple(weights)
+        self.diff = diff
+        self.cot_layouts = tuple(cot_layouts)
+        self.template = template
+        g = program.graph
+        self.split = next((k for k, node in enumerate(g.nodes) if node.backward),
+                          len(g.nodes))
+        fwd, grads = g.outputs
+        self.fwd = flatten_refs(fwd)
+        self.grads = tuple(grads)
+        self.cots = g.args[nargs:]
+        self.op = OpDef(f"{g.meta.get('name', 'graph')}", kind=KIND_GENERIC,
+                        infer=_no_infer, kernel=_no_kernel, backward=self._backward,
+                        multi_output=True)
+
+    def taped(self, args) -> bool:
+        return any(args[k]._node is not None for k in self.positions) or any(
+            p._node is not None for p in self.weights)
+
+    def __call__(self, args):
+        prog = self.program
+        env = prog.run(prog.bind(args), 0, self.split)
+        lays = prog.layouts
+        arrays = tuple(env[x.id] for x, d in zip(self.fwd, self.diff) if d)
+        outs = iter(_core.finish(self.op, {"env": env}, tuple(args[k] for k in self.positions)
+                                 + self.weights, arrays, True,
+                                 tuple(lays[x.id] for x, d in zip(self.fwd, self.diff) if d)))
+        flat = [next(outs) if d else prog.outputs(env, x) for x, d in zip(self.fwd, self.diff)]
+        return _rebuild(self.template, iter(flat))
+
+    def _backward(self, node, *douts):
+        prog = self.program
+        env = node.attrs["env"]
+        for v, g, lay in zip(self.cots, douts, self.cot_layouts):
+            env[v.id] = _cotangent(g, lay, prog.name)
+        prog.run(env, self.split)
+        return tuple(prog.outputs(env, x) for x in self.grads)
+
+
+def _no_infer(attrs, *inputs):
+    raise TypeError("a compiled block is run by its CompiledGraph, not dispatched")
+
+
+_no_kernel = _no_infer
+
+
+def _cotangent(g, lay, name):
+    """The incoming gradient `g` (a Tensor) as the stack (or whole value) in `lay`."""
+    if g._layout == lay:
+        return g._data if lay is not None else g._value()
+    if lay is None:
+        return gather_stack(g._data, g._layout, name)
+    return redistribute_tensor(g, lay, name)
+
+
+def _flat_outputs(template, out):
+    """The leaves of `out` where `template` (an output structure) has Ref/Const."""
+    if isinstance(template, (Ref, Const)):
+        yield out
+    elif isinstance(template, (tuple, list)):
+        for t, o in zip(template, out):
+            yield from _flat_outputs(t, o)
+    elif isinstance(template, dict):
+        for k in template:
+            yield from _flat_outputs(template[k], out[k])
+
+
+def _rebuild(template, leaves):
+    if isinstance(template, (Ref, Const)):
+        return next(leaves)
+    if isinstance(template, tuple):
+        return tuple(_rebuild(t, leaves) for t in template)
+    if isinstance(template, list):
+        return [_rebuild(t, leaves) for t in template]
+    if isinstance(template, dict):
+        return {k: _rebuild(t, leaves) for k, t in template.items()}
+    return template
+
+
+def _build(tree, env):
+    if isinstance(tree, Ref):
+        return env[tree.id]
+    if isinstance(tree, Const):
+        return tree.value
+    if isinstance(tree, tuple):
+        return tuple(_build(t, env) for t in tree)
+    if isinstance(tree, list):
+        return [_build(t, env) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _build(t, env) for k, t in tree.items()}
+    return tree
 
 
 def _param_layouts_for(new, old):
     by_param = {id(p): lay for (p, _), lay in zip(old.params, old.param_layouts or
                                                  (None,) * len(old.params))}
     return tuple(by_param.get(id(p)) for p, _ in new.params)
-
-
-def _leaves(tree):
-    if isinstance(tree, (tuple, list)):
-        for t in tree:
-            yield from _leaves(t)
-    elif isinstance(tree, dict):
-        for t in tree.values():
-            yield from _leaves(t)
-    else:
-        yield tree

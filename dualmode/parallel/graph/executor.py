@@ -24,7 +24,7 @@ from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
 from ..devices import backend as _backend
 from ..devices import op_cause
-from ..dtensor import batch_global_outputs, gather_stack, resolve_stack
+from ..dtensor import batch_global_outputs, gather_stack
 from ..redistribute import execute
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
@@ -151,8 +151,11 @@ def _move(attrs, x, reason):
         return local_stack(np.asarray(x), attrs["dst"])
     cause = attrs["cause"]
     if kind == "resolve":
+        src = attrs["src"]
         with op_cause(cause, reason):
-            return resolve_stack(x, attrs["src"], cause)[0]
+            out = np.asarray(_backend().all_reduce(x, members=src.group_members(src.partial),
+                                                   op="sum"))
+        return out if attrs["dst"] is not None else np.asarray(out[0])
     if kind == "gather":
         with op_cause(cause, reason):
             return gather_stack(x, attrs["src"], cause)

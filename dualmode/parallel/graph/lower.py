@@ -113,10 +113,11 @@ class _Lowering:
         kind, plan = "move", None
         if src is None:
             kind = "slice"                              # a whole value: local blocks only
+        elif src.partial and (dst == src.without_partial() or dst is None and not any(
+                src.tensor_map)):
+            kind = "resolve"                            # an AllReduce of the pending sums
         elif dst is None:
             kind = "gather"
-        elif src.partial and dst == src.without_partial():
-            kind = "resolve"
         elif src.device_num == dst.device_num:
             plan = plan_redistribution(src, dst, v.dtype.itemsize)
         out = self.fresh(v)
