@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
 from typing import Dict, Optional, Tuple
 
@@ -134,6 +135,7 @@ def _install_abort_hook(mpi) -> None:
             previous(kind, value, tb)
             sys.stderr.flush()
             sys.stdout.flush()
+            time.sleep(0.2)     # let mpiexec forward the traceback before the abort
         finally:
             mpi.COMM_WORLD.Abort(1)
 
