@@ -25,7 +25,7 @@ from ..._core._tensor import TensorBase
 from ..devices import backend as _backend
 from ..devices import op_cause
 from ..dtensor import batch_global_outputs, gather_stack
-from ..redistribute import execute
+from ..redistribute import execute, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
 from ..strategy import _to
@@ -147,6 +147,21 @@ def _move(attrs, x, reason):
     kind = attrs["kind"]
     if kind == "view":
         return x
+    dst = attrs["dst"]
+    if kind == "gridview":
+        return x.reshape(dst.device_matrix + dst.local_shape)
+    if kind == "grid":
+        if attrs["src"] is None:
+            return dst.local_blocks_grid(np.asarray(x))
+        plan = attrs["plan"]
+        grid = None if plan is None else run_plan_grid(plan, x, op_name=attrs["cause"],
+                                                       reason=attrs["reason"])
+        if grid is None:            # pending sums or another device count: whole stacks
+            grid = (execute(plan, x, op_name=attrs["cause"], reason=attrs["reason"])
+                    if plan is not None else move_stack(x, attrs["src"], dst, attrs["cause"],
+                                                        attrs["reason"]))
+            grid = grid.reshape(dst.device_matrix + dst.local_shape)
+        return grid
     if kind == "slice":
         return local_stack(np.asarray(x), attrs["dst"])
     cause = attrs["cause"]
@@ -179,7 +194,10 @@ def _run_op(mode, node, xs, reason):
             arrays, _ = batch_global_outputs(run_kernel(op, attrs, merged), op, plan, merged)
         return arrays
     with op_cause(op.name, reason):
-        if mode == "once":
+        if mode == "grids":
+            out = plan.local(attrs, xs)
+            outs = list(out) if op.multi_output else [out]
+        elif mode == "once":
             stacks = [replica_grid(x, need, run.dm, run.reps) if need is not None else x
                       for x, need in zip(xs, plan.inputs)]
             outs = once_per_replica_set(op, attrs, plan, stacks, run.dm, run.reps)

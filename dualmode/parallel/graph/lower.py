@@ -26,12 +26,14 @@ first sharded op puts it; other consumers get a moved copy (a MOVE).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 from ..._core._tensor import TensorBase
+from ..devices import holds_all_devices
 from ..dtensor import is_batch_layout
 from ..layout import TensorLayout
 from ..redistribute import plan_redistribution
@@ -63,7 +65,8 @@ class OpRun:
 
     mode     "global" (the op's kernel once on the global values of batch-split inputs),
              "rule" (the rule's local computation over the stacks), "once" (the same on
-             one replica per replica set), "plain" (the kernel on whole values)
+             one replica per replica set), "grids" (the same on device grids),
+             "plain" (the kernel on whole values)
     plan     the rule's ShardPlan (global / rule / once)
     outputs  the layout of each output (None: a whole value)
     dm, reps the device matrix and the replicated axes ("once")
@@ -104,10 +107,12 @@ class _Lowering:
         self.values[v.id] = v
         return v
 
-    def move(self, ref, dst, cause, reason="redistribution", backward=False):
-        """A MOVE node taking value `ref` into `dst`; returns the new Ref."""
+    def move(self, ref, dst, cause, reason="redistribution", backward=False, grid=False):
+        """A MOVE node taking value `ref` into `dst`; returns the new Ref. `grid`: the
+        result is the device grid ``dst.device_matrix + dst.local_shape`` (size 1 along
+        the axes that split nothing), for a rule whose `local` accepts grids."""
         src = self.input_layout(ref)
-        if src == dst:
+        if src == dst and not grid:
             return ref
         v = self.values[ref.id] if isinstance(ref, Ref) else _const_value(ref)
         kind, plan = "move", None
@@ -120,6 +125,8 @@ class _Lowering:
             kind = "gather"
         elif src.device_num == dst.device_num:
             plan = plan_redistribution(src, dst, v.dtype.itemsize)
+        if grid:
+            kind = "grid"
         out = self.fresh(v)
         self.moves += 1
         self.nodes.append(Node(MOVE, {"src": src, "dst": dst, "kind": kind, "plan": plan,
@@ -342,6 +349,16 @@ class _Lowering:
         if found is None:
             return None
         plan, rlays, dm, _ = found
+        if self.wants_grids(plan, rlays, dm):
+            # inputs moved into layouts that repeat over some axes arrive as device grids
+            # (size 1 where they repeat): the replicas are neither written nor computed
+            for i, (have, need) in enumerate(zip(rlays, plan.inputs)):
+                if lays[i] is not None and have == need:
+                    ins[i] = self.relabel(ins[i], need, kind="gridview", backward=node.backward)
+                else:
+                    ins[i] = self.move(ins[i], need, node.op_name, backward=node.backward,
+                                       grid=True)
+            return OpRun("grids", plan, _stored(plan), dm)
         for i, (have, need) in enumerate(zip(rlays, plan.inputs)):
             if need is None:
                 continue
@@ -349,19 +366,31 @@ class _Lowering:
                 ins[i] = self.move(ins[i], need, node.op_name, backward=node.backward)
             elif lays[i] != need:
                 # the same placement over the op's device matrix: relabel, no data
-                ins[i] = self.relabel(ins[i], need)
+                ins[i] = self.relabel(ins[i], need, backward=node.backward)
         reps = shared_replicas(RULES[node.op_name], plan, dm)
         return OpRun("once" if reps else "rule", plan, _stored(plan), dm, reps)
 
-    def relabel(self, ref, lay):
+    def wants_grids(self, plan, rlays, dm) -> bool:
+        """Grids pay off when an input must move into a layout that repeats its blocks
+        over some (not all) device axes, and this process holds every device (the rule's
+        `local` must accept grids; as in PyNative mode)."""
+        if self.some or not getattr(plan.local, "accepts_grids", False) or plan.post \
+                or len(dm) < 2 or not holds_all_devices(math.prod(dm)):
+            return False
+        if any(need is None for need in plan.inputs):
+            return False
+        return any(have != need and 0 < len(need.replicated_axes) < len(dm)
+                   and not need.partial for have, need in zip(rlays, plan.inputs))
+
+    def relabel(self, ref, lay, kind="view", backward=False):
         """`ref` viewed in `lay` (the same blocks over a refined device matrix): a MOVE
-        of kind "view" that copies nothing."""
+        of kind "view" that copies nothing ("gridview": reshaped to the device grid)."""
         v = self.values[ref.id] if isinstance(ref, Ref) else _const_value(ref)
         out = self.fresh(v)
         self.moves += 1
-        self.nodes.append(Node(MOVE, {"src": self.input_layout(ref), "dst": lay, "kind": "view",
+        self.nodes.append(Node(MOVE, {"src": self.input_layout(ref), "dst": lay, "kind": kind,
                                       "plan": None, "cause": None, "reason": None},
-                               (ref,), (out,), f"Move-{self.moves}"))
+                               (ref,), (out,), f"Move-{self.moves}", backward=backward))
         self.lay[out.id] = lay
         return Ref(out.id)
 
