@@ -2,8 +2,9 @@
 dualmode._rank_wrapper --log_dir DIR [--echo_rank 0] -- script.py args``).
 
 It reads its rank from the MPI launcher (``PMI_RANK`` / ``OMPI_COMM_WORLD_RANK``), sets
-``RANK_ID``, ``RANK_SIZE`` and ``DEVICE_ID`` (the rank's index on its node, or its
-``device_id`` in ``RANK_TABLE_FILE``), sends its stdout and stderr to
+``RANK_ID`` and ``RANK`` (the rank), ``RANK_SIZE`` and ``WORLD_SIZE`` (the world size),
+``LOCAL_RANK`` (the rank's index on its node) and ``DEVICE_ID`` (the local rank, or the
+rank's ``device_id`` in ``RANK_TABLE_FILE``), sends its stdout and stderr to
 ``DIR/worker_<rank>.log`` (the echo rank also to the terminal), initialises MPI and runs
 the script as ``__main__``.
 
@@ -14,11 +15,21 @@ job's stderr (the launcher collects it, also from other machines) and into
 ``MPI.COMM_WORLD.Abort``: MPICH's mpiexec then kills every other rank at once, including
 ranks blocked in a collective (a rank that merely exits, even non-zero, is not enough:
 the others would wait for it forever).
+
+Supervision (when the launcher passes ``DM_RUN_STATE_DIR``): a thread writes this rank's
+state to ``$DM_RUN_STATE_DIR/rank_<rank>`` every 0.25 s -- its pid, ``run`` / ``done``,
+whether the main thread is blocked in an MPI collective, a progress counter (bumped
+whenever the main thread's Python stack changed since the last look) and where the main
+thread is. The launcher reads these files to end a job in which one rank exited while
+others wait for it, or in which no rank made progress for ``--timeout`` seconds. SIGUSR1
+writes every thread's Python stack to the log (:mod:`faulthandler`); so do fatal signals.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import runpy
 import sys
 import threading
@@ -30,6 +41,11 @@ FAIL_MARK = "[dualmode.run] rank "
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 _LOCAL_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+#: environment variable naming the launcher's directory of per-rank state files
+STATE_DIR_VAR = "DM_RUN_STATE_DIR"
+_STATE_PERIOD = 0.25
+#: the module whose frames mean "blocked in an MPI collective"
+_COLLECTIVE_FILE = os.sep + os.path.join("communication", "mpi.py")
 
 
 def _env_first(names, default: Optional[str] = None) -> Optional[str]:
@@ -119,6 +135,80 @@ class _Output:
         os.write(self.err, data)
 
 
+def read_state(path: str) -> Optional[Tuple[int, str, bool, int, str]]:
+    """``(pid, status, in_collective, progress, where)`` from a state file, or None when
+    it is missing or being replaced."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            words = fh.read().split(" ", 4)
+        return (int(words[0]), words[1], words[2] == "1", int(words[3]),
+                words[4].strip())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _StateWriter:
+    """Publish this rank's state for the launcher (see the module docstring)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.main = threading.main_thread().ident
+        self.status = "run"
+        self.progress = 0
+        self.last = None
+        self.stop = threading.Event()
+        self.write()
+        self.thread = threading.Thread(target=self._loop, daemon=True,
+                                       name="dualmode-rank-state")
+        self.thread.start()
+
+    def _look(self) -> Tuple[tuple, bool, str]:
+        """The main thread's stack signature, whether it is in a collective, and where."""
+        frame = sys._current_frames().get(self.main)
+        sig = []
+        in_coll = False
+        where = "?"
+        top = True
+        while frame is not None:
+            code = frame.f_code
+            sig.append((id(code), frame.f_lineno))
+            if top:
+                where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+                top = False
+            if not in_coll and code.co_filename.endswith(_COLLECTIVE_FILE):
+                in_coll = True
+                where = f"the MPI collective {code.co_name.lstrip('_')}"
+            frame = frame.f_back
+        return tuple(sig), in_coll, where
+
+    def write(self, in_coll: bool = False, where: str = "starting") -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(f"{os.getpid()} {self.status} {int(in_coll)} {self.progress} {where}\n")
+        os.replace(tmp, self.path)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(_STATE_PERIOD):
+            sig, in_coll, where = self._look()
+            if sig != self.last:
+                self.last = sig
+                self.progress += 1
+            try:
+                self.write(in_coll, where)
+            except OSError:             # the launcher removed the directory: it is over
+                return
+
+    def finish(self, status: str) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2)
+        self.status = status
+        self.progress += 1
+        try:
+            self.write(False, "exited")
+        except OSError:
+            pass
+
+
 def _summary(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"SystemExit: exit code {exc.code!r}"
@@ -148,14 +238,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     rank, size, local = _identity()
     os.makedirs(ns.log_dir, exist_ok=True)
     out = _Output(os.path.join(ns.log_dir, f"worker_{rank}.log"), rank == ns.echo_rank)
+    # every thread's stack to the log on SIGUSR1 (the launcher's --timeout) and on crashes
+    stacks = os.fdopen(os.dup(out.log_fd), "w")
+    faulthandler.enable(file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    state = None
+    state_dir = os.environ.get(STATE_DIR_VAR)
+    if state_dir and os.path.isdir(state_dir):
+        state = _StateWriter(os.path.join(state_dir, f"rank_{rank}"))
     mpi = None
     try:
         try:
             from mpi4py import MPI as mpi     # initialise MPI first: Abort needs it
         except ImportError:
             mpi = None
-        os.environ["RANK_ID"] = str(rank)
-        os.environ["RANK_SIZE"] = str(size)
+        os.environ["RANK_ID"] = os.environ["RANK"] = str(rank)
+        os.environ["RANK_SIZE"] = os.environ["WORLD_SIZE"] = str(size)
+        os.environ["LOCAL_RANK"] = str(local)
         os.environ["DEVICE_ID"] = str(_device_id(rank, local))
         script = os.path.abspath(ns.script)
         sys.argv = [ns.script] + list(ns.args)
@@ -163,8 +262,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         runpy.run_path(script, run_name="__main__")
     except BaseException as exc:            # noqa: BLE001 -- every failure ends the job
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            if state is not None:
+                state.finish("done")
             out.close()
             return
+        if state is not None:
+            state.finish("failed")
         traceback.print_exc()
         out.close()
         out.report(f"{FAIL_MARK}{rank} failed: {_summary(exc)}",
@@ -173,6 +276,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.COMM_WORLD.Abort(1)
         os._exit(1)
+    if state is not None:
+        state.finish("done")
     out.close()
 
 

@@ -26,17 +26,20 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ._rank_wrapper import FAIL_MARK
+from ._rank_wrapper import FAIL_MARK, STATE_DIR_VAR, read_state
 from .communication.rank_table import RankTable, load_rank_table
 from .ps.launch import launch_ps
 
@@ -63,6 +66,9 @@ class LaunchConfig:
     args: Tuple[str, ...]
     ps: bool = False
     server_num: int = 0
+    timeout: Optional[float] = None
+    k8s: Optional[str] = None
+    image: Optional[str] = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker_num", type=int, default=None,
                    help="ranks in the job (all machines); default: the devices of "
                         "RANK_TABLE_FILE")
+    p.add_argument("--nproc_per_node", type=int, default=None,
+                   help="ranks on each machine (torchrun's spelling): --worker_num is "
+                        "nproc_per_node * nnodes")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="end the job when no rank made progress for this many seconds, "
+                        "with every rank's Python stack in its log")
     p.add_argument("--log_dir", default="log_output",
                    help="directory of the per-rank logs worker_<rank>.log")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the job")
@@ -96,17 +108,38 @@ def _parser() -> argparse.ArgumentParser:
                         "worker_<i>.log)")
     p.add_argument("--server_num", type=int, default=None,
                    help="servers of a --ps job")
+    p.add_argument("--k8s", default=None,
+                   help="print Kubernetes manifests for the job instead of running it: "
+                        "'mpijob' (kubeflow MPI operator) or 'ps' (parameter server roles)")
+    p.add_argument("--image", default=None,
+                   help="container image of the --k8s manifests (default "
+                        "python:3.<minor>-slim with dualmode installed by the command)")
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
 
 
 def _find_mpiexec(given: Optional[str]) -> str:
-    path = shutil.which(given or "mpiexec")
+    """``--mpiexec``, else the mpiexec installed beside this Python (the mpich wheel puts
+    it in the environment's scripts directory, which need not be on PATH when the venv's
+    python is called directly), else the one on PATH."""
+    if given:
+        path = shutil.which(given)
+        if path is None:
+            raise RuntimeError(f"{_PREFIX}: --mpiexec={given!r} was not found (not an "
+                               "executable file, nor a command on PATH)")
+        return path
+    places = [os.path.dirname(sys.executable), sysconfig.get_path("scripts")]
+    for place in places:
+        path = shutil.which("mpiexec", path=place) if place else None
+        if path is not None:
+            return path
+    path = shutil.which("mpiexec")
     if path is None:
-        what = f"--mpiexec={given!r}" if given else "mpiexec"
-        raise RuntimeError(f"{_PREFIX}: {what} was not found on PATH; install MPICH with "
-                           "pip install 'dualmode[mpi]' (the mpich and mpi4py wheels)")
+        raise RuntimeError(f"{_PREFIX}: mpiexec was not found beside {sys.executable} (in "
+                           f"{', '.join(sorted(set(p for p in places if p)))}) nor on PATH; "
+                           "install MPICH with pip install 'dualmode[mpi]' (the mpich and "
+                           "mpi4py wheels), or give --mpiexec PATH")
     return path
 
 
@@ -118,6 +151,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     if table_path:
         table = load_rank_table(table_path, "RANK_TABLE_FILE")
     worker_num = ns.worker_num
+    if ns.nproc_per_node is not None:
+        if ns.nproc_per_node < 1:
+            raise ValueError(f"{_PREFIX}: --nproc_per_node={ns.nproc_per_node} is not valid; "
+                             "expected an int >= 1")
+        total = ns.nproc_per_node * max(ns.nnodes, 1)
+        if worker_num is not None and worker_num != total:
+            raise ValueError(f"{_PREFIX}: --worker_num={worker_num} contradicts "
+                             f"--nproc_per_node={ns.nproc_per_node} with --nnodes={ns.nnodes} "
+                             f"({total} ranks); give one of them")
+        worker_num = total
+    if ns.timeout is not None and not 0 < ns.timeout < float("inf"):
+        raise ValueError(f"{_PREFIX}: --timeout={ns.timeout} is not valid; expected a number "
+                         "of seconds > 0")
+    if ns.k8s is not None and ns.k8s not in ("mpijob", "ps"):
+        raise ValueError(f"{_PREFIX}: --k8s={ns.k8s!r} is not valid; expected 'mpijob' or 'ps'")
     if worker_num is None:
         if table is None:
             raise ValueError(f"{_PREFIX}: --worker_num is required (the number of ranks), "
@@ -168,16 +216,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     if ns.rdzv_timeout <= 0:
         raise ValueError(f"{_PREFIX}: --rdzv_timeout={ns.rdzv_timeout} is not valid; expected "
                          "a number of seconds > 0")
-    if not os.path.isfile(ns.script):
-        raise ValueError(f"{_PREFIX}: script {ns.script!r} does not exist")
     args = list(ns.args)
     if args and args[0] == "--":
         args = args[1:]
+    if ns.k8s is not None:      # manifests: the script runs in the container, not here
+        return LaunchConfig(worker_num, ns.log_dir, ns.nnodes, ns.node_rank, ns.master_addr,
+                            ns.master_port, ns.hostfile, table, ns.rdzv_timeout, "mpiexec",
+                            ns.script, tuple(args), bool(ns.ps), ns.server_num or 0,
+                            ns.timeout, ns.k8s, ns.image)
+    if not os.path.isfile(ns.script):
+        raise ValueError(f"{_PREFIX}: script {ns.script!r} does not exist")
     return LaunchConfig(worker_num, os.path.abspath(ns.log_dir), ns.nnodes, ns.node_rank,
                         ns.master_addr, ns.master_port, ns.hostfile, table,
                         ns.rdzv_timeout, _find_mpiexec(ns.mpiexec),
                         os.path.abspath(ns.script), tuple(args), bool(ns.ps),
-                        ns.server_num or 0)
+                        ns.server_num or 0, ns.timeout)
 
 
 def build_command(cfg: LaunchConfig, hostfile: Optional[str] = None) -> List[str]:
@@ -210,39 +263,235 @@ def threads_per_rank(worker_num: int, nnodes: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // ranks_here)
 
 
-def _run_job(cmd: List[str], cfg: LaunchConfig) -> Tuple[int, List[str]]:
-    """Run mpiexec; forward its output; return its exit code and the failure lines."""
+_HYDRA_PID = re.compile(r"^=\s+PID (\d+) RUNNING AT (\S+)")
+_HYDRA_CODE = re.compile(r"^=\s+EXIT CODE: (-?\d+)")
+_HYDRA_SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+_HYDRA_BANNER = ("=====", "=   ", "YOUR APPLICATION TERMINATED", "This typically refers",
+                 "Please see the FAQ", "\n")
+#: seconds a rank may wait in a collective after another rank exited before the job ends
+EXIT_GRACE = 3.0
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return f"signal {num} ({signal.Signals(num).name})"
+    except ValueError:
+        return f"signal {num}"
+
+
+class _Job:
+    """mpiexec and its ranks, supervised.
+
+    mpiexec runs in its own session, so the whole job (mpiexec, its proxies and the
+    ranks on this machine) is one process group that can be ended at once. A monitor
+    reads the ranks' state files (written by :mod:`dualmode._rank_wrapper`) and ends the
+    job when a rank exited while another waits for it in a collective, or when no rank
+    made progress for ``--timeout`` seconds (after asking every rank for its stack).
+    """
+
+    def __init__(self, cmd: List[str], cfg: LaunchConfig):
+        self.cfg = cfg
+        self.failures: List[str] = []
+        self.verdict: Optional[str] = None          # why the launcher ended the job
+        self.hydra: List[Tuple[int, str]] = []      # (pid, signal or exit text) from mpiexec
+        self.states = {}                            # rank -> last state tuple
+        self.state_dir = tempfile.mkdtemp(prefix="dualmode_run_")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.worker_num, cfg.nnodes)))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"]
+                                    if env.get("PYTHONPATH") else "")
+        env[STATE_DIR_VAR] = self.state_dir
+        # mpiexec's helpers (hydra_pmi_proxy) live beside it: PATH need not be set up
+        env["PATH"] = os.path.dirname(cfg.mpiexec) + os.pathsep + env.get("PATH", "")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env, start_new_session=True)
+        self.pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout),
+                                       daemon=True),
+                      threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr),
+                                       daemon=True)]
+        for t in self.pumps:
+            t.start()
+
+    # ------------------------------------------------------------ output
+
+    def _pump(self, stream, out) -> None:
+        pid = None
+        for raw in stream:
+            line = raw.decode("utf-8", "replace")
+            if line.startswith(FAIL_MARK):
+                self.failures.append("rank " + line[len(FAIL_MARK):].strip())
+                continue
+            if self.verdict is not None and line.startswith(_HYDRA_BANNER):
+                continue            # mpiexec's view of the ranks the launcher just ended
+            m = _HYDRA_PID.match(line)
+            if m:
+                pid = int(m.group(1))
+            m = _HYDRA_CODE.match(line) or _HYDRA_SIGNAL.search(line)
+            if m and pid is not None:
+                self.hydra.append((pid, line))
+            out.write(line)
+            out.flush()
+
+    # ------------------------------------------------------------ state
+
+    def _read_states(self) -> None:
+        for name in os.listdir(self.state_dir):
+            if name.startswith("rank_") and name[5:].isdigit():
+                st = read_state(os.path.join(self.state_dir, name))
+                if st is not None:
+                    self.states[int(name[5:])] = st
+
+    def _rank_of_pid(self, pid: int) -> Optional[int]:
+        for rank, st in self.states.items():
+            if st[0] == pid:
+                return rank
+        return None
+
+    def _watch(self) -> None:
+        """Poll mpiexec and the ranks until the job ends or must be ended."""
+        timeout = self.cfg.timeout
+        seen = {}                        # rank -> (progress, since)
+        exited_at = None
+        last_progress = time.monotonic()
+        while self.proc.poll() is None:
+            time.sleep(0.25)
+            self._read_states()
+            now = time.monotonic()
+            for rank, st in self.states.items():
+                if seen.get(rank, (None,))[0] != st[3]:
+                    seen[rank] = (st[3], now)
+                    last_progress = now
+            done = sorted(r for r, st in self.states.items() if st[1] == "done")
+            waiting = sorted(r for r, st in self.states.items()
+                             if st[1] == "run" and st[2] and now - seen[r][1] >= EXIT_GRACE)
+            if done and exited_at is None:
+                exited_at = now
+            if done and waiting and now - exited_at >= EXIT_GRACE:
+                self._end(f"rank {done[0]} exited (status 0) while rank "
+                          f"{_ranks(waiting)} still wait(s) for it in "
+                          f"{self.states[waiting[0]][4]}; a rank that leaves early must not "
+                          "be followed by collectives on the others")
+                return
+            if timeout is not None and now - last_progress >= timeout:
+                self._stacks()
+                stuck = sorted(r for r, st in self.states.items()
+                               if st[1] == "run" and not st[2])
+                inside = sorted(r for r, st in self.states.items() if st[1] == "run" and st[2])
+                parts = [f"rank {r} at {self.states[r][4]}" for r in stuck]
+                if inside:
+                    parts.append(f"rank {_ranks(inside)} waiting in "
+                                 f"{self.states[inside[0]][4]}")
+                self._end(f"no rank made progress for {timeout:g} s (--timeout): "
+                          + "; ".join(parts or ["no rank reported"])
+                          + "; every rank's Python stack is in its log")
+                return
+
+    def _stacks(self) -> None:
+        """Every local rank writes its Python stacks to its log (faulthandler)."""
+        for st in self.states.values():
+            if st[1] == "run":
+                try:
+                    os.kill(st[0], signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(0.5)
+
+    def _end(self, verdict: Optional[str]) -> None:
+        """Stop mpiexec and every rank on this machine; nothing is left running."""
+        if verdict is not None and self.verdict is None:
+            self.verdict = verdict
+        self._read_states()
+        for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except OSError:
+                    pass
+            for st in self.states.values():       # ranks that left the group, if any
+                if st[1] == "run":
+                    try:
+                        os.kill(st[0], sig)
+                    except OSError:
+                        pass
+            try:
+                self.proc.wait(timeout=wait)
+                if sig == signal.SIGTERM:
+                    time.sleep(0.2)
+                if not self._alive():
+                    break
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _alive(self) -> bool:
+        for st in self.states.values():
+            try:
+                os.kill(st[0], 0)
+                with open(f"/proc/{st[0]}/stat", encoding="ascii") as fh:
+                    if fh.read().split(") ", 1)[1][0] != "Z":
+                        return True
+            except (OSError, IndexError):
+                pass
+        return False
+
+    # ------------------------------------------------------------ run
+
+    def run(self) -> int:
+        stopped = []
+
+        def on_signal(num, frame):
+            stopped.append(num)
+            raise KeyboardInterrupt
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._watch()
+            self.proc.wait()
+        except KeyboardInterrupt:
+            num = stopped[0] if stopped else signal.SIGINT
+            self._end(f"stopped by {signal.Signals(num).name}: ended mpiexec and every rank")
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            if self.verdict is not None or self.proc.poll() is None:
+                self._end(None)
+            for t in self.pumps:
+                t.join(timeout=5)
+            self._read_states()
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        return self.proc.returncode
+
+    def killed(self) -> List[str]:
+        """Ranks that mpiexec reported dead by a signal or a non-zero exit."""
+        out = []
+        for pid, line in self.hydra:
+            rank = self._rank_of_pid(pid)
+            who = f"rank {rank}" if rank is not None else f"the rank with pid {pid}"
+            m = _HYDRA_SIGNAL.search(line)
+            if m:
+                out.append(f"{who} was killed by {_signal_name(int(m.group(1)))}")
+                continue
+            code = int(_HYDRA_CODE.match(line).group(1))
+            if rank is not None and self.states[rank][1] == "run" and 0 < code < 65:
+                out.append(f"{who} was killed by {_signal_name(code)}")
+            else:
+                out.append(f"{who} exited with code {code}")
+        return list(dict.fromkeys(out))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _run_job(cmd: List[str], cfg: LaunchConfig) -> Tuple[int, List[str], Optional[str]]:
+    """Run mpiexec supervised; its exit code, the ranks' failure lines, and the reason
+    the launcher ended the job (or why mpiexec did), if any."""
     os.makedirs(cfg.log_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(cfg.log_dir, "worker_*.failed")):
         os.remove(stale)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.worker_num, cfg.nnodes)))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
-    failures: List[str] = []
-
-    def pump():
-        for raw in proc.stderr:
-            line = raw.decode("utf-8", "replace")
-            if line.startswith(FAIL_MARK):
-                failures.append("rank " + line[len(FAIL_MARK):].strip())
-            else:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-    reader.join(timeout=5)
+    job = _Job(cmd, cfg)
+    rc = job.run()
+    failures = list(job.failures)
     # lines mpiexec had no time to forward before the abort: the ranks' status files
     files = sorted(glob.glob(os.path.join(cfg.log_dir, "worker_*.failed")),
                    key=os.path.getmtime)
@@ -253,11 +502,21 @@ def _run_job(cmd: List[str], cfg: LaunchConfig) -> Tuple[int, List[str]]:
             line = "rank " + line[len(FAIL_MARK):]
             if line not in failures:
                 failures.append(line)
-    return rc, failures
+    verdict = job.verdict
+    if verdict is None and not failures and rc != 0:
+        killed = job.killed()
+        if killed:
+            verdict = killed[0] + (f" ({len(killed) - 1} other rank(s) ended with it)"
+                                   if len(killed) > 1 else "")
+    return rc, failures, verdict
 
 
-def _report(rc: int, failures: List[str], cfg: LaunchConfig) -> int:
+def _report(rc: int, failures: List[str], cfg: LaunchConfig,
+            verdict: Optional[str] = None) -> int:
     sys.stdout.flush()
+    if verdict is not None and (not failures or verdict.startswith("stopped by")):
+        sys.stderr.write(f"{_PREFIX}: {verdict}; logs in {cfg.log_dir}\n")
+        return 1
     if failures:
         first = failures[0]
         rank = first.split()[1]
@@ -353,6 +612,7 @@ def _follow_master(cfg: LaunchConfig) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the job; the exit status (0, or non-zero naming the failed rank)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM ends as Ctrl-C does
     try:
         cfg = parse_args(argv)
         if cfg.ps:
@@ -371,9 +631,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, RuntimeError) as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
-    rc, failures = _run_job(build_command(cfg, hostfile), cfg)
-    status = _report(rc, failures, cfg)
-    note = failures[0] if failures else f"mpiexec exit code {rc}"
+    rc, failures, verdict = _run_job(build_command(cfg, hostfile), cfg)
+    status = _report(rc, failures, cfg, verdict)
+    note = failures[0] if failures else (verdict or f"mpiexec exit code {rc}")
     for conn in peers:
         try:
             conn.sendall(f"EXIT {status} {note if status else 'ok'}\n".encode())
