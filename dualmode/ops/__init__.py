@@ -9,6 +9,7 @@ from .collectives import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatte
 from .functional import *  # noqa: F401,F403
 from .functional import __all__ as _functional_names
 from .primitive import Primitive
+from .primitives import AvgPool, BatchNorm, Conv2D, MaxPool
 from .primitives import (Abs, Add, BatchMatMul, BiasAdd, Cast, Concat, Div, Dropout, Equal,
                          Exp, ExpandDims, Flatten, Gather, Greater, Less, Log, LogSoftmax,
                          MatMul, Maximum, Minimum, Mul, Neg, OneHot, OnesLike, Pow, RealDiv,
@@ -28,6 +29,7 @@ __all__ = list(_functional_names) + ["shard",
     "Sigmoid", "Softmax", "SoftmaxCrossEntropyWithLogits",
     "SparseSoftmaxCrossEntropyWithLogits", "Split", "Sqrt", "Square", "Squeeze",
     "StopGradient", "StridedSlice", "Sub", "Tanh", "Transpose", "ZerosLike",
+    "Conv2D", "MaxPool", "AvgPool", "BatchNorm",
 ]
 
 

@@ -7,6 +7,7 @@ from ._math import (abs, add, batch_matmul, bias_add, broadcast_to, cast, div, e
                     greater, greater_equal, less, less_equal, log, matmul, maximum, minimum,
                     mul, neg, not_equal, pow, realdiv, reduce_max, reduce_mean, reduce_min,
                     reduce_sum, relu, sigmoid, sign, sqrt, square, sub, tanh)
+from ._conv import avg_pool, batch_norm, conv2d, max_pool
 from ._nn import (dropout, log_softmax, softmax, softmax_cross_entropy,
                   sparse_softmax_cross_entropy)
 
@@ -19,7 +20,7 @@ __all__ = [
     "sigmoid", "sign", "softmax", "softmax_cross_entropy", "sparse_softmax_cross_entropy",
     "split", "split_sizes", "sqrt", "square", "squeeze", "stop_gradient", "strided_slice",
     "sub", "tanh", "transpose", "zeros", "zeros_like", "scalar_to_array", "scalar_to_tensor",
-    "mean", "sum", "matmul",
+    "mean", "sum", "matmul", "conv2d", "max_pool", "avg_pool", "batch_norm",
 ]
 
 mean = reduce_mean

@@ -2,7 +2,11 @@
 form with the attributes given at construction."""
 from __future__ import annotations
 
+import numpy as np
+
 from . import functional as F
+from ._conv import (AVG_POOL, MAX_POOL, batch_norm_apply, batch_norm_train, bn_count,
+                    check_pad, check_pad_mode, conv2d, pair, pool_op, running_update)
 from ._math import mat_mul
 from ._nn import DROPOUT
 from ._registry import apply, const
@@ -270,3 +274,102 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
 
     def construct(self, logits, labels):
         return F.sparse_softmax_cross_entropy(logits, labels)
+
+
+class Conv2D(Primitive):
+    """Conv2D(out_channel, kernel_size, pad_mode="valid", pad=0, stride=1, dilation=1,
+    group=1)(x, weight): 2-D convolution of NCHW x with weight (out_channel, C / group,
+    kh, kw), as MindSpore's primitive (``mode`` and ``data_format`` other than 1 and
+    "NCHW" are refused)."""
+    name = "Conv2D"
+
+    def __init__(self, out_channel, kernel_size, mode=1, pad_mode="valid", pad=0, stride=1,
+                 dilation=1, group=1, data_format="NCHW"):
+        super().__init__()
+        if isinstance(out_channel, bool) or not isinstance(out_channel, int) or out_channel < 1:
+            raise ValueError(f"Conv2D: out_channel={out_channel!r} is not valid; expected an "
+                             f"int >= 1")
+        if mode != 1 or data_format != "NCHW":
+            raise ValueError(f"Conv2D: mode={mode!r}, data_format={data_format!r} are not "
+                             f"supported; only mode=1 (cross-correlation) and 'NCHW'")
+        self.out_channel = out_channel
+        self.kernel_size = pair(self.name, "kernel_size", kernel_size)
+        self.pad_mode = check_pad_mode(self.name, pad_mode)
+        self.pad = check_pad(self.name, pad, self.pad_mode)
+        self.stride = pair(self.name, "stride", stride)
+        self.dilation = pair(self.name, "dilation", dilation)
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"Conv2D: group={group!r} is not valid; expected an int >= 1")
+        self.group = group
+
+    def construct(self, x, weight):
+        return conv2d(x, weight, self.pad_mode, self.pad, self.stride, self.dilation,
+                      self.group, out_channel=self.out_channel, kernel_size=self.kernel_size)
+
+
+class _Pool(Primitive):
+    _op = None
+
+    def __init__(self, kernel_size=1, strides=1, pad_mode="valid", data_format="NCHW"):
+        super().__init__()
+        if data_format != "NCHW":
+            raise ValueError(f"{self.name}: data_format={data_format!r} is not supported; "
+                             f"only 'NCHW'")
+        self.kernel_size = pair(self.name, "kernel_size", kernel_size)
+        self.strides = pair(self.name, "strides", strides)
+        self.pad_mode = check_pad_mode(self.name, pad_mode, ("valid", "same"))
+
+    def construct(self, x):
+        return pool_op(self._op, x, self.kernel_size, self.strides, self.pad_mode)
+
+
+class MaxPool(_Pool):
+    """MaxPool(kernel_size=1, strides=1, pad_mode="valid")(x) over NCHW x."""
+    name = "MaxPool"
+    _op = MAX_POOL
+
+
+class AvgPool(_Pool):
+    """AvgPool(kernel_size=1, strides=1, pad_mode="valid")(x) over NCHW x ("same": border
+    windows average the pixels inside the input)."""
+    name = "AvgPool"
+    _op = AVG_POOL
+
+
+class BatchNorm(Primitive):
+    """BatchNorm(is_training=False, epsilon=1e-5, momentum=0.1)(x, scale, bias, mean,
+    variance) -> (y, batch_mean, batch_variance, reserve_space_1, reserve_space_2), as
+    MindSpore's primitive. Training: the batch's statistics (of the global batch when x
+    is sharded), and `mean`/`variance` (Parameters) updated in place to
+    ``(1 - momentum) * old + momentum * batch``; inference: `mean`/`variance` are used."""
+    name = "BatchNorm"
+
+    def __init__(self, is_training=False, epsilon=1e-5, momentum=0.1, data_format="NCHW"):
+        super().__init__()
+        self.is_training = _bool(self.name, "is_training", is_training)
+        for key, v, lo in (("epsilon", epsilon, 0.0), ("momentum", momentum, 0.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= 1.0:
+                raise ValueError(f"BatchNorm: {key}={v!r} must be a float in [0, 1]")
+        if data_format != "NCHW":
+            raise ValueError(f"BatchNorm: data_format={data_format!r} is not supported; "
+                             f"only 'NCHW'")
+        self.epsilon, self.momentum = float(epsilon), float(momentum)
+
+    @staticmethod
+    def shared_dims(prim, xs):
+        if len(xs) != 5 or xs[0].ndim < 2:
+            return []
+        return [(0, 1, j, 0, "channel dim") for j in range(1, 5)
+                if xs[j].ndim == 1 and xs[j].shape[0] == xs[0].shape[1]]
+
+    def construct(self, x, scale, bias, mean, variance):
+        x = const(x, self.name)
+        if not self.is_training:
+            y = batch_norm_apply(x, mean, variance, scale, bias, self.epsilon)
+            return y, mean, variance, mean, variance
+        y, bm, bv = batch_norm_train(x, scale, bias, self.epsilon)
+        new_mean, new_var = running_update(mean, variance, bm, bv, bn_count(tuple(x.shape)),
+                                           1.0 - self.momentum)
+        mean.set_data(np.asarray(new_mean))
+        variance.set_data(np.asarray(new_var))
+        return y, bm, bv, bm, bv

@@ -1,0 +1,615 @@
+"""Image ops (NCHW): Conv2D and its two backward ops, MaxPool/AvgPool and their backward
+ops, and the pieces of BatchNorm (per-channel sums, their folding into mean and
+variance, and the backward of both).
+
+Every kernel here is written over a *stack*: a leading device axis ``D`` in front of the
+NCHW dims (one device: ``D = 1``), so the sharding rules in
+:mod:`dualmode.parallel.rules_conv` run each op's local computation with the same
+functions, in one numpy call over every device. Convolution is im2col + one GEMM per
+stack (windows are a strided view of the padded input, copied once into columns); the
+loops that remain run over the kernel's offsets (``kh * kw`` numpy calls), never over
+pixels or devices.
+
+Padding is resolved at call time into explicit ``pads = (top, bottom, left, right)``
+(MindSpore's rules: "same" gives ``ceil(H / stride)`` outputs and puts the odd pixel of
+padding at the bottom/right), so kernels and sharding rules read one form.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from . import _array as A
+from . import _math as M
+from ._registry import apply, check_float, check_same_dtype, const, register
+
+__all__ = ["conv2d", "max_pool", "avg_pool", "batch_norm_stats", "batch_norm_fold",
+           "batch_norm", "batch_norm_train",
+           "batch_norm_apply", "running_update", "bn_count", "conv_out_size", "pool_op", "pair", "check_pad", "check_pad_mode", "resolve_pads", "conv_stack", "conv_input_grad_stack",
+           "conv_filter_grad_stack", "pool_stack", "pool_grad_stack", "window_view",
+           "CONV2D", "CONV2D_INPUT_GRAD", "CONV2D_FILTER_GRAD", "MAX_POOL", "MAX_POOL_GRAD",
+           "AVG_POOL", "AVG_POOL_GRAD", "BN_STATS", "BN_STATS_GRAD", "BN_FOLD", "BN_FOLD_GRAD"]
+
+
+# ---------------------------------------------------------------------------
+# attribute checks and sizes
+# ---------------------------------------------------------------------------
+def pair(opname, key, v, lo=1):
+    """An int or a pair of ints (each >= lo) -> a 2-tuple (MindSpore also accepts 4-tuples
+    ``(1, 1, h, w)`` for stride and dilation)."""
+    given = v
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        v = (int(v), int(v))
+    elif isinstance(v, (tuple, list)) and len(v) == 4 and tuple(v[:2]) == (1, 1):
+        v = tuple(v[2:])
+    if not isinstance(v, (tuple, list)) or len(v) != 2 or any(
+            isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < lo for e in v):
+        raise ValueError(f"{opname}: {key}={given!r} is not valid; expected an int >= {lo} or a "
+                         f"pair of them")
+    return int(v[0]), int(v[1])
+
+
+def check_pad_mode(opname, pad_mode, allowed=("valid", "same", "pad")):
+    if not isinstance(pad_mode, str) or pad_mode.lower() not in allowed:
+        raise ValueError(f"{opname}: pad_mode={pad_mode!r} is not valid; expected one of "
+                         + ", ".join(repr(a) for a in allowed))
+    return pad_mode.lower()
+
+
+def check_pad(opname, pad, pad_mode):
+    """``pad`` (int or (top, bottom, left, right)) -> 4-tuple; nonzero only with "pad"."""
+    if isinstance(pad, (int, np.integer)) and not isinstance(pad, bool):
+        pad = (int(pad),) * 4
+    if not isinstance(pad, (tuple, list)) or len(pad) != 4 or any(
+            isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0 for p in pad):
+        raise ValueError(f"{opname}: pad={pad!r} is not valid; expected an int >= 0 or a "
+                         f"4-tuple (top, bottom, left, right) of them")
+    pad = tuple(int(p) for p in pad)
+    if pad_mode != "pad" and any(pad):
+        raise ValueError(f"{opname}: pad={pad} needs pad_mode='pad', got "
+                         f"pad_mode={pad_mode!r}")
+    return pad
+
+
+def conv_out_size(size, k, stride, dilation, lo, hi):
+    """Output length of a window of k taps (dilated) over size + lo + hi."""
+    return (size + lo + hi - (k - 1) * dilation - 1) // stride + 1
+
+
+def resolve_pads(pad_mode, pad, hw, kernel, stride, dilation):
+    """Explicit (top, bottom, left, right) padding for input spatial size `hw`."""
+    if pad_mode == "pad":
+        return tuple(pad)
+    if pad_mode == "valid":
+        return (0, 0, 0, 0)
+    out = []
+    for size, k, s, d in zip(hw, kernel, stride, dilation):
+        n_out = -(-size // s)
+        total = max((n_out - 1) * s + (k - 1) * d + 1 - size, 0)
+        out += [total // 2, total - total // 2]
+    return tuple(out)
+
+
+def _out_hw(opname, hw, kernel, stride, dilation, pads):
+    oh = conv_out_size(hw[0], kernel[0], stride[0], dilation[0], pads[0], pads[1])
+    ow = conv_out_size(hw[1], kernel[1], stride[1], dilation[1], pads[2], pads[3])
+    if oh < 1 or ow < 1:
+        raise ValueError(f"{opname}: the input's spatial size {tuple(hw)} with padding "
+                         f"{pads} is smaller than the kernel {tuple(kernel)} "
+                         f"(dilation {tuple(dilation)}); the output would be empty")
+    return oh, ow
+
+
+def _check_4d(opname, x, i, what):
+    if x.ndim != 4:
+        raise ValueError(f"{opname}: {what} (input {i}) has shape {tuple(x.shape)}; "
+                         f"expected 4-D NCHW")
+
+
+# ---------------------------------------------------------------------------
+# stack kernels (leading device axis)
+# ---------------------------------------------------------------------------
+def _pad_stack(x, pads, value=0.0):
+    if not any(pads):
+        return x
+    t, b, l, r = pads
+    return np.pad(x, ((0, 0),) * (x.ndim - 2) + ((t, b), (l, r)), constant_values=value)
+
+
+def window_view(xp, kernel, stride, dilation, out_hw):
+    """Strided view (..., Ho, Wo, kh, kw) of the windows of the padded `xp` (..., H, W)."""
+    sh, sw = xp.strides[-2:]
+    shape = xp.shape[:-2] + tuple(out_hw) + tuple(kernel)
+    strides = xp.strides[:-2] + (sh * stride[0], sw * stride[1], sh * dilation[0],
+                                 sw * dilation[1])
+    return as_strided(xp, shape, strides, writeable=False)
+
+
+def _columns(x, kernel, stride, dilation, pads, out_hw, group):
+    """im2col of a stack (D, N, C, H, W) -> (D, group, N*Ho*Wo, C/group*kh*kw)."""
+    xp = _pad_stack(x, pads)
+    win = window_view(xp, kernel, stride, dilation, out_hw)    # D N C Ho Wo kh kw
+    d, n, c = x.shape[:3]
+    p = n * out_hw[0] * out_hw[1]
+    cols = np.ascontiguousarray(win.transpose(0, 1, 3, 4, 2, 5, 6))  # D N Ho Wo C kh kw
+    cols = cols.reshape(d, p, group, (c // group) * kernel[0] * kernel[1])
+    return cols.transpose(0, 2, 1, 3)                               # D g P K
+
+
+def _same_on_every_device(w):
+    return w.shape[0] > 1 and w.strides[0] == 0
+
+
+def conv_stack(x, w, stride, dilation, pads, group):
+    """Per-device 2-D convolution: x (D, N, C, H, W), w (D, Co, C/g, kh, kw) -> (D, N, Co,
+    Ho, Wo), as im2col + one (batched) GEMM."""
+    d, n = x.shape[:2]
+    co, kernel = w.shape[1], w.shape[3:]
+    out_hw = (conv_out_size(x.shape[3], kernel[0], stride[0], dilation[0], pads[0], pads[1]),
+              conv_out_size(x.shape[4], kernel[1], stride[1], dilation[1], pads[2], pads[3]))
+    cols = _columns(x, kernel, stride, dilation, pads, out_hw, group)    # D g P K
+    wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
+    if _same_on_every_device(w) and group == 1:
+        p = cols.shape[2]
+        out = np.matmul(cols.reshape(d * p, -1), wm[0, 0].T).reshape(d, 1, p, co)
+    else:
+        out = np.matmul(cols, np.swapaxes(wm, -1, -2))                   # D g P Cog
+    out = out.transpose(0, 2, 1, 3).reshape(d, n, out_hw[0], out_hw[1], co)
+    return np.ascontiguousarray(out.transpose(0, 1, 4, 2, 3))
+
+
+def _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dtype):
+    """col2im: add the window values dwin (..., Ho, Wo, kh, kw) back onto the padded input
+    grid and crop the padding -> (..., H, W)."""
+    lead = dwin.shape[:-4]
+    ho, wo = dwin.shape[-4:-2]
+    hp, wp = in_hw[0] + pads[0] + pads[1], in_hw[1] + pads[2] + pads[3]
+    # rows/cols the windows reach can exceed the padded size only by never-read tails
+    hp = max(hp, (ho - 1) * stride[0] + (kernel[0] - 1) * dilation[0] + 1)
+    wp = max(wp, (wo - 1) * stride[1] + (kernel[1] - 1) * dilation[1] + 1)
+    out = np.zeros(lead + (hp, wp), dtype)
+    for i in range(kernel[0]):
+        r0 = i * dilation[0]
+        for j in range(kernel[1]):
+            c0 = j * dilation[1]
+            out[..., r0:r0 + (ho - 1) * stride[0] + 1:stride[0],
+                c0:c0 + (wo - 1) * stride[1] + 1:stride[1]] += dwin[..., i, j]
+    return out[..., pads[0]:pads[0] + in_hw[0], pads[2]:pads[2] + in_hw[1]]
+
+
+def conv_input_grad_stack(dy, w, in_hw, stride, dilation, pads, group):
+    """Gradient of conv_stack with respect to x: dy (D, N, Co, Ho, Wo), w (D, Co, C/g, kh,
+    kw) -> (D, N, C, H, W) (one GEMM, then col2im)."""
+    d, n, co, ho, wo = dy.shape
+    cg, kernel = w.shape[2], w.shape[3:]
+    dym = np.ascontiguousarray(dy.transpose(0, 1, 3, 4, 2)).reshape(d, n * ho * wo, group,
+                                                                    co // group)
+    dym = dym.transpose(0, 2, 1, 3)                                      # D g P Cog
+    wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
+    if _same_on_every_device(w) and group == 1:
+        p = dym.shape[2]
+        dcols = np.matmul(dym.reshape(d * p, co), wm[0, 0]).reshape(d, 1, p, -1)
+    else:
+        dcols = np.matmul(dym, wm)                                       # D g P K
+    dcols = dcols.transpose(0, 2, 1, 3).reshape(d, n, ho, wo, group * cg, kernel[0],
+                                                kernel[1])
+    dwin = dcols.transpose(0, 1, 4, 2, 3, 5, 6)                          # D N C Ho Wo kh kw
+    return _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dy.dtype)
+
+
+def conv_filter_grad_stack(dy, x, kernel, stride, dilation, pads, group):
+    """Per-device gradient of conv_stack with respect to w: dy (D, N, Co, Ho, Wo), x (D, N,
+    C, H, W) -> (D, Co, C/g, kh, kw): im2col of x, one GEMM with dy."""
+    d, n, co, ho, wo = dy.shape
+    c = x.shape[2]
+    cols = _columns(x, kernel, stride, dilation, pads, (ho, wo), group)  # D g P K
+    dym = np.ascontiguousarray(dy.transpose(0, 1, 3, 4, 2)).reshape(d, n * ho * wo, group,
+                                                                    co // group)
+    dym = dym.transpose(0, 2, 3, 1)                                      # D g Cog P
+    dw = np.matmul(dym, cols)                                            # D g Cog K
+    return dw.reshape(d, co, c // group, kernel[0], kernel[1])
+
+
+def pool_stack(x, mode, kernel, stride, pads):
+    """Per-device pooling of (..., H, W): "max" (padding never wins) or "avg" (the mean
+    over the window's pixels inside the input: padding is not counted)."""
+    hw = x.shape[-2:]
+    out_hw = (conv_out_size(hw[0], kernel[0], stride[0], 1, pads[0], pads[1]),
+              conv_out_size(hw[1], kernel[1], stride[1], 1, pads[2], pads[3]))
+    if mode == "max":
+        xp = _pad_stack(x, pads, -np.inf)
+        return window_view(xp, kernel, stride, (1, 1), out_hw).max(axis=(-2, -1))
+    xp = _pad_stack(x, pads)
+    s = window_view(xp, kernel, stride, (1, 1), out_hw).sum(axis=(-2, -1))
+    return s / _avg_counts(hw, kernel, stride, pads, out_hw).astype(x.dtype)
+
+
+def _avg_counts(hw, kernel, stride, pads, out_hw):
+    """Pixels of the input under each window (H and W counts multiply)."""
+    def axis(size, k, s, lo, n):
+        start = np.arange(n) * s - lo
+        return np.minimum(start + k, size) - np.maximum(start, 0)
+    return np.outer(axis(hw[0], kernel[0], stride[0], pads[0], out_hw[0]),
+                    axis(hw[1], kernel[1], stride[1], pads[2], out_hw[1]))
+
+
+def pool_grad_stack(x, dy, mode, kernel, stride, pads):
+    """Gradient of pool_stack: to the first maximum of each window ("max"), or shared
+    evenly over the window's input pixels ("avg"); x (..., H, W), dy (..., Ho, Wo)."""
+    hw = x.shape[-2:]
+    out_hw = dy.shape[-2:]
+    if mode == "max":
+        xp = _pad_stack(x, pads, -np.inf)
+        win = window_view(xp, kernel, stride, (1, 1), out_hw)
+        arg = win.reshape(win.shape[:-2] + (-1,)).argmax(axis=-1)
+        taps = np.arange(kernel[0] * kernel[1]).reshape(kernel)
+        dwin = np.where(arg[..., None, None] == taps, dy[..., None, None], 0).astype(dy.dtype)
+    else:
+        g = dy / _avg_counts(hw, kernel, stride, pads, out_hw).astype(dy.dtype)
+        dwin = np.broadcast_to(g[..., None, None], g.shape + tuple(kernel))
+    return _scatter_windows(dwin, hw, kernel, stride, (1, 1), pads, dy.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Conv2D
+# ---------------------------------------------------------------------------
+def _geometry(attrs):
+    return attrs["stride"], attrs["dilation"], attrs["pads"], attrs["group"]
+
+
+def _infer_conv(attrs, x, w):
+    name = "Conv2D"
+    check_float(name, x)
+    check_same_dtype(name, (x, w))
+    _check_4d(name, x, 0, "x")
+    _check_4d(name, w, 1, "weight")
+    g = attrs["group"]
+    co, cg, kh, kw = w.shape
+    if x.shape[1] != cg * g:
+        raise ValueError(f"Conv2D: x has {x.shape[1]} input channels but the weight "
+                         f"{tuple(w.shape)} with group={g} expects {cg * g} "
+                         f"(weight dim 1 = in_channels / group)")
+    if co != attrs["out_channel"] or (kh, kw) != attrs["kernel_size"]:
+        raise ValueError(f"Conv2D: weight shape {tuple(w.shape)} does not match "
+                         f"out_channel={attrs['out_channel']} and "
+                         f"kernel_size={attrs['kernel_size']}")
+    if co % g:
+        raise ValueError(f"Conv2D: out_channel={co} is not divisible by group={g}")
+    stride, dilation, pads, _ = _geometry(attrs)
+    oh, ow = _out_hw(name, x.shape[2:], (kh, kw), stride, dilation, pads)
+    return (((x.shape[0], co, oh, ow), x.dtype),)
+
+
+def _conv_kernel(attrs, x, w):
+    stride, dilation, pads, g = _geometry(attrs)
+    return conv_stack(x[None], w[None], stride, dilation, pads, g)[0]
+
+
+def _bw_conv(node, g):
+    x, w = node.inputs
+    at = dict(node.attrs)
+    gx = gw = None
+    if node.needs_grad(0):
+        gx = apply(CONV2D_INPUT_GRAD, dict(at, in_hw=tuple(x.shape[2:])), (g, w))
+    if node.needs_grad(1):
+        gw = apply(CONV2D_FILTER_GRAD, at, (g, x))
+    return gx, gw
+
+
+def _infer_conv_input_grad(attrs, dy, w):
+    check_float("Conv2DBackpropInput", dy)
+    check_same_dtype("Conv2DBackpropInput", (dy, w))
+    return (((dy.shape[0], w.shape[1] * attrs["group"]) + tuple(attrs["in_hw"]), dy.dtype),)
+
+
+def _conv_input_grad_kernel(attrs, dy, w):
+    stride, dilation, pads, g = _geometry(attrs)
+    return conv_input_grad_stack(dy[None], w[None], attrs["in_hw"], stride, dilation, pads,
+                                 g)[0]
+
+
+def _bw_conv_input_grad(node, gg):
+    """d/d(dy) of dx is the convolution of gg with w; d/dw is the filter gradient of dy
+    over gg (both linear)."""
+    dy, w = node.inputs
+    at = {k: v for k, v in node.attrs.items() if k != "in_hw"}
+    gdy = apply(CONV2D, at, (gg, w)) if node.needs_grad(0) else None
+    gw = apply(CONV2D_FILTER_GRAD, at, (dy, gg)) if node.needs_grad(1) else None
+    return gdy, gw
+
+
+def _infer_conv_filter_grad(attrs, dy, x):
+    check_float("Conv2DBackpropFilter", dy)
+    check_same_dtype("Conv2DBackpropFilter", (dy, x))
+    g = attrs["group"]
+    return (((attrs["out_channel"], x.shape[1] // g) + tuple(attrs["kernel_size"]),
+             dy.dtype),)
+
+
+def _conv_filter_grad_kernel(attrs, dy, x):
+    stride, dilation, pads, g = _geometry(attrs)
+    return conv_filter_grad_stack(dy[None], x[None], attrs["kernel_size"], stride, dilation,
+                                  pads, g)[0]
+
+
+def _bw_conv_filter_grad(node, gg):
+    dy, x = node.inputs
+    at = dict(node.attrs)
+    gdy = apply(CONV2D, at, (x, gg)) if node.needs_grad(0) else None
+    gx = (apply(CONV2D_INPUT_GRAD, dict(at, in_hw=tuple(x.shape[2:])), (dy, gg))
+          if node.needs_grad(1) else None)
+    return gdy, gx
+
+
+CONV2D = register("Conv2D", infer=_infer_conv, kernel=_conv_kernel, backward=_bw_conv)
+CONV2D_INPUT_GRAD = register("Conv2DBackpropInput", infer=_infer_conv_input_grad,
+                             kernel=_conv_input_grad_kernel, backward=_bw_conv_input_grad)
+CONV2D_FILTER_GRAD = register("Conv2DBackpropFilter", infer=_infer_conv_filter_grad,
+                              kernel=_conv_filter_grad_kernel, backward=_bw_conv_filter_grad)
+
+
+def conv2d(x, weight, pad_mode="valid", pad=0, stride=1, dilation=1, group=1, *,
+           out_channel=None, kernel_size=None):
+    """2-D convolution (cross-correlation, as MindSpore) of x (N, C, H, W) with weight
+    (C_out, C / group, kh, kw); pad_mode "valid", "same" or "pad" (with `pad`).
+    `out_channel` and `kernel_size`, when given (the primitive's attributes), must match
+    the weight."""
+    name = "Conv2D"
+    x, weight = const(x, name), const(weight, name)
+    _check_4d(name, x, 0, "x")
+    _check_4d(name, weight, 1, "weight")
+    pad_mode = check_pad_mode(name, pad_mode)
+    pad = check_pad(name, pad, pad_mode)
+    stride = pair(name, "stride", stride)
+    dilation = pair(name, "dilation", dilation)
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise ValueError(f"Conv2D: group={group!r} is not valid; expected an int >= 1")
+    kernel = tuple(int(k) for k in weight.shape[2:])
+    attrs = {"out_channel": int(weight.shape[0] if out_channel is None else out_channel),
+             "kernel_size": kernel if kernel_size is None else tuple(kernel_size),
+             "stride": stride,
+             "dilation": dilation, "group": int(group),
+             "pads": resolve_pads(pad_mode, pad, tuple(x.shape[2:]), kernel, stride,
+                                  dilation)}
+    return apply(CONV2D, attrs, (x, weight))
+
+
+# ---------------------------------------------------------------------------
+# MaxPool / AvgPool
+# ---------------------------------------------------------------------------
+def _make_pool(name, mode):
+    def infer(attrs, x):
+        check_float(name, x)
+        _check_4d(name, x, 0, "x")
+        oh, ow = _out_hw(name, x.shape[2:], attrs["kernel_size"], attrs["strides"], (1, 1),
+                         attrs["pads"])
+        return ((tuple(x.shape[:2]) + (oh, ow), x.dtype),)
+
+    def kernel(attrs, x):
+        return pool_stack(x, mode, attrs["kernel_size"], attrs["strides"], attrs["pads"])
+
+    def infer_grad(attrs, x, dy):
+        check_float(name + "Grad", dy)
+        return ((tuple(x.shape), dy.dtype),)
+
+    def kernel_grad(attrs, x, dy):
+        return pool_grad_stack(x, dy, mode, attrs["kernel_size"], attrs["strides"],
+                               attrs["pads"])
+
+    def bw_grad(node, gg):
+        # MaxPoolGrad is linear in dy with x fixed (the argmax); AvgPoolGrad is linear
+        # in dy: its adjoint is the pool itself (max: gg picked at the argmax taps)
+        x, dy = node.inputs
+        if not node.needs_grad(1):
+            return None, None
+        if mode == "avg":
+            return None, apply(fwd, node.attrs, (gg,))
+        return None, apply(SELECT, node.attrs, (x, gg))
+
+    grad = register(name + "Grad", infer=infer_grad, kernel=kernel_grad, backward=bw_grad)
+
+    def bw(node, g):
+        return (apply(grad, node.attrs, (node.inputs[0], g)),)
+
+    fwd = register(name, infer=infer, kernel=kernel, backward=bw)
+    return fwd, grad
+
+
+def _infer_select(attrs, x, gg):
+    return ((tuple(gg.shape[:2]) + _out_hw("MaxPoolSelect", x.shape[2:],
+                                           attrs["kernel_size"], attrs["strides"], (1, 1),
+                                           attrs["pads"]), gg.dtype),)
+
+
+def _select_kernel(attrs, x, gg):
+    """gg (..., H, W) read at the first maximum of each window of x -> (..., Ho, Wo)."""
+    kernel, stride, pads = attrs["kernel_size"], attrs["strides"], attrs["pads"]
+    hw = x.shape[-2:]
+    out_hw = (conv_out_size(hw[0], kernel[0], stride[0], 1, pads[0], pads[1]),
+              conv_out_size(hw[1], kernel[1], stride[1], 1, pads[2], pads[3]))
+    win = window_view(_pad_stack(x, pads, -np.inf), kernel, stride, (1, 1), out_hw)
+    arg = win.reshape(win.shape[:-2] + (-1,)).argmax(axis=-1)[..., None]
+    gwin = window_view(_pad_stack(gg, pads), kernel, stride, (1, 1), out_hw)
+    return np.take_along_axis(gwin.reshape(gwin.shape[:-2] + (-1,)), arg, -1)[..., 0]
+
+
+SELECT = register("MaxPoolSelect", infer=_infer_select, kernel=_select_kernel)
+MAX_POOL, MAX_POOL_GRAD = _make_pool("MaxPool", "max")
+AVG_POOL, AVG_POOL_GRAD = _make_pool("AvgPool", "avg")
+
+
+def pool_op(op, x, kernel_size, strides, pad_mode):
+    name = op.name
+    x = const(x, name)
+    _check_4d(name, x, 0, "x")
+    kernel = pair(name, "kernel_size", kernel_size)
+    strides = pair(name, "strides", strides)
+    pad_mode = check_pad_mode(name, pad_mode, ("valid", "same"))
+    attrs = {"kernel_size": kernel, "strides": strides,
+             "pads": resolve_pads(pad_mode, (0,) * 4, tuple(x.shape[2:]), kernel, strides,
+                                  (1, 1))}
+    return apply(op, attrs, (x,))
+
+
+def max_pool(x, kernel_size=1, strides=1, pad_mode="valid"):
+    """Max over kernel_size windows of x (N, C, H, W); pad_mode "valid" or "same"."""
+    return pool_op(MAX_POOL, x, kernel_size, strides, pad_mode)
+
+
+def avg_pool(x, kernel_size=1, strides=1, pad_mode="valid"):
+    """Mean over kernel_size windows of x (N, C, H, W); with pad_mode "same" a border
+    window averages only the pixels inside the input."""
+    return pool_op(AVG_POOL, x, kernel_size, strides, pad_mode)
+
+
+# ---------------------------------------------------------------------------
+# BatchNorm pieces: per-channel (sum, sum of squares) -> (mean, variance)
+# ---------------------------------------------------------------------------
+def _infer_bn_stats(attrs, x):
+    check_float("BatchNorm", x)
+    if x.ndim < 2:
+        raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
+    return (((2, x.shape[1]), x.dtype),)
+
+
+def _bn_axes(ndim):
+    return (0,) + tuple(range(2, ndim))
+
+
+def _bn_stats_kernel(attrs, x):
+    """Rows: per-channel sum and sum of squares over every dim but 1 (float64 sums)."""
+    axes = _bn_axes(x.ndim)
+    x64 = x.astype(np.float64)
+    return np.stack([x64.sum(axis=axes), np.square(x64).sum(axis=axes)]).astype(x.dtype)
+
+
+def _bw_bn_stats(node, g):
+    return (apply(BN_STATS_GRAD, None, (node.inputs[0], g)),)
+
+
+def _infer_bn_stats_grad(attrs, x, g):
+    return ((tuple(x.shape), x.dtype),)
+
+
+def _bn_stats_grad_kernel(attrs, x, g):
+    """d(sum)/dx * g[0] + d(sum of squares)/dx * g[1], per channel."""
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    return (g[0].reshape(shape) + 2 * x * g[1].reshape(shape)).astype(x.dtype)
+
+
+def _infer_bn_fold(attrs, s):
+    return ((tuple(s.shape), s.dtype),)
+
+
+def _bn_fold_kernel(attrs, s):
+    """(sums, sums of squares) over `count` values -> (mean, biased variance)."""
+    n = attrs["count"]
+    mean = s[0] / n
+    var = np.maximum(s[1] / n - mean * mean, 0)
+    return np.stack([mean, var]).astype(s.dtype)
+
+
+def _bw_bn_fold(node, g):
+    return (apply(BN_FOLD_GRAD, node.attrs, (node.inputs[0], g)),)
+
+
+def _bn_fold_grad_kernel(attrs, s, g):
+    n = attrs["count"]
+    mean = s[0] / n
+    return np.stack([g[0] / n - 2 * mean * g[1] / n, g[1] / n]).astype(s.dtype)
+
+
+BN_STATS_GRAD = register("BatchNormStatsGrad", infer=_infer_bn_stats_grad,
+                         kernel=_bn_stats_grad_kernel)
+BN_STATS = register("BatchNormStats", infer=_infer_bn_stats, kernel=_bn_stats_kernel,
+                    backward=_bw_bn_stats)
+BN_FOLD_GRAD = register("BatchNormFoldGrad", infer=lambda attrs, s, g: _infer_bn_fold(attrs, s),
+                        kernel=_bn_fold_grad_kernel)
+BN_FOLD = register("BatchNormFold", infer=_infer_bn_fold, kernel=_bn_fold_kernel,
+                   backward=_bw_bn_fold)
+
+
+def batch_norm_stats(x):
+    """(2, C): per-channel sum and sum of squares of x (N, C, ...) over all other dims.
+    Sharded on N/H/W it is a pending sum: one AllReduce of both rows finishes it."""
+    return apply(BN_STATS, None, (const(x, "BatchNorm"),))
+
+
+def batch_norm_fold(stats, count):
+    """(2, C): mean and biased variance from batch_norm_stats over `count` values."""
+    return apply(BN_FOLD, {"count": int(count)}, (const(stats, "BatchNorm"),))
+
+
+def bn_count(shape):
+    """How many values each channel's statistics cover."""
+    return math.prod(shape[:1] + tuple(shape[2:]))
+
+
+def _channel_shape(c, ndim):
+    return (1, c) + (1,) * (ndim - 2)
+
+
+def batch_norm_apply(x, mean, var, gamma, beta, eps):
+    """``(x - mean) / sqrt(var + eps) * gamma + beta`` per channel (dim 1), as one scale
+    and one shift over x."""
+    shape = _channel_shape(x.shape[1], x.ndim)
+    scale = M.div(gamma, M.sqrt(M.add(var, float(eps))))
+    shift = M.sub(beta, M.mul(mean, scale))
+    return M.add(M.mul(x, A.reshape(scale, shape)), A.reshape(shift, shape))
+
+
+def batch_norm_train(x, gamma, beta, eps=1e-5):
+    """Training-mode batch normalisation over every dim but 1: ``(y, mean, var)`` with
+    the batch's mean and biased variance. Sharded on N/H/W the statistics are those of
+    the global batch (one AllReduce of the (2, C) sums)."""
+    x = const(x, "BatchNorm")
+    if x.ndim < 2:
+        raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
+    mv = batch_norm_fold(batch_norm_stats(x), bn_count(tuple(x.shape)))
+    mean, var = A.getitem(mv, 0), A.getitem(mv, 1)
+    return batch_norm_apply(x, mean, var, gamma, beta, eps), mean, var
+
+
+def _check_bn_args(x, params):
+    c = x.shape[1] if x.ndim >= 2 else None
+    for name, p in params.items():
+        if tuple(p.shape) != (c,):
+            raise ValueError(f"BatchNorm: {name} has shape {tuple(p.shape)}; expected "
+                             f"({c},), one value per channel of x {tuple(x.shape)}")
+
+
+def batch_norm(x, running_mean, running_var, weight, bias, training=False, momentum=0.1,
+               eps=1e-5):
+    """Batch normalisation (as ``mindspore.ops.batch_norm``): with ``training`` the
+    batch's statistics normalise x and the running ones become ``(1 - momentum) *
+    running + momentum * batch`` (running_var takes the unbiased batch variance), set in
+    place; otherwise the running statistics normalise x."""
+    x = const(x, "BatchNorm")
+    if x.ndim < 2:
+        raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
+    _check_bn_args(x, {"running_mean": running_mean, "running_var": running_var,
+                       "weight": weight, "bias": bias})
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or \
+            not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"BatchNorm: momentum={momentum!r} must be a float in [0, 1]")
+    if not training:
+        return batch_norm_apply(x, running_mean, running_var, weight, bias, eps)
+    y, mean, var = batch_norm_train(x, weight, bias, eps)
+    n = bn_count(tuple(x.shape))
+    new_mean, new_var = running_update(running_mean, running_var, mean, var, n,
+                                       1.0 - momentum)
+    running_mean.set_data(np.asarray(new_mean))
+    running_var.set_data(np.asarray(new_var))
+    return y
+
+
+def running_update(moving_mean, moving_var, mean, var, count, keep):
+    """``keep * moving + (1 - keep) * batch`` for mean and (unbiased) variance; no
+    gradient flows into them."""
+    unbias = count / max(count - 1, 1)
+    mean, var = A.stop_gradient(mean), A.stop_gradient(var)
+    new_mean = M.add(M.mul(moving_mean, keep), M.mul(mean, 1.0 - keep))
+    new_var = M.add(M.mul(moving_var, keep), M.mul(var, (1.0 - keep) * unbias))
+    return new_mean, new_var
