@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ._rank_wrapper import FAIL_MARK, STATE_DIR_VAR, read_state
+from . import k8s
 from .communication.rank_table import RankTable, load_rank_table
 from .ps.launch import launch_ps
 
@@ -67,6 +68,7 @@ class LaunchConfig:
     ps: bool = False
     server_num: int = 0
     timeout: Optional[float] = None
+    ssh_timeout: float = 10.0
     k8s: Optional[str] = None
     image: Optional[str] = None
 
@@ -100,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
                         "machines started from this one")
     p.add_argument("--rdzv_timeout", type=float, default=120.0,
                    help="seconds node 0 waits for the other nodes (and they for it)")
+    p.add_argument("--ssh_timeout", type=float, default=10.0,
+                   help="seconds to wait for ssh to reach each remote host of a hostfile "
+                        "or rank table before anything starts (default 10)")
     p.add_argument("--mpiexec", default=None,
                    help="the mpiexec to use; default: the one on PATH (mpich wheel)")
     p.add_argument("--ps", action="store_true",
@@ -200,7 +205,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     elif ns.master_port is not None and not 1 <= ns.master_port <= 65535:
         raise ValueError(f"{_PREFIX}: --master_port={ns.master_port} is not valid; expected "
                          "an int in [1, 65535]")
-    if ns.ps:
+    ps = ns.ps or ns.k8s == "ps"
+    if ps:
         if ns.server_num is None or ns.server_num < 1:
             raise ValueError(f"{_PREFIX}: --ps needs --server_num, an int >= 1; got "
                              f"{ns.server_num!r}")
@@ -213,6 +219,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
         raise ValueError(f"{_PREFIX}: --server_num={ns.server_num} needs --ps")
     if ns.hostfile and not os.path.isfile(ns.hostfile):
         raise ValueError(f"{_PREFIX}: --hostfile={ns.hostfile!r} does not exist")
+    if not 0 < ns.ssh_timeout < float("inf"):
+        raise ValueError(f"{_PREFIX}: --ssh_timeout={ns.ssh_timeout} is not valid; expected a "
+                         "number of seconds > 0")
     if ns.rdzv_timeout <= 0:
         raise ValueError(f"{_PREFIX}: --rdzv_timeout={ns.rdzv_timeout} is not valid; expected "
                          "a number of seconds > 0")
@@ -222,15 +231,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
     if ns.k8s is not None:      # manifests: the script runs in the container, not here
         return LaunchConfig(worker_num, ns.log_dir, ns.nnodes, ns.node_rank, ns.master_addr,
                             ns.master_port, ns.hostfile, table, ns.rdzv_timeout, "mpiexec",
-                            ns.script, tuple(args), bool(ns.ps), ns.server_num or 0,
-                            ns.timeout, ns.k8s, ns.image)
+                            ns.script, tuple(args), ps, ns.server_num or 0,
+                            ns.timeout, ns.ssh_timeout, ns.k8s, ns.image)
     if not os.path.isfile(ns.script):
         raise ValueError(f"{_PREFIX}: script {ns.script!r} does not exist")
     return LaunchConfig(worker_num, os.path.abspath(ns.log_dir), ns.nnodes, ns.node_rank,
                         ns.master_addr, ns.master_port, ns.hostfile, table,
                         ns.rdzv_timeout, _find_mpiexec(ns.mpiexec),
                         os.path.abspath(ns.script), tuple(args), bool(ns.ps),
-                        ns.server_num or 0, ns.timeout)
+                        ns.server_num or 0, ns.timeout, ns.ssh_timeout)
 
 
 def build_command(cfg: LaunchConfig, hostfile: Optional[str] = None) -> List[str]:
@@ -250,6 +259,76 @@ def _write_hostfile(cfg: LaunchConfig, hosts: Sequence[Tuple[str, int]]) -> str:
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("".join(f"{h}:{n}\n" for h, n in hosts))
     return path
+
+
+def _read_hostfile(path: str) -> List[str]:
+    hosts = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                hosts.append(line.split(":", 1)[0].strip())
+    return hosts
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` names this machine (mpiexec starts its ranks without ssh)."""
+    names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    if host in names:
+        return True
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        raise ValueError(f"{_PREFIX}: host {host!r} (hostfile or RANK_TABLE_FILE) cannot be "
+                         "resolved; expected a host name or address of a machine of the "
+                         "job") from None
+    mine = set()
+    for name in names:
+        try:
+            mine |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            pass
+    return all(a.startswith("127.") or a == "::1" or a in mine for a in addrs)
+
+
+def check_hosts(hosts: Sequence[str], timeout: float) -> None:
+    """Every remote host answers ssh within ``timeout`` seconds (all tried at once), else
+    RuntimeError naming the first that did not; no ssh process is left behind."""
+    remote = [h for h in dict.fromkeys(hosts) if not _is_local(h)]
+    if not remote:
+        return
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        raise RuntimeError(f"{_PREFIX}: host {remote[0]!r} is another machine, which mpiexec "
+                           "reaches over ssh, but ssh is not installed here")
+    procs = {h: subprocess.Popen([ssh, "-o", "BatchMode=yes", "-o",
+                                  f"ConnectTimeout={max(1, int(timeout))}", h, "true"],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+             for h in remote}
+    deadline = time.monotonic() + timeout
+    bad = None
+    try:
+        for host, p in procs.items():
+            try:
+                code = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                bad = (host, f"no answer within --ssh_timeout={timeout:g} s")
+                break
+            if code != 0:
+                why = p.stderr.read().decode("utf-8", "replace").strip().splitlines()
+                bad = (host, why[-1] if why else f"ssh exit code {code}")
+                break
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            p.stderr.close()
+    if bad is not None:
+        raise RuntimeError(f"{_PREFIX}: host {bad[0]!r} cannot be reached over ssh ({bad[1]}); "
+                           "mpiexec starts the ranks of other machines over passwordless "
+                           "ssh: check the host name, the network and the ssh keys")
 
 
 # ------------------------------------------------------------------ the job
@@ -607,6 +686,20 @@ def _follow_master(cfg: LaunchConfig) -> int:
     return 1
 
 
+def k8s_manifests(cfg: LaunchConfig) -> str:
+    """The ``--k8s`` manifests of the job, as YAML."""
+    if cfg.k8s == "mpijob":
+        if cfg.nnodes > 1 or cfg.hostfile:
+            raise ValueError(f"{_PREFIX}: --k8s mpijob places the ranks on worker pods itself; "
+                             "do not give --nnodes or --hostfile with it")
+        docs = k8s.mpijob_manifests(cfg.script, cfg.args, cfg.worker_num, cfg.image,
+                                    timeout=cfg.timeout)
+    else:
+        docs = k8s.ps_manifests(cfg.script, cfg.args, cfg.server_num, cfg.worker_num,
+                                cfg.image, port=cfg.master_port)
+    return k8s.to_yaml(docs)
+
+
 # -------------------------------------------------------------------- main
 
 
@@ -615,6 +708,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM ends as Ctrl-C does
     try:
         cfg = parse_args(argv)
+        if cfg.k8s is not None:
+            sys.stdout.write(k8s_manifests(cfg))
+            return 0
         if cfg.ps:
             return launch_ps(cfg.script, cfg.args, cfg.server_num, cfg.worker_num,
                              cfg.log_dir, cfg.mpiexec, cfg.master_addr, cfg.master_port)
@@ -626,8 +722,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hosts, peers = _rendezvous_master(cfg)
             hostfile = _write_hostfile(cfg, hosts)
         elif cfg.rank_table is not None and cfg.rank_table.server_count > 1:
+            check_hosts(cfg.rank_table.hosts, cfg.ssh_timeout)
             hostfile = _write_hostfile(cfg, list(zip(cfg.rank_table.hosts,
                                                      cfg.rank_table.slots)))
+        elif cfg.hostfile:
+            check_hosts(_read_hostfile(cfg.hostfile), cfg.ssh_timeout)
     except (ValueError, RuntimeError) as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
