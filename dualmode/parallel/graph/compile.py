@@ -12,23 +12,19 @@ Passes (each returns a new, verified Graph):
    Configured strategies are fixed points. In ``semi_auto`` mode this pass is skipped:
    an op without a strategy runs data parallel on whatever layout reaches it, exactly as
    in PyNative mode.
-3. :func:`plan_communication` — with every known layout in place, the redistribution
-   plan of each input that must move (Cython planner, cached) and each op's own
-   collectives (the ``post`` AllReduces of its rule, pending sums of its outputs) are
-   attached to the graph (``graph.meta["comm"]``): what :meth:`CompiledGraph.dump`
-   shows and :meth:`CompiledGraph.strategies` costs.
+3. :func:`~.lower.insert_communication` — every value's layout is now known, so each
+   redistribution, pending-sum AllReduce and rule collective becomes an IR node (MOVE,
+   REDUCE) and each op node records how it runs on the stacks (lower.py).
 4. Fusion — gradient AllReduces of data-parallel parameters run in the optimizer's
    update node through :func:`~dualmode.parallel.reduce_gradients`, bucketed per the
    ``comm_fusion`` / ``all_reduce_fusion_config`` settings, i.e. one collective per
-   bucket; the bucket plan is listed in ``graph.meta["fusion"]``.
+   bucket.
+5. :func:`derive_backward` — for a graph without its own backward nodes, the
+   vector-Jacobian product of the graph, traced once and lowered like the forward: what
+   runs when a caller differentiates through the block.
 
-The executor (:meth:`CompiledGraph.__call__`) binds the arguments and the Parameters'
-current values and runs the nodes in order on the backend's stacked local shards
-through the same dispatcher and sharding rules as PyNative mode, moving each input into
-its planned layout first. Gradients flow through it: when the caller differentiates,
-the tape records the nodes as they run, so the backward pass of a compiled block has
-the communication its rules give (derived from the same rules at compile time in
-``dump``).
+The executor (executor.py) runs the lowered IR on this process's stacks. A graph that is
+not sharded runs its nodes through the dispatcher on whole values.
 """
 from __future__ import annotations
 
@@ -43,19 +39,18 @@ from ...autograd import vjp
 from ...tensor import Tensor
 from ..dtensor import gather_stack
 from ..layout import TensorLayout
-from ..redistribute import plan_redistribution
 from ..redistribute_bridge import redistribute_tensor
 from ..sharding import RULES, common_device_matrix, reexpress
 from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
 from ..devices import some_devices
 from .executor import Program
-from .ir import CALL, Const, Graph, Ref, flatten_refs, verify
+from .ir import CALL, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, verify
 from .lower import insert_communication
 from .propagate import propagate
 from .trace import trace
 
-__all__ = ["apply_strategies", "propagate_strategies", "plan_communication",
+__all__ = ["apply_strategies", "propagate_strategies",
            "CompiledGraph", "compile_graph"]
 
 
@@ -315,66 +310,6 @@ def _gradient_cost(node, cand, trained, values, model) -> float:
 
 
 # ---------------------------------------------------------------------------
-# pass 3: communication planning (what moves where, for dump / strategies)
-# ---------------------------------------------------------------------------
-def plan_communication(graph: Graph, n: int, *, arg_sources=None) -> Graph:
-    values = graph.values()
-    known = _input_layouts(graph, n, arg_sources or {})
-    comm = {}
-    nodes = []
-    for k, node in enumerate(graph.nodes):
-        steps = []
-        in_lays = []
-        for i, x in enumerate(node.inputs):
-            have = known.get(x.id) if isinstance(x, Ref) else None
-            need = node.in_layouts[i] if node.in_layouts is not None else None
-            if need is not None and have is not None and have != need:
-                try:
-                    plan = plan_redistribution(have, need, values[x.id].dtype.itemsize)
-                except ValueError:
-                    plan = None
-                if plan is not None and len(plan):
-                    steps.append(("redistribution", i, plan))
-            in_lays.append(need if need is not None else have)
-        out_lays = None
-        cost = node.cost
-        if node.op_name == "Redistribute":
-            out_lays = list(node.in_layouts) if node.in_layouts is not None else in_lays
-        elif node.op != CALL and all(lay is not None for lay, x in zip(in_lays, node.inputs)
-                                   if isinstance(x, Ref)):
-            dtypes = _dtypes(node, values)
-            plan = _rule_outputs(node, in_lays, dtypes)
-            if plan is not None:
-                out_lays = list(plan.outputs)
-                for j, post in enumerate(plan.post):
-                    if post is not None:
-                        steps.append(("forward", j, post))
-                for j, lay in enumerate(out_lays):
-                    if lay.partial:
-                        steps.append(("partial", j, lay))
-        if node.out_layouts is not None:
-            out_lays = list(node.out_layouts)
-        if out_lays is not None:
-            for v, lay in zip(node.outputs, out_lays):
-                known[v.id] = lay
-        if node.chosen is None and any(kind == "redistribution" for kind, _, _ in steps):
-            cost += _redistribution_costs(steps)
-        comm[node.name] = steps
-        nodes.append(node.replace(cost=cost) if cost != node.cost else node)
-    meta = dict(graph.meta)
-    meta["comm"] = comm
-    meta["layouts"] = known
-    return verify(graph.replace(nodes=tuple(nodes), meta=meta))
-
-
-def _redistribution_costs(steps) -> float:
-    """Alpha-beta cost of the redistributions among a node's communication steps."""
-    model = CostModel()
-    return sum(redistribution_cost(plan.src, plan.dst, plan.itemsize, model)
-               for kind, _, plan in steps if kind == "redistribution")
-
-
-# ---------------------------------------------------------------------------
 # the compiled graph: executor and introspection
 # ---------------------------------------------------------------------------
 class CompiledGraph:
@@ -428,7 +363,10 @@ class CompiledGraph:
     # ---- introspection ------------------------------------------------------------
     def strategies(self) -> dict:
         """node name -> {"strategy": strategy tuples per input (None: as it comes),
-        "configured": bool, "cost": alpha-beta cost of its communication (s)}."""
+        "configured": bool, "cost": alpha-beta cost of its communication (s),
+        "backward": bool}. The cost of a propagated op is the one propagation weighed;
+        of any other, that of the moves the lowered graph makes for it."""
+        moved = _move_costs(self.program.graph) if self.program is not None else {}
         out = {}
         for node in self.graph.nodes:
             if node.op == CALL:
@@ -439,73 +377,25 @@ class CompiledGraph:
                 st, conf = node.chosen, False
             else:
                 st, conf = None, False
-            out[node.name] = {"strategy": st, "configured": conf, "cost": node.cost,
+            cost = node.cost if node.chosen is not None else node.cost + moved.get(node.name, 0.0)
+            out[node.name] = {"strategy": st, "configured": conf, "cost": cost,
                               "backward": node.backward}
         return out
 
     def dump(self, path=None, backward=False) -> str:
-        """The graph as graphviz dot text (collectives marked in red); written to `path`
-        when given. Needs no graphviz binary. ``backward=True``: the forward graph with
-        the backward pass derived at compile time (dashed nodes) and its communication."""
-        g = self.graph
+        """The graph as graphviz dot text, written to `path` when given (no graphviz
+        binary needed). A sharded graph is shown as it runs: the lowered graph, its
+        communication nodes in red, pending sums noted. ``backward=True``: the forward
+        and backward program derived at compile time (backward nodes dashed)."""
         if backward:
-            if self.backward_graph is None:
+            if self.block is None:
                 raise ValueError("dump: backward=True but this graph has no derived backward "
                                  "pass (it is not sharded, holds its own backward already, or "
                                  "nothing in it is differentiable)")
-            g = self.backward_graph
-        comm = g.meta.get("comm", {})
-        lines = [f'digraph "{g.meta.get("name", "graph")}" {{', "  rankdir=TB;",
-                 '  node [shape=box, fontname="monospace"];']
-        producer = {}
-        chosen = self.strategies()
-        for k, v in enumerate(g.args):
-            lines.append(f'  v{v.id} [label="arg {k}\\n{list(v.shape)} {v.dtype}", '
-                         f'shape=ellipse];')
-            producer[v.id] = f"v{v.id}"
-        for p, v in g.params:
-            lines.append(f'  v{v.id} [label="{p.name}\\n{list(v.shape)} {v.dtype}", '
-                         f'shape=ellipse, style=filled, fillcolor=lightyellow];')
-            producer[v.id] = f"v{v.id}"
-        for k, node in enumerate(g.nodes):
-            nid = f"n{k}"
-            st = chosen.get(node.name, {}).get("strategy") if node.op != CALL else None
-            label = node.name + (f"\\nstrategy={st}" if st is not None else "")
-            style = ', style=dashed' if node.backward else ''
-            lines.append(f'  {nid} [label="{label}"{style}];')
-            steps = comm.get(node.name, [])
-            for kind, i, plan in steps:
-                if kind == "redistribution":
-                    cid = f"{nid}_r{i}"
-                    desc = "\\n".join(str(s) for s in plan)
-                    lines.append(f'  {cid} [label="redistribute\\n{desc}", color=red, '
-                                 f'fontcolor=red];')
-                    x = node.inputs[i]
-                    if producer.get(x.id):
-                        lines.append(f"  {producer[x.id]} -> {cid};")
-                    lines.append(f"  {cid} -> {nid};")
-                elif kind == "forward":
-                    red_op, axes = plan
-                    lines.append(f'  {nid}_p{i} [label="AllReduce({red_op}) over axes '
-                                 f'{tuple(axes)}", color=red, fontcolor=red];')
-                    lines.append(f"  {nid} -> {nid}_p{i};")
-                elif kind == "partial":
-                    lines.append(f'  {nid}_s{i} [label="pending sum over axes '
-                                 f'{tuple(plan.partial)}\\n(AllReduce / ReduceScatter at its '
-                                 f'consumer)", color=red, fontcolor=red, shape=note];')
-                    lines.append(f"  {nid} -> {nid}_s{i} [style=dotted];")
-            moved = {i for kind, i, _ in steps if kind == "redistribution"}
-            for i, x in enumerate(node.inputs):
-                if isinstance(x, Ref) and i not in moved and x.id in producer:
-                    lines.append(f"  {producer[x.id]} -> {nid};")
-            for v in node.outputs:
-                producer[v.id] = nid
-        for j, leaf in enumerate(flatten_refs(g.outputs)):
-            if isinstance(leaf, Ref) and leaf.id in producer:
-                lines.append(f'  out{j} [label="output {j}", shape=ellipse];')
-                lines.append(f"  {producer[leaf.id]} -> out{j};")
-        lines.append("}")
-        text = "\n".join(lines) + "\n"
+            g = self.block.program.graph
+        else:
+            g = self.program.graph if self.program is not None else self.graph
+        text = _dot(g, self.strategies())
         if path is not None:
             with open(path, "w") as f:
                 f.write(text)
@@ -525,7 +415,6 @@ def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name=
         if propagate:
             graph = propagate_strategies(graph, n, arg_sources=arg_sources,
                                          fully_use_devices=fully_use_devices)
-        graph = plan_communication(graph, n, arg_sources=arg_sources)
         lowered = insert_communication(graph, n, arg_sources=arg_sources,
                                        some_devices=some_devices(), name=name)
         compiled = CompiledGraph(graph, sharded, Program(lowered))
@@ -591,11 +480,10 @@ def derive_backward(compiled: CompiledGraph, n: int, *, arg_sources=None, name="
                 for x, d in zip(lowered_out, diff) if d]
     sources = {v.id: (arg_sources or {}).get(old.id) for v, old in zip(both.args, g.args)}
     sources.update({v.id: lay for v, lay in zip(both.args[nargs:], cot_lays)})
-    planned = plan_communication(both, n, arg_sources=sources)
-    lowered = insert_communication(planned, n, arg_sources=sources,
+    lowered = insert_communication(both, n, arg_sources=sources,
                                    some_devices=some_devices(), name=name)
     block = Block(Program(lowered), nargs, positions, weights, diff, cot_lays, g.outputs)
-    return planned, block
+    return lowered, block
 
 
 def _cotangent_layout(lay):
@@ -705,6 +593,76 @@ def _build(tree, env):
     if isinstance(tree, dict):
         return {k: _build(t, env) for k, t in tree.items()}
     return tree
+
+
+def _move_costs(lowered: Graph) -> dict:
+    """Consumer node name -> alpha-beta cost of the redistributions made for it."""
+    model = CostModel()
+    out = {}
+    for node in lowered.nodes:
+        if node.op == MOVE and node.attrs["plan"] is not None:
+            plan = node.attrs["plan"]
+            key = node.attrs.get("for")
+            out[key] = out.get(key, 0.0) + redistribution_cost(plan.src, plan.dst,
+                                                               plan.itemsize, model)
+    return out
+
+
+def _dot(g: Graph, chosen: dict) -> str:
+    """Graphviz dot text of `g`: arguments and parameters as ellipses, ops as boxes
+    (backward ones dashed), communication (MOVE nodes that communicate, AllReduce) in
+    red, outputs holding pending sums with a note."""
+    lays = g.meta.get("layouts", {})
+    lines = [f'digraph "{g.meta.get("name", "graph")}" {{', "  rankdir=TB;",
+             '  node [shape=box, fontname="monospace"];']
+    producer = {}
+    for k, v in enumerate(g.args):
+        lines.append(f'  v{v.id} [label="arg {k}\\n{list(v.shape)} {v.dtype}", shape=ellipse];')
+        producer[v.id] = f"v{v.id}"
+    for p, v in g.params:
+        lines.append(f'  v{v.id} [label="{p.name}\\n{list(v.shape)} {v.dtype}", '
+                     f'shape=ellipse, style=filled, fillcolor=lightyellow];')
+        producer[v.id] = f"v{v.id}"
+    for k, node in enumerate(g.nodes):
+        nid = f"n{k}"
+        style = ", style=dashed" if node.backward else ""
+        if node.op == MOVE:
+            a = node.attrs
+            if a["kind"] in ("view", "gridview", "slice"):       # no data moves
+                for x in node.inputs:
+                    if isinstance(x, Ref) and x.id in producer:
+                        producer[node.outputs[0].id] = producer[x.id]
+                continue
+            desc = "\\n".join(str(s) for s in a["plan"]) if a["plan"] is not None else \
+                {"resolve": "AllReduce (pending sums)", "gather": "AllGather (whole value)"
+                 }.get(a["kind"], a["kind"])
+            lines.append(f'  {nid} [label="redistribute for {a.get("for")}\\n{desc}", '
+                         f'color=red, fontcolor=red{style}];')
+        elif node.op == REDUCE:
+            lines.append(f'  {nid} [label="AllReduce({node.attrs["op"]}) over axes '
+                         f'{node.attrs["axes"]}", color=red, fontcolor=red{style}];')
+        else:
+            st = chosen.get(node.name, {}).get("strategy") if node.op != CALL else None
+            label = node.name + (f"\\nstrategy={st}" if st is not None else "")
+            lines.append(f'  {nid} [label="{label}"{style}];')
+            for j, v in enumerate(node.outputs):
+                lay = lays.get(v.id)
+                if lay is not None and lay.partial:
+                    lines.append(f'  {nid}_s{j} [label="pending sum over axes '
+                                 f'{tuple(lay.partial)}\\n(AllReduce / ReduceScatter at its '
+                                 f'consumer)", color=red, fontcolor=red, shape=note];')
+                    lines.append(f"  {nid} -> {nid}_s{j} [style=dotted];")
+        for x in node.inputs:
+            if isinstance(x, Ref) and x.id in producer:
+                lines.append(f"  {producer[x.id]} -> {nid};")
+        for v in node.outputs:
+            producer[v.id] = nid
+    for j, leaf in enumerate(flatten_refs(g.outputs)):
+        if isinstance(leaf, Ref) and leaf.id in producer:
+            lines.append(f'  out{j} [label="output {j}", shape=ellipse];')
+            lines.append(f"  {producer[leaf.id]} -> out{j};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
 
 
 def _param_layouts_for(new, old):

@@ -130,7 +130,7 @@ class _Lowering:
         out = self.fresh(v)
         self.moves += 1
         self.nodes.append(Node(MOVE, {"src": src, "dst": dst, "kind": kind, "plan": plan,
-                                      "cause": cause, "reason": reason},
+                                      "cause": cause, "reason": reason, "for": self.current},
                                (ref,), (out,), f"Move-{self.moves}", backward=backward))
         self.lay[out.id] = dst
         return Ref(out.id)
@@ -207,6 +207,7 @@ class _Lowering:
     def lower(self) -> Graph:
         self.bind()
         g = self.g
+        self.current = "input"
         for k, v in enumerate(g.args):
             need = g.arg_layouts[k] if g.arg_layouts else None
             if need is not None:
@@ -215,6 +216,7 @@ class _Lowering:
                     self.alias(v.id, ref.id)
         for node in g.nodes:
             self.lower_node(node)
+        self.current = "output"
         outputs = self.rename(g.outputs)
         leaves = flatten_refs(outputs)
         if g.out_layouts:
@@ -248,7 +250,10 @@ class _Lowering:
             return self.lay[x.id]
         return _const_layout(x)
 
+    current = None                  # the node being lowered (what its moves are for)
+
     def lower_node(self, node: Node):
+        self.current = node.name
         ins = [self.ref(x) for x in node.inputs]
         bw = node.backward
         if node.op == CALL:
@@ -389,7 +394,8 @@ class _Lowering:
         out = self.fresh(v)
         self.moves += 1
         self.nodes.append(Node(MOVE, {"src": self.input_layout(ref), "dst": lay, "kind": kind,
-                                      "plan": None, "cause": None, "reason": None},
+                                      "plan": None, "cause": None, "reason": None,
+                                      "for": self.current},
                                (ref,), (out,), f"Move-{self.moves}", backward=backward))
         self.lay[out.id] = lay
         return Ref(out.id)
