@@ -1,0 +1,140 @@
+"""The graph executor runs the lowered IR: communication is in the graph, the eager
+sharded dispatcher is never reached, and a block's backward is derived once."""
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Parameter, Tensor, nn, ops
+from dualmode._core import _tensor as _core
+from dualmode.parallel import CommReport, compile_count
+from dualmode.parallel.auto_parallel import AutoParallel
+from dualmode.parallel.graph.ir import MOVE, REDUCE
+from dualmode.parallel import set_layerwise_slices
+
+from _devices import devices
+
+RNG = np.random.default_rng(7)
+X = RNG.standard_normal((8, 16)).astype(np.float32)
+W = RNG.standard_normal((16, 8)).astype(np.float32)
+
+
+class _Refuse:
+    """Makes the eager sharded dispatcher raise while active."""
+
+    def __enter__(self):
+        self.saved = _core.get_dist_hooks()
+        dist_apply, assemble = self.saved
+
+        def refuse(op, attrs, inputs, rec):
+            raise AssertionError(f"the eager sharded dispatcher ran {op.name}")
+
+        _core.set_dist_hooks(refuse, assemble)
+        return self
+
+    def __exit__(self, *exc):
+        _core.set_dist_hooks(*self.saved)
+
+
+def _block(w):
+    return ops.shard(lambda x: ops.tanh(ops.matmul(x, w)), in_strategy=((2, 4),))
+
+
+def _expected():
+    t = np.tanh(X @ W)
+    return t, (1 - t * t) @ W.T, X.T @ (1 - t * t)
+
+
+def test_forward_runs_without_the_eager_dispatcher():
+    with devices(8, "auto_parallel"):
+        w = Parameter(Tensor(W.copy()), name="w")
+        f = _block(w)
+        f(Tensor(X))                                     # compiles (and stores w sharded)
+        with _Refuse():
+            out = f(Tensor(X))
+        np.testing.assert_allclose(out.asnumpy(), _expected()[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_differentiated_block_is_one_op_whose_backward_was_derived_at_compile():
+    with devices(8, "auto_parallel"):
+        w = Parameter(Tensor(W.copy()), name="w")
+        f = _block(w)
+        grad_fn = dm.grad(lambda x: ops.reduce_sum(f(x)), 0, [w])
+        grad_fn(Tensor(X))
+        compiles = compile_count()
+        bw = f.compiled.block.program.graph
+        assert sum(n.op_name == "MatMul" for n in bw.nodes if n.backward) == 2
+        with _Refuse():
+            out = f(Tensor(X))                      # no tape: the forward program only
+        gx, (gw,) = grad_fn(Tensor(X))
+        assert compile_count() == compiles          # nothing traced again
+        _, ref_gx, ref_gw = _expected()
+        np.testing.assert_allclose(out.asnumpy(), _expected()[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gx.asnumpy(), ref_gx, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(gw.asnumpy(), ref_gw, rtol=1e-4, atol=1e-5)
+
+
+def test_the_lowered_graph_holds_every_collective_the_call_makes():
+    with devices(8, "auto_parallel"):
+        w = Parameter(Tensor(W.copy()), name="w")
+        f = _block(w)
+        f(Tensor(X))
+        g = f.compiled.program.graph
+        comm = [n for n in g.nodes if n.op == REDUCE or n.op == MOVE and (
+            n.attrs["plan"] is not None and any(s.communicates for s in n.attrs["plan"])
+            or n.attrs["kind"] in ("resolve", "gather"))]
+        assert comm, g
+        with CommReport() as rep:
+            f(Tensor(X))
+        assert rep.count() == sum(len([s for s in n.attrs["plan"] if s.communicates])
+                                  if n.op == MOVE and n.attrs["plan"] is not None else 1
+                                  for n in comm)
+        assert "color=red" in f.dump()
+
+
+class _Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(W.copy()), name="w")
+        self.b = Parameter(Tensor(np.zeros(8, np.float32)), name="b")
+        self.matmul = ops.MatMul()
+
+    def construct(self, x):
+        return ops.tanh(self.matmul(x, self.w) + self.b)
+
+
+def test_a_compiled_train_step_matches_stand_alone_and_skips_the_dispatcher():
+    def run(n):
+        with devices(n):
+            net = _Net()
+            if n:
+                net.matmul.shard(((2, 4), (4, 1)))
+            opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
+            grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
+                                        opt.parameters)
+
+            def step(x):
+                loss, grads = grad_fn(x)
+                opt(grads)
+                return loss
+            step = AutoParallel(step, parallel_mode="semi_auto") if n else step
+            losses = [float(step(Tensor(X)).asnumpy())]
+            if n:
+                with _Refuse():
+                    out = step(Tensor(X))
+            else:
+                out = step(Tensor(X))
+            losses.append(float(out.asnumpy()))
+            return losses, net.w.asnumpy(), net.b.asnumpy()
+    ref, got = run(None), run(8)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    for a, b in zip(got[1:], ref[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_per_device_values_in_a_compiled_graph_are_refused_by_name():
+    with devices(4):
+        w = Parameter(Tensor(np.zeros((16, 2), np.float32)), name="w", layerwise_parallel=True)
+        set_layerwise_slices(w, W[:, :8], dim=1)
+        f = ops.shard(lambda x: ops.matmul(x, w), in_strategy=((1, 1),))
+        with pytest.raises(ValueError, match=r"parameter w holds per-device values"):
+            f(Tensor(X))
