@@ -7,7 +7,9 @@ from .container import CellList, SequentialCell
 from .embedding import Embedding, EmbeddingLookup
 from .loss import (CrossEntropyLoss, L1Loss, LossBase, MSELoss,
                    SoftmaxCrossEntropyWithLogits)
-from .normalization import LayerNorm
+from .conv import Conv2d
+from .normalization import BatchNorm2d, LayerNorm
+from .pooling import AvgPool2d, MaxPool2d
 from .optim import SGD, Adam, Momentum, Optimizer
 from .wrap import TrainOneStepCell, WithLossCell
 
@@ -16,4 +18,5 @@ __all__ = [
     "Sigmoid", "Softmax", "get_activation", "Embedding", "EmbeddingLookup", "LayerNorm", "LossBase",
     "MSELoss", "L1Loss", "CrossEntropyLoss", "SoftmaxCrossEntropyWithLogits", "Optimizer",
     "SGD", "Momentum", "Adam", "WithLossCell", "TrainOneStepCell", "utils",
+    "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
 ]

@@ -460,3 +460,4 @@ def _one_hot(attrs, lays, dtypes):
 
 _register_elementwise()
 from . import rules_array  # noqa: E402,F401
+from . import rules_conv  # noqa: E402,F401
