@@ -407,8 +407,8 @@ def _bn_stats_grad(attrs, lays, dtypes):
     def local(attrs, stacks):
         xs, gs = stacks
         d = xs.shape[0]
-        g0 = gs[:, 0].reshape((d,) + shape[1:])
-        g1 = gs[:, 1].reshape((d,) + shape[1:])
+        g0 = gs[:, 0].reshape((d,) + shape)
+        g1 = gs[:, 1].reshape((d,) + shape)
         return (g0 + 2 * xs * g1).astype(xs.dtype)
 
     return ShardPlan((x, need_g), (x,), local)
