@@ -64,7 +64,7 @@ from .._core._tensor import KIND_GENERIC, OpDef, TensorBase
 from ..tensor import Parameter
 from . import dtensor
 from .devices import device_num, live_backend, parallel_active
-from .layout import TensorLayout
+from .tensor_layout import TensorLayout
 from .sharding import RULES
 
 __all__ = ["DeviceLocalLayout", "set_layerwise_slices", "device_local_tensor",

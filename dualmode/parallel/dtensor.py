@@ -49,7 +49,7 @@ from .devices import live_backend as _live_backend
 from .devices import op_cause as _cause
 from .devices import some_devices as _some_devices
 from .devices import world_stack
-from .layout import TensorLayout
+from .tensor_layout import TensorLayout
 from .rules import pending_sums
 from .sharding import rule_plan, sharded_apply
 

@@ -9,7 +9,7 @@ from .._core._tensor import TensorBase
 from ..tensor import Parameter
 from .devices import device_num, some_devices
 from .dtensor import distribute, moved
-from .layout import TensorLayout
+from .tensor_layout import TensorLayout
 
 __all__ = ["distribute_inputs", "RANK_SHARDS"]
 

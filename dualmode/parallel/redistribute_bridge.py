@@ -9,7 +9,7 @@ import numpy as np
 
 from .._core._tensor import TensorBase
 from ..communication.trace import comm_cause, record
-from .layout import TensorLayout
+from .tensor_layout import TensorLayout
 from .devices import live_backend, world_stack
 from .redistribute import execute, plan_redistribution, run_plan_grid
 

@@ -39,7 +39,7 @@ from .._core._tensor import KIND_GENERIC, TensorBase
 from ..ops._registry import REGISTRY
 from .devices import backend as _backend
 from .devices import holds_all_devices, op_cause
-from .layout import LayoutError, TensorLayout, stand_in
+from .tensor_layout import LayoutError, TensorLayout, stand_in
 from .redistribute import unify_device_matrices
 from .redistribute_bridge import redistribute_grid, redistribute_tensor
 

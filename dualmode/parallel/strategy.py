@@ -25,7 +25,7 @@ from ..tensor import Parameter
 from ..ops.primitive import _flat
 from .devices import device_num, live_backend, parallel_active
 from .dtensor import moved
-from .layout import TensorLayout
+from .tensor_layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
 from .sharding import op_strategy_layouts, same_placement
 from .strategy_checks import check_strategy_for

@@ -21,7 +21,7 @@ from ..parallel.graph.compile import compile_graph
 from ..parallel.graph.ir import Ref
 from ..parallel.graph.trace import trace
 from ..parallel.inputs import distribute_inputs
-from ..parallel.layout import TensorLayout
+from ..parallel.tensor_layout import TensorLayout
 from ..parallel.strategy import _store_sharded, is_sharded_layout
 from ..tensor import Parameter
 from .strategy_file import load_strategy_file, parameter_layout, save_strategy_file

@@ -10,7 +10,7 @@ from ..autograd import value_and_grad
 from ..nn import Cell
 from ..parallel.devices import parallel_active
 from ..parallel.grad_reduce import broadcast_parameters
-from ..parallel.layout import TensorLayout
+from ..parallel.tensor_layout import TensorLayout
 from .callback import CallbackList, RunContext
 from .layouts import (apply_context_strategy, network_parameters, parameter_layouts,
                       save_context_strategy)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..nn.cell import Cell
 from ..parallel.devices import live_backend
-from ..parallel.layout import TensorLayout
+from ..parallel.tensor_layout import TensorLayout
 from .safetensors_io import CheckpointError, CheckpointFile, open_all, write_file
 from .serialization import STEP_NAME, StepCounter, _swap, checkpoint_entries, sliced_path
 from .strategy_file import (layout_from_dict, layout_from_entry, layout_to_dict,

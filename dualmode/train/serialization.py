@@ -31,7 +31,7 @@ from .._core._tensor import TensorBase
 from ..nn.cell import Cell
 from ..nn.optim.optimizer import Optimizer
 from ..parallel.devices import live_backend, some_devices
-from ..parallel.layout import TensorLayout
+from ..parallel.tensor_layout import TensorLayout
 from ..tensor import Parameter
 from .safetensors_io import CheckpointFile, write_file
 from .strategy_file import layout_from_dict, layout_to_dict, save_strategy_file

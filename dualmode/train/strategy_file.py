@@ -26,7 +26,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ..parallel.layout import LayoutError, TensorLayout
+from ..parallel.tensor_layout import LayoutError, TensorLayout
 from .safetensors_io import CheckpointError, atomic_write_bytes
 
 __all__ = ["layout_to_dict", "layout_from_dict", "layout_entry", "layout_from_entry",

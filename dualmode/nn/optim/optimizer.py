@@ -15,7 +15,7 @@ import numpy as np
 from ..._core._tensor import TensorBase
 from ...parallel.grad_reduce import reduce_gradients
 from ...parallel.graph.trace import current_trace
-from ...parallel.layout import TensorLayout
+from ...parallel.tensor_layout import TensorLayout
 from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
 from ...parallel.strategy import is_sharded_layout
 from ...ps.optim import register_optimizer_class

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..._core import _tensor as _core
 from .. import rules as _rules  # noqa: F401  (registers the sharding rules)
-from ..layout import TensorLayout
+from ..tensor_layout import TensorLayout
 from ..sharding import RULES
 from .cost import CostModel, allreduce_cost
 

@@ -38,7 +38,7 @@ from ..._core._tensor import KIND_GENERIC, OpDef, TensorBase
 from ...autograd import vjp
 from ...tensor import Tensor
 from ..dtensor import gather_stack
-from ..layout import TensorLayout
+from ..tensor_layout import TensorLayout
 from ..redistribute_bridge import redistribute_tensor
 from ..sharding import RULES, common_device_matrix, reexpress
 from .candidates import op_candidates

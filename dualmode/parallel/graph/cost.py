@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ...communication.trace import bytes_per_device
-from ..layout import TensorLayout
+from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
 
 __all__ = ["CostModel", "DEFAULT_MODEL", "redistribution_cost", "partial_cost",

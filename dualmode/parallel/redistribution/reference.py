@@ -7,7 +7,7 @@ import heapq
 import math
 
 from ...communication.trace import bytes_per_device
-from ..layout import TensorLayout
+from ..tensor_layout import TensorLayout
 from .steps import _A2A, _AR, _GATHER, _NAMES, _RS, _SLICE, _TRACE_KIND
 from .unify import _refine, unify_device_matrices
 

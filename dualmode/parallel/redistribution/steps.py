@@ -5,7 +5,7 @@ from operator import itemgetter
 from typing import Tuple
 
 from ..._core import _redist
-from ..layout import TensorLayout
+from ..tensor_layout import TensorLayout
 
 
 #: Expansions of the search before it settles for the direct plan (both planners).

@@ -1,0 +1,616 @@
+"""TensorLayout: which device holds which slice of a tensor — the immutable value every
+layer below the API shares: device matrix, per-dim tuples of splitting device axes
+(outer first), global shape and the device axes over which stored values are pending
+partial sums. Everything else (local shape, each rank's slice, communication groups) is
+derived from it, vectorised over ranks with numpy so 4096-device meshes stay cheap.
+
+A strategy tuple is a shorthand for a TensorLayout (``TensorLayout.from_strategy``):
+``(2, 4)`` on 8 devices is device matrix ``(2, 4)`` with dim 0 on axis 0 and dim 1 on
+axis 1; with fewer parts than devices the rest is repeated calculation, an extra highest
+axis nothing maps to (``(2, 1)`` on 8 devices: device matrix ``(4, 2)``, dim 0 on axis 1).
+A user's named-axis ``layout(...)`` (layout_spec.py) is recognised by its
+``is_layout_spec`` attribute, so this module does not depend on the API above it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._layout_checks import (IndivisibleError, LayoutError, _is_int, check_device_num,
+                             check_strategy, check_tensor_layout)
+
+__all__ = ["TensorLayout", "LayoutError", "IndivisibleError", "format_table", "stand_in",
+           "is_layout_spec"]
+
+Axes = Tuple[int, ...]
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+@functools.lru_cache(maxsize=4096)
+def stand_in(dtype, shape) -> np.ndarray:
+    """A read-only zero array of ``shape`` and ``dtype`` that takes no memory (stride 0):
+    what shape/dtype inference runs on in place of a distributed value (cached)."""
+    return np.broadcast_to(np.zeros((), dtype), tuple(shape))
+
+
+def is_layout_spec(x) -> bool:
+    """Is `x` a user's ``layout(...)`` applied to dims (a LayoutSpec)?"""
+    return getattr(x, "is_layout_spec", False) is True
+
+
+# ============================================================================ TensorLayout
+
+@dataclass(frozen=True, eq=True)
+class TensorLayout:
+    """Who holds which slice of a tensor: the immutable layout every layer shares.
+
+    Parameters
+    ----------
+    device_matrix : tuple of int
+        Devices along each axis, axis 0 highest (ranks run row-major, last axis fastest).
+    tensor_map : tuple of tuple of int
+        Per tensor dim, the device axes that split it, outer first; ``()`` = not split.
+    shape : tuple of int
+        The global shape.
+    partial : tuple of int
+        Sorted device axes over which stored values are pending partial sums.
+    alias : tuple of str, optional
+        Axis names, for printing only (not part of equality or hashing).
+    """
+
+    device_matrix: Tuple[int, ...]
+    tensor_map: Tuple[Axes, ...]
+    shape: Tuple[int, ...]
+    partial: Axes = ()
+    alias: Optional[Tuple[str, ...]] = field(default=None, compare=False)
+
+    def __post_init__(self):
+        fields = check_tensor_layout(self.device_matrix, self.tensor_map, self.shape,
+                                     self.partial, self.alias)
+        for name, value in zip(("device_matrix", "tensor_map", "shape", "partial", "alias"),
+                               fields):
+            object.__setattr__(self, name, value)
+
+    def __hash__(self):
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.device_matrix, self.tensor_map, self.shape, self.partial))
+            self.__dict__["_hash"] = h
+        return h
+
+    def __getstate__(self):   # cached values (slices, groups) are rebuilt on demand
+        return {k: self.__dict__[k] for k in ("device_matrix", "tensor_map", "shape",
+                                              "partial", "alias")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    # ------------------------------------------------------------ constructors
+
+    @classmethod
+    def _checked(cls, device_matrix, tensor_map, shape, partial=(), alias=None,
+                 owner="TensorLayout"):
+        """Validate with errors prefixed by ``owner``, then build without re-checking."""
+        fields = check_tensor_layout(device_matrix, tensor_map, shape, partial, alias, owner)
+        self = object.__new__(cls)
+        for name, value in zip(("device_matrix", "tensor_map", "shape", "partial", "alias"),
+                               fields):
+            object.__setattr__(self, name, value)
+        return self
+
+    @classmethod
+    def replicated(cls, shape: Sequence[int], device_matrix) -> "TensorLayout":
+        """Every device holds the whole tensor. ``device_matrix`` may be an int."""
+        dm = (device_matrix,) if _is_int(device_matrix) else device_matrix
+        return cls(dm, ((),) * len(tuple(shape)), shape)
+
+    @classmethod
+    def batch_split(cls, shape: Sequence[int], device_num: int, dim: int = 0) -> "TensorLayout":
+        """Data parallel: ``dim`` split over all ``device_num`` devices (one axis)."""
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else shape
+        if _plain_ints(shape, (device_num, dim)):
+            return _batch_split_cached(cls, shape, device_num, dim)
+        return cls._batch_split(shape, device_num, dim)      # the checks name the problem
+
+    @classmethod
+    def _batch_split(cls, shape, device_num, dim):
+        device_num = check_device_num("batch_split", device_num)
+        shape = tuple(shape)
+        if not _is_int(dim) or not -len(shape) <= dim < len(shape):
+            raise LayoutError(f"batch_split: dim={dim!r} is out of range for shape {shape}")
+        dim = dim % len(shape)
+        tmap = tuple((0,) if d == dim else () for d in range(len(shape)))
+        return cls._checked((device_num,), tmap, shape,
+                            owner=f"batch_split over {device_num} devices")
+
+    @classmethod
+    def from_spec(cls, spec, shape: Sequence[int], owner: str = "Layout") -> "TensorLayout":
+        """The layout of a tensor of global ``shape`` under ``layout(...)`` (a
+        LayoutSpec, layout_spec.py)."""
+        if not is_layout_spec(spec):
+            raise TypeError(f"{owner}: expected a Layout applied to dims, e.g. "
+                            f"layout('dp', 'None'); got {spec!r}")
+        if not isinstance(shape, (tuple, list)):
+            raise TypeError(f"{owner}: shape must be a tuple of ints (the tensor's global "
+                            f"shape), got {shape!r}")
+        shape = tuple(shape)
+        if len(shape) != spec.ndim:
+            raise LayoutError(f"{owner}: {spec!r} maps {spec.ndim} dims but the tensor has "
+                              f"rank {len(shape)} (shape {shape})")
+        return cls._checked(spec.device_matrix, spec.tensor_map, shape,
+                            alias=spec.alias_name, owner=owner)
+
+    @classmethod
+    def from_strategy(cls, strategy, shape: Sequence[int], device_num: int, op_name: str = "",
+                      input_index: int = 0, param: str = "in_strategy") -> "TensorLayout":
+        """MindSpore semantics of one input's strategy tuple (or an applied Layout).
+
+        ``(2, 4)`` on 8 devices: device matrix ``(2, 4)``, dim 0 on axis 0, dim 1 on axis 1.
+        When the product is smaller than ``device_num`` the rest is repeated calculation,
+        an extra highest axis: ``(2, 4)`` on 16 devices is ``(2, 2, 4)`` with the dims on
+        axes 1 and 2. Entries equal to 1 map to no axis (and add none).
+        """
+        if is_layout_spec(strategy):
+            owner = f"{op_name or 'Layout'}: {param}[{input_index}]"
+            device_num = check_device_num(owner, device_num)
+            if strategy.device_num != device_num:
+                raise LayoutError(f"{owner}: {strategy!r} has {strategy.device_num} devices but "
+                                  f"device_num is {device_num}; a layout's device matrix must "
+                                  f"hold exactly device_num devices")
+            return cls.from_spec(strategy, shape, owner=owner)
+        if isinstance(strategy, (tuple, list)) and isinstance(shape, (tuple, list)):
+            strategy, shape = tuple(strategy), tuple(shape)
+            if _plain_ints(strategy, shape, (device_num, input_index)) and \
+                    isinstance(op_name, str) and isinstance(param, str):
+                return _from_strategy_cached(cls, strategy, shape, device_num, op_name,
+                                             input_index, param)
+        return cls._from_strategy(strategy, shape, device_num, op_name, input_index, param)
+
+    @classmethod
+    def _from_strategy(cls, strategy, shape, device_num, op_name, input_index, param):
+        strategy, shape, device_num = check_strategy(strategy, shape, device_num, op_name,
+                                                     input_index, param)
+        repeat = device_num // math.prod(strategy)
+        dm = ((repeat,) if repeat > 1 else ()) + tuple(s for s in strategy if s > 1)
+        tmap, axis = [], 1 if repeat > 1 else 0
+        for s in strategy:
+            if s > 1:
+                tmap.append((axis,))
+                axis += 1
+            else:
+                tmap.append(())
+        return cls._checked(dm or (1,), tuple(tmap), shape, owner=op_name or "strategy")
+
+    @classmethod
+    def from_op_strategy(cls, strategies, shapes, device_num: int, shared=(),
+                         op_name: str = "") -> Tuple["TensorLayout", ...]:
+        """MindSpore semantics of an op's whole in_strategy: ONE device matrix for the op.
+
+        Each op dim gets one device axis (in order of first appearance over the inputs'
+        dims; dims split 1 way get none); the dims inputs share (``shared``: tuples
+        ``(i, di, j, dj, ...)``, dim ``di`` of input ``i`` is dim ``dj`` of input ``j``)
+        map to the same axis; the leftover factor of ``device_num`` is repeated
+        calculation, the highest axis. ``MatMul((2, 2), (2, 2))`` on 8 devices: device
+        matrix ``(2, 2, 2)`` = (rows, contracted, columns), input 0 on axes (0, 1), input
+        1 on axes (1, 2), so both inputs already agree on the contracted dim. Entries
+        that are applied Layouts are taken as they are (then every entry is).
+        """
+        strategies, shapes = tuple(strategies), [tuple(s) for s in shapes]
+        if len(strategies) != len(shapes):
+            raise LayoutError(f"{op_name or 'strategy'}: in_strategy has {len(strategies)} "
+                              f"entries for {len(shapes)} inputs")
+        if any(is_layout_spec(s) for s in strategies):
+            return tuple(cls.from_strategy(s, shape, device_num, op_name, i)
+                         for i, (s, shape) in enumerate(zip(strategies, shapes)))
+        checked = [check_strategy(s, shape, device_num, op_name, i)[0]
+                   for i, (s, shape) in enumerate(zip(strategies, shapes))]
+        device_num = int(device_num)
+        parent = {}
+
+        def find(k):
+            while parent.get(k, k) != k:
+                k = parent[k]
+            return k
+
+        for i, di, j, dj, *_ in shared:
+            if checked[i][di] == checked[j][dj]:
+                a, b = find((i, di)), find((j, dj))
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+        axis_of, sizes = {}, []
+        for i, st in enumerate(checked):
+            for d, v in enumerate(st):
+                root = find((i, d))
+                if v > 1 and root not in axis_of:
+                    axis_of[root] = len(sizes)
+                    sizes.append(v)
+        total = math.prod(sizes)
+        if device_num % total:
+            raise LayoutError(f"{op_name or 'strategy'}: in_strategy={strategies} needs a "
+                              f"device matrix of {total} devices (one axis per op dim, "
+                              f"shared dims on one axis) but device_num is {device_num}; "
+                              f"its product must divide device_num")
+        repeat = device_num // total
+        off = 1 if repeat > 1 else 0
+        dm = ((repeat,) if repeat > 1 else ()) + tuple(sizes)
+        out = []
+        for i, (st, shape) in enumerate(zip(checked, shapes)):
+            tmap = tuple((axis_of[find((i, d))] + off,) if v > 1 else ()
+                         for d, v in enumerate(st))
+            out.append(cls._checked(dm or (1,), tmap, shape, owner=op_name or "strategy"))
+        return tuple(out)
+
+    def replace(self, **changes) -> "TensorLayout":
+        """A new layout with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ basic derived values
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @cached_property
+    def device_num(self) -> int:
+        return math.prod(self.device_matrix)
+
+    @cached_property
+    def dim_parts(self) -> Tuple[int, ...]:
+        """Number of parts each dim is cut into."""
+        dm = self.device_matrix
+        return tuple(math.prod(dm[a] for a in axes) for axes in self.tensor_map)
+
+    def parts(self, dim: int) -> int:
+        """Number of parts dim ``dim`` is cut into."""
+        return self.dim_parts[self._dim(dim)]
+
+    @cached_property
+    def local_shape(self) -> Tuple[int, ...]:
+        """The shape each device stores."""
+        return tuple(n // p for n, p in zip(self.shape, self.dim_parts))
+
+    @cached_property
+    def split_axes(self) -> Axes:
+        """Sorted device axes that split some dim."""
+        return tuple(sorted(a for axes in self.tensor_map for a in axes))
+
+    @cached_property
+    def replicated_axes(self) -> Axes:
+        """Device axes that neither split a dim nor hold partial sums."""
+        used = set(self.split_axes) | set(self.partial)
+        return tuple(a for a in range(len(self.device_matrix)) if a not in used)
+
+    @property
+    def is_partial(self) -> bool:
+        return bool(self.partial)
+
+    @property
+    def is_replicated(self) -> bool:
+        """Every device holds the whole, final value."""
+        return not self.split_axes and not self.partial
+
+    def with_partial(self, axes) -> "TensorLayout":
+        """The same layout with values pending partial sums over ``axes`` as well."""
+        axes = self._axes(axes, "with_partial")
+        return self.replace(partial=tuple(sorted(set(self.partial) | set(axes))))
+
+    def without_partial(self) -> "TensorLayout":
+        return self.replace(partial=()) if self.partial else self
+
+    def axis_name(self, axis: int) -> str:
+        return self.alias[axis] if self.alias is not None else f"a{axis}"
+
+    # ------------------------------------------------------------ ranks and coordinates
+
+    @cached_property
+    def rank_coords(self) -> np.ndarray:
+        """(device_num, n_axes) int64: the device-matrix coordinates of every rank."""
+        idx = np.unravel_index(np.arange(self.device_num, dtype=np.int64), self.device_matrix)
+        return _readonly(np.stack(idx, axis=1).astype(np.int64, copy=False))
+
+    def coords(self, rank):
+        """Coordinates of ``rank`` (a tuple), or of an array of ranks (``(n, n_axes)``)."""
+        if _is_int(rank):
+            self._check_rank(rank)
+            return tuple(int(c) for c in np.unravel_index(int(rank), self.device_matrix))
+        ranks = np.asarray(rank)
+        if ranks.size and (ranks.min() < 0 or ranks.max() >= self.device_num):
+            raise LayoutError(f"{self!r}: ranks must lie in 0..{self.device_num - 1}")
+        return np.stack(np.unravel_index(ranks, self.device_matrix), axis=-1)
+
+    def rank_of(self, coords):
+        """Rank of one coordinate tuple, or of an ``(..., n_axes)`` array of them."""
+        arr = np.asarray(coords)
+        if arr.ndim == 0 or arr.shape[-1] != len(self.device_matrix):
+            raise LayoutError(f"{self!r}: coordinates need {len(self.device_matrix)} entries "
+                              f"(one per device axis); got {coords!r}")
+        try:
+            r = np.ravel_multi_index(tuple(np.moveaxis(arr, -1, 0)), self.device_matrix)
+        except ValueError:
+            raise LayoutError(f"{self!r}: coordinates {coords!r} lie outside the device matrix "
+                              f"{self.device_matrix}") from None
+        return int(r) if arr.ndim == 1 else r
+
+    # ------------------------------------------------------------ slices
+
+    @cached_property
+    def block_index(self) -> np.ndarray:
+        """(device_num, ndim) int64: per rank, the index of the block it holds along each dim."""
+        c, dm = self.rank_coords, self.device_matrix
+        out = np.zeros((self.device_num, self.ndim), np.int64)
+        for d, axes in enumerate(self.tensor_map):
+            for a in axes:
+                out[:, d] = out[:, d] * dm[a] + c[:, a]
+        return _readonly(out)
+
+    def slice_index(self, rank: int) -> Tuple[int, ...]:
+        """Per dim, the index of the block ``rank`` holds."""
+        self._check_rank(rank)
+        return tuple(int(v) for v in self.block_index[rank])
+
+    @cached_property
+    def _slices(self) -> tuple:
+        local = np.asarray(self.local_shape, np.int64)
+        starts = (self.block_index * local).tolist()
+        loc = self.local_shape
+        return tuple(tuple(slice(s, s + n) for s, n in zip(row, loc)) for row in starts)
+
+    def device_slices(self) -> list:
+        """For each rank (list index), the tuple of ``slice`` per dim of the global tensor."""
+        return list(self._slices)
+
+    def local_blocks(self, array) -> np.ndarray:
+        """Split a global array into the stack ``(device_num, *local_shape)`` of local shards."""
+        y = self._blocks_grid(array, "local_blocks")
+        return np.ascontiguousarray(y).reshape((self.device_num,) + self.local_shape)
+
+    def local_blocks_of(self, array, ranks) -> np.ndarray:
+        """The stack ``(len(ranks), *local_shape)`` of the blocks of ``ranks`` only (the
+        devices one process holds: ``backend.local_ranks``); the other blocks are never
+        built. A fresh, writable copy."""
+        y = self._blocks_grid(array, "local_blocks_of", broadcast=False)
+        coords = self.rank_coords[np.asarray(ranks, np.int64)]
+        index = tuple(coords[:, a] if y.shape[a] > 1 else np.zeros(len(coords), np.int64)
+                      for a in range(len(self.device_matrix)))
+        return y[index]
+
+    def local_blocks_view(self, array) -> np.ndarray:
+        """:meth:`local_blocks` as a read-only view of ``array`` when its strides allow one
+        (e.g. columns split over one axis: device d sees columns d*k:(d+1)*k in place;
+        nothing split: every device sees the whole array, stride 0), else a fresh copy."""
+        y = self._blocks_grid(array, "local_blocks_view")
+        shape = (self.device_num,) + self.local_shape
+        try:
+            out = np.reshape(y, shape, copy=False)
+        except ValueError:                      # the blocks are not one strided grid
+            return np.ascontiguousarray(y).reshape(shape)
+        if out.flags.writeable:
+            out = out.view()
+            out.flags.writeable = False
+        return out
+
+    def local_blocks_grid(self, array) -> np.ndarray:
+        """The global array viewed (no copy) with shape ``device_matrix + local_shape``,
+        except that device axes splitting nothing have size 1: it broadcasts against a
+        stack reshaped to ``device_matrix + local_shape`` (replicas share one block)."""
+        return self._blocks_grid(array, "local_blocks_grid", broadcast=False)
+
+    def _blocks_grid(self, array, what, broadcast=True) -> np.ndarray:
+        """The global array viewed as ``device_matrix + local_shape`` (no copy): the block
+        of each device at its coordinates, stride 0 along axes that split nothing (size 1
+        there when not ``broadcast``)."""
+        x = np.asarray(array)
+        if tuple(x.shape) != self.shape:
+            raise LayoutError(f"{self!r}: {what} got an array of shape {x.shape}, expected "
+                              f"the global shape {self.shape}")
+        if self.partial:
+            raise LayoutError(f"{self!r}: a global value has no pending partial sums to split "
+                              f"into; use without_partial() first")
+        ext, order, grid = self._grid_plan
+        y = x.reshape(ext).transpose(order).reshape(grid)
+        if not broadcast or grid == self.device_matrix + self.local_shape:
+            return y
+        return np.broadcast_to(y, self.device_matrix + self.local_shape)
+
+    @cached_property
+    def _grid_plan(self):
+        """(shape splitting each dim by its axes, transpose order, grid shape)."""
+        dm = self.device_matrix
+        ext, pos, local_pos = [], {}, []    # x viewed as (axes of dim 0..., local 0, ...)
+        for d, axes in enumerate(self.tensor_map):
+            for a in axes:
+                pos[a] = len(ext)
+                ext.append(dm[a])
+            local_pos.append(len(ext))
+            ext.append(self.local_shape[d])
+        order = [pos[a] for a in self.split_axes] + local_pos
+        grid = tuple(dm[a] if a in pos else 1 for a in range(len(dm))) + self.local_shape
+        return tuple(ext), tuple(order), grid
+
+    def assemble(self, stack) -> np.ndarray:
+        """The global value from a stack ``(device_num, *local_shape)`` of local shards:
+        one replica along replicated axes, summed along partial axes."""
+        s = np.asarray(stack)
+        want = (self.device_num,) + self.local_shape
+        if tuple(s.shape) != want:
+            raise LayoutError(f"{self!r}: assemble got a stack of shape {s.shape}, expected "
+                              f"{want} (device_num, *local_shape)")
+        index, sum_axes, order = self._assemble_plan
+        s = s.reshape(self.device_matrix + self.local_shape)[index]
+        if sum_axes:
+            s = np.add.reduce(s, axis=sum_axes, dtype=s.dtype)
+        return s.transpose(order).reshape(self.shape)
+
+    @cached_property
+    def _assemble_plan(self):
+        """(index keeping replica 0 of replicated axes, axes to sum, transpose order)."""
+        dm = self.device_matrix
+        rep = self.replicated_axes
+        index = tuple(0 if a in rep else slice(None) for a in range(len(dm)))
+        kept = [a for a in range(len(dm)) if a not in rep]
+        sum_axes = tuple(kept.index(a) for a in self.partial)
+        kept = [a for a in kept if a not in self.partial]
+        pos = {a: i for i, a in enumerate(kept)}
+        order = []
+        for d, axes in enumerate(self.tensor_map):
+            order += [pos[a] for a in axes] + [len(kept) + d]
+        return index, sum_axes, tuple(order)
+
+    # ------------------------------------------------------------ groups
+
+    def group_members(self, axes) -> np.ndarray:
+        """(num_groups, group_size) int64: the ranks grouped so that each row varies only
+        along ``axes`` (aliases or indices). Rows are ordered by the remaining coordinates,
+        members row-major along ``axes`` in the order given (first = outer), which is the
+        order in which AllGather concatenates. Cached and read-only."""
+        axes = self._axes(axes, "group_members")
+        cache = self.__dict__.setdefault("_groups", {})
+        g = cache.get(axes)
+        if g is None:
+            dm = self.device_matrix
+            rest = [a for a in range(len(dm)) if a not in axes]
+            size = math.prod(dm[a] for a in axes)
+            ranks = np.arange(self.device_num, dtype=np.int64).reshape(dm)
+            g = cache[axes] = _readonly(
+                np.ascontiguousarray(ranks.transpose(rest + list(axes))).reshape(-1, size))
+        return g
+
+    def group_of(self, rank: int, axes) -> np.ndarray:
+        """The members of ``rank``'s group along ``axes`` (its row of ``group_members``)."""
+        self._check_rank(rank)
+        axes = self._axes(axes, "group_of")
+        dm = self.device_matrix
+        rest = [a for a in range(len(dm)) if a not in axes]
+        c = self.rank_coords[rank]
+        row = int(np.ravel_multi_index(tuple(c[rest]), tuple(dm[a] for a in rest))) if rest else 0
+        return self.group_members(axes)[row]
+
+    # ------------------------------------------------------------ helpers
+
+    def _check_rank(self, rank):
+        if not _is_int(rank) or not 0 <= rank < self.device_num:
+            raise LayoutError(f"{self!r}: rank {rank!r} is not in 0..{self.device_num - 1}")
+
+    def _dim(self, dim):
+        if not _is_int(dim) or not -self.ndim <= dim < self.ndim:
+            raise LayoutError(f"{self!r}: dim {dim!r} is out of range for shape {self.shape}")
+        return dim % self.ndim
+
+    def _axes(self, axes, what) -> Axes:
+        """Normalise axes given as an alias, an index, or a tuple of them."""
+        if isinstance(axes, str) or _is_int(axes):
+            axes = (axes,)
+        out = []
+        for given in tuple(axes):
+            a = given
+            if isinstance(a, str):
+                if self.alias is None or a not in self.alias:
+                    valid = ", ".join(map(repr, self.alias)) if self.alias else "none (no alias)"
+                    raise LayoutError(f"{self!r}: {what} got unknown axis name {a!r}; valid "
+                                      f"names: {valid}")
+                a = self.alias.index(a)
+            if not _is_int(a) or not 0 <= a < len(self.device_matrix):
+                raise LayoutError(f"{self!r}: {what} got axis {a!r}; valid axes are "
+                                  f"0..{len(self.device_matrix) - 1}")
+            if int(a) in out:
+                raise LayoutError(f"{self!r}: {what} got axis {given!r} twice")
+            out.append(int(a))
+        return tuple(out)
+
+    # ------------------------------------------------------------ printing
+
+    def _map_str(self):
+        parts = []
+        for axes in self.tensor_map:
+            names = [self.axis_name(a) if self.alias else str(a) for a in axes]
+            parts.append("None" if not names else names[0] if len(names) == 1
+                         else "(" + ", ".join(names) + ")")
+        return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+    def __repr__(self):
+        if self.alias:
+            mesh = ", ".join(f"{n}={s}" for n, s in zip(self.alias, self.device_matrix))
+            mesh = f"({mesh})"
+        else:
+            mesh = str(self.device_matrix)
+        extra = ""
+        if self.partial:
+            names = [self.axis_name(a) if self.alias else str(a) for a in self.partial]
+            extra = ", partial=(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+        return f"TensorLayout({self.shape}, mesh={mesh}, map={self._map_str()}{extra})"
+
+    def table(self, max_rows: Optional[int] = None) -> str:
+        """The device-to-slice table: rank, device coordinates, the index range per dim."""
+        return format_table({"slice": self}, max_rows=max_rows)
+
+    def __str__(self):
+        return self.table(max_rows=64)
+
+
+def _plain_ints(*groups) -> bool:
+    """Every value an exact int (no bool, no numpy scalar): safe as a cache key, since
+    the checks treat those differently while they hash alike."""
+    return all(isinstance(g, tuple) and all(type(v) is int for v in g) for g in groups)
+
+
+@functools.lru_cache(maxsize=4096)
+def _batch_split_cached(cls, shape, device_num, dim):
+    """TensorLayout.batch_split for hashable arguments (a shared, validated value)."""
+    return cls._batch_split(shape, device_num, dim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_strategy_cached(cls, strategy, shape, device_num, op_name, input_index, param):
+    """TensorLayout.from_strategy for tuple arguments (layouts are immutable values, so the
+    validated result is shared; errors are raised again on every call)."""
+    return cls._from_strategy(strategy, shape, device_num, op_name, input_index, param)
+
+
+def format_table(layouts: dict, max_rows: Optional[int] = None) -> str:
+    """Device-to-slice table of several tensors on one device matrix (one column each),
+    as MindSpore's operator-parallel tutorial shows for MatMul's input and weight."""
+    items = list(layouts.items())
+    if not items:
+        raise LayoutError("format_table: no layouts given")
+    first = items[0][1]
+    for name, lay in items:
+        if not isinstance(lay, TensorLayout):
+            raise TypeError(f"format_table: {name!r} is {lay!r}, not a TensorLayout")
+        if lay.device_matrix != first.device_matrix:
+            raise LayoutError(f"format_table: {name!r} has device matrix {lay.device_matrix} but "
+                              f"{items[0][0]!r} has {first.device_matrix}; one table needs one "
+                              f"device matrix")
+    n = first.device_num
+    rows = n if max_rows is None else min(n, max_rows)
+    names = [first.axis_name(a) for a in range(len(first.device_matrix))]
+    head = ["rank", "device coordinates (" + ", ".join(names) + ")"] + [n for n, _ in items]
+    coords = first.rank_coords[:rows].tolist()
+    body = []
+    for r in range(rows):
+        cells = [str(r), "(" + ", ".join(map(str, coords[r])) + ")"]
+        for _, lay in items:
+            sl = lay._slices[r]
+            cells.append("[" + ", ".join(f"{s.start}:{s.stop}" for s in sl) + "]")
+        body.append(cells)
+    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
+    fmt = lambda row: "  ".join(c.rjust(w) if i == 0 else c.ljust(w)  # noqa: E731
+                                for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+    lines = [f"{name}: {lay!r}" for name, lay in items] if len(items) > 1 else [repr(first)]
+    lines += [fmt(head)] + [fmt(row) for row in body]
+    if rows < n:
+        lines.append(f"... ({n - rows} more ranks)")
+    partial = [(name, lay) for name, lay in items if lay.partial]
+    for name, lay in partial:
+        axes = ", ".join(lay.axis_name(a) for a in lay.partial)
+        lines.append(f"{name}: values are partial sums pending over ({axes})")
+    return "\n".join(lines)
