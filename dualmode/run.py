@@ -244,7 +244,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchConfig:
 
 def build_command(cfg: LaunchConfig, hostfile: Optional[str] = None) -> List[str]:
     """The mpiexec command line of the job (``hostfile`` overrides ``cfg.hostfile``)."""
-    cmd = [cfg.mpiexec]
+    cmd = [cfg.mpiexec, "-print-all-exitcodes"]      # each rank's status, for _Job.killed
     hostfile = hostfile or cfg.hostfile
     if hostfile:
         cmd += ["-f", hostfile]
@@ -345,6 +345,7 @@ def threads_per_rank(worker_num: int, nnodes: int = 1) -> int:
 _HYDRA_PID = re.compile(r"^=\s+PID (\d+) RUNNING AT (\S+)")
 _HYDRA_CODE = re.compile(r"^=\s+EXIT CODE: (-?\d+)")
 _HYDRA_SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+_HYDRA_CODES = re.compile(r"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
 _HYDRA_BANNER = ("=====", "=   ", "YOUR APPLICATION TERMINATED", "This typically refers",
                  "Please see the FAQ", "\n")
 #: seconds a rank may wait in a collective after another rank exited before the job ends
@@ -374,6 +375,8 @@ class _Job:
         self.verdict: Optional[str] = None          # why the launcher ended the job
         self.hydra: List[Tuple[int, str]] = []      # (pid, signal or exit text) from mpiexec
         self.states = {}                            # rank -> last state tuple
+        self.deaths: List[int] = []                 # ranks gone without a last word
+        self.statuses: List[int] = []               # wait status of each rank, by mpiexec
         self.state_dir = tempfile.mkdtemp(prefix="dualmode_run_")
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.worker_num, cfg.nnodes)))
@@ -403,6 +406,11 @@ class _Job:
                 continue
             if self.verdict is not None and line.startswith(_HYDRA_BANNER):
                 continue            # mpiexec's view of the ranks the launcher just ended
+            m = _HYDRA_CODES.match(line)
+            if m:        # "[host] 0,768 [host2] 0,0": wait statuses, host by host in rank order
+                self.statuses = [int(x) for x in re.findall(r"-?\d+", re.sub(
+                    r"\[[^\]]*\]", " ", m.group(1)).replace(",", " "))]
+                continue
             m = _HYDRA_PID.match(line)
             if m:
                 pid = int(m.group(1))
@@ -433,8 +441,13 @@ class _Job:
         seen = {}                        # rank -> (progress, since)
         exited_at = None
         last_progress = time.monotonic()
+        tick = 0
         while self.proc.poll() is None:
-            time.sleep(0.25)
+            time.sleep(0.05)
+            self._note_deaths()
+            tick += 1
+            if tick % 5:
+                continue
             self._read_states()
             now = time.monotonic()
             for rank, st in self.states.items():
@@ -465,6 +478,17 @@ class _Job:
                           + "; ".join(parts or ["no rank reported"])
                           + "; every rank's Python stack is in its log")
                 return
+
+    def _note_deaths(self) -> None:
+        """Ranks whose process is gone without the wrapper's final state, in the order
+        they went (the first is the one that took the job down)."""
+        for rank, st in self.states.items():
+            if st[1] == "run" and rank not in self.deaths and not _pid_alive(st[0]):
+                fresh = read_state(os.path.join(self.state_dir, f"rank_{rank}"))
+                if fresh is not None and fresh[1] == "run":
+                    self.deaths.append(rank)
+                else:
+                    self.states[rank] = fresh or st
 
     def _stacks(self) -> None:
         """Every local rank writes its Python stacks to its log (faulthandler)."""
@@ -503,15 +527,7 @@ class _Job:
                 pass
 
     def _alive(self) -> bool:
-        for st in self.states.values():
-            try:
-                os.kill(st[0], 0)
-                with open(f"/proc/{st[0]}/stat", encoding="ascii") as fh:
-                    if fh.read().split(") ", 1)[1][0] != "Z":
-                        return True
-            except (OSError, IndexError):
-                pass
-        return False
+        return any(_pid_alive(st[0]) for st in self.states.values())
 
     # ------------------------------------------------------------ run
 
@@ -540,9 +556,18 @@ class _Job:
             shutil.rmtree(self.state_dir, ignore_errors=True)
         return self.proc.returncode
 
-    def killed(self) -> List[str]:
-        """Ranks that mpiexec reported dead by a signal or a non-zero exit."""
+    def killed(self, rc: int) -> List[str]:
+        """Ranks that mpiexec reported dead by a signal or a non-zero exit (or that the
+        monitor saw go first, with mpiexec's exit code, which is theirs)."""
         out = []
+        if not self.hydra:
+            exited = [(r, st >> 8) for r, st in enumerate(self.statuses)
+                      if st & 0x7f == 0 and st >> 8]
+            if exited:
+                return [f"rank {r} exited with code {c} (without a Python traceback)"
+                        for r, c in exited]
+            if self.deaths:
+                return [f"rank {self.deaths[0]} ended with mpiexec exit code {rc}"]
         for pid, line in self.hydra:
             rank = self._rank_of_pid(pid)
             who = f"rank {rank}" if rank is not None else f"the rank with pid {pid}"
@@ -556,6 +581,19 @@ class _Job:
             else:
                 out.append(f"{who} exited with code {code}")
         return list(dict.fromkeys(out))
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -583,7 +621,7 @@ def _run_job(cmd: List[str], cfg: LaunchConfig) -> Tuple[int, List[str], Optiona
                 failures.append(line)
     verdict = job.verdict
     if verdict is None and not failures and rc != 0:
-        killed = job.killed()
+        killed = job.killed(rc)
         if killed:
             verdict = killed[0] + (f" ({len(killed) - 1} other rank(s) ended with it)"
                                    if len(killed) > 1 else "")
