@@ -259,14 +259,23 @@ def _validate(func: str, kwargs: Dict[str, Any],
     """Check every key and value; return the normalised values (nothing is applied)."""
     unknown = [k for k in kwargs if k not in checkers]
     if unknown:
-        raise ValueError(
-            f"{func}: unknown key {unknown[0]!r}; valid keys are " + ", ".join(sorted(checkers)))
+        raise ValueError(f"{func}: unknown key {unknown[0]!r}; " + _valid_keys(checkers))
     return {key: checkers[key](func, key, value) for key, value in kwargs.items()}
+
+
+def _valid_keys(checkers) -> str:
+    supported = sorted(k for k in checkers if k not in _UNSUPPORTED_AUTO_PARALLEL)
+    text = "valid keys are " + ", ".join(supported)
+    known = sorted(k for k in checkers if k in _UNSUPPORTED_AUTO_PARALLEL)
+    if known:
+        text += ("; accepted at their default value only (not implemented): "
+                 + ", ".join(known))
+    return text
 
 
 def _check_key(func: str, key: Any, valid) -> None:
     if not isinstance(key, str) or key not in valid:
-        raise ValueError(f"{func}: unknown key {key!r}; valid keys are " + ", ".join(sorted(valid)))
+        raise ValueError(f"{func}: unknown key {key!r}; " + _valid_keys(valid))
 
 
 # ------------------------------------------------------------------- set_context
@@ -457,6 +466,37 @@ def _check_comm_fusion(func: str, key: str, value: Any) -> Dict[str, Tuple[str, 
     return out
 
 
+def _unsupported(default: Any, what: str) -> Callable[[str, str, Any], Any]:
+    """A checker for a MindSpore key dualmode does not implement: its default value is
+    accepted (scripts often set it explicitly), any other is refused by name."""
+
+    def check(func: str, key: str, value: Any) -> Any:
+        if value == default and type(value) is type(default):
+            return value
+        raise ValueError(f"{func}: {key}={value!r} is not supported: dualmode does not "
+                         f"implement {what}; leave {key} at its default {default!r}")
+
+    return check
+
+
+#: MindSpore keys dualmode knows but does not implement (default value accepted only)
+_UNSUPPORTED_AUTO_PARALLEL = {
+    "enable_parallel_optimizer": (False, "the parallel optimizer (optimizer state sharded "
+                                         "over data-parallel devices)"),
+    "pipeline_stages": (1, "pipeline parallelism"),
+    "parallel_optimizer_config": ({}, "the parallel optimizer"),
+    "optimizer_weight_shard_size": (-1, "the parallel optimizer"),
+    "pipeline_config": ({}, "pipeline parallelism"),
+    "auto_pipeline": (False, "pipeline parallelism"),
+    "enable_alltoall": (False, "AlltoAll in place of AllGather for redistribution "
+                               "switches"),
+    "gradient_fp32_sync": (True, "fp16 gradient AllReduce"),
+    "loss_repeated_mean": (True, "loss_repeated_mean=False"),
+    "group_ckpt_save_file": (None, "group checkpoints"),
+    "strategy_ckpt_config": ({}, "strategy_ckpt_config (use strategy_ckpt_save_file / "
+                                 "strategy_ckpt_load_file)"),
+}
+
 _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
     "parallel_mode": lambda f, k, v: _check_choice(f, k, v, ParallelMode.MODE_LIST),
     "device_num": _check_device_num,
@@ -470,9 +510,9 @@ _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
     "comm_fusion": _check_comm_fusion,
     "strategy_ckpt_save_file": _check_path,
     "strategy_ckpt_load_file": _check_path,
-    "enable_parallel_optimizer": _check_bool,
-    "pipeline_stages": lambda f, k, v: _check_int_range(f, k, v, 1, None),
 }
+_AUTO_PARALLEL_CHECKERS.update({k: _unsupported(d, what)
+                                for k, (d, what) in _UNSUPPORTED_AUTO_PARALLEL.items()})
 
 
 def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfig:
@@ -490,6 +530,9 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
             updates["dataset_strategy"] = "full_batch"
         elif strategy is None and cur.dataset_strategy == "full_batch":
             updates["dataset_strategy"] = "data_parallel"
+    for key in _UNSUPPORTED_AUTO_PARALLEL:
+        if key not in ("enable_parallel_optimizer", "pipeline_stages"):
+            updates.pop(key, None)            # their default: nothing to store
     if "comm_fusion" in updates:
         merged = dict(cur.comm_fusion)
         merged.update(updates["comm_fusion"])
@@ -538,16 +581,17 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         the earlier setting.
     strategy_ckpt_save_file, strategy_ckpt_load_file : str or None
         Paths of the strategy checkpoint.
-    enable_parallel_optimizer : bool
-        Shard optimizer state over data-parallel devices (default False).
-    pipeline_stages : int
-        Number of pipeline stages, >= 1 (default 1).
+    enable_parallel_optimizer, pipeline_stages, ... : default only
+        MindSpore keys dualmode does not implement (the parallel optimizer, pipeline
+        parallelism, ...): their default value (``False``, ``1``, ...) is accepted, any
+        other raises ValueError naming the key; never silently ignored.
 
     Raises
     ------
     ValueError
-        An unknown key, a value outside the valid set, or inconsistent keys (e.g.
-        ``global_rank >= device_num``); nothing is changed.
+        An unknown key (the message lists the supported ones), a value outside the valid
+        set, a non-default value of a key dualmode does not implement, or inconsistent
+        keys (e.g. ``global_rank >= device_num``); nothing is changed.
     TypeError
         A value of the wrong type; nothing is changed.
     """
@@ -594,6 +638,8 @@ def get_auto_parallel_context(key: str) -> Any:
     if key == "comm_fusion":
         return {op: {"mode": mode, "config": copy.deepcopy(config)}
                 for op, (mode, config) in cfg.comm_fusion.items()}
+    if not hasattr(cfg, key):
+        return copy.deepcopy(_UNSUPPORTED_AUTO_PARALLEL[key][0])
     return getattr(cfg, key)
 
 
