@@ -33,19 +33,51 @@ Push, Pull     ``S``                        a PS worker's gradients to / weights
 A collective over groups of one device moves nothing: it is **recorded** with
 ``bytes_per_device == 0`` so that counts stay predictable (one record per collective
 call, whatever the group size).
+
+Predicted time (alpha-beta model)
+---------------------------------
+:func:`predicted_seconds` gives the time of one collective on a network with latency
+``alpha`` (seconds per message) and inverse bandwidth ``beta`` (seconds per byte), by
+the ring formulas with ``p`` the group size and ``n`` the bytes of the full buffer a
+device holds after AllReduce / AllGather (before ReduceScatter), stored in each record
+as ``buffer_bytes``:
+
+============================== ==============================================
+kind                           seconds
+============================== ==============================================
+AllReduce                      ``2(p-1) alpha + 2(p-1)/p n beta``
+AllGather, ReduceScatter,      ``(p-1) alpha + (p-1)/p n beta``
+AlltoAll, Scatter, Gather
+Broadcast, Reduce              ``ceil(log2 p) (alpha + n beta)`` (binomial tree)
+Send/Recv, Push, Pull          ``alpha + n beta`` (one message)
+============================== ==============================================
+
+Groups that run a collective side by side take the time of one group; a group of one
+device takes no time. :data:`LINKS` holds the presets accepted as ``link=``.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
-__all__ = ["KINDS", "REASONS", "CommRecord", "TraceState", "comm_cause", "current_cause",
-           "record", "note_memory", "bytes_per_device", "activate", "deactivate"]
+__all__ = ["KINDS", "REASONS", "LINKS", "CommRecord", "TraceState", "comm_cause",
+           "current_cause", "record", "note_memory", "bytes_per_device", "full_buffer_bytes",
+           "predicted_seconds", "activate", "deactivate"]
 
 KINDS = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "Reduce",
          "Scatter", "Gather", "Send/Recv", "Push", "Pull")
 REASONS = ("forward", "backward", "gradient", "redistribution", "parameter_broadcast", "user")
+
+#: ``link=`` presets of the alpha-beta model: name -> (alpha seconds per message,
+#: beta seconds per byte). 10GbE: 1.25 GB/s and 20 us per message (TCP); 100GbE:
+#: 12.5 GB/s and 5 us (RDMA); nvlink: 300 GB/s per direction and 1 us.
+LINKS = {
+    "10GbE": (20e-6, 1.0 / 1.25e9),
+    "100GbE": (5e-6, 1.0 / 12.5e9),
+    "nvlink": (1e-6, 1.0 / 300e9),
+}
 
 
 @dataclass(frozen=True)
@@ -66,6 +98,9 @@ class CommRecord:
         The op that caused it (from :func:`comm_cause`), None when issued directly.
     reason : str
         One of :data:`REASONS`; ``"user"`` outside any :func:`comm_cause`.
+    buffer_bytes : float
+        ``n`` of the alpha-beta formulas (:func:`full_buffer_bytes`): the bytes of the full
+        buffer a device holds after AllReduce / AllGather, before ReduceScatter.
     """
 
     kind: str
@@ -74,6 +109,7 @@ class CommRecord:
     bytes_per_device: float
     op: Optional[str] = None
     reason: str = "user"
+    buffer_bytes: float = field(default=0.0, compare=False)
 
 
 class TraceState:
@@ -115,6 +151,51 @@ def bytes_per_device(kind: str, group_size: int, buffer_bytes: int,
                      + ", ".join(repr(k) for k in KINDS))
 
 
+def full_buffer_bytes(kind: str, group_size: int, buffer_bytes: int,
+                      total_bytes: Optional[int] = None) -> float:
+    """``n`` of the alpha-beta formulas for a collective whose input buffer on one device
+    is ``buffer_bytes``: the gathered buffer (``p`` times the input) for AllGather, the
+    root's whole buffer for Scatter / Gather (``total_bytes``, default ``p`` times the
+    input), the input buffer otherwise."""
+    p, s = int(group_size), float(buffer_bytes)
+    if kind == "AllGather":
+        return p * s
+    if kind in ("Scatter", "Gather"):
+        return p * s if total_bytes is None else float(total_bytes)
+    return s
+
+
+def _check_model(func: str, alpha: float, beta: float) -> None:
+    for name, v in (("alpha", alpha), ("beta", beta)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v < 0:
+            raise ValueError(f"{func}: {name}={v!r} is not valid; expected a finite number "
+                             f">= 0 (seconds{' per byte' if name == 'beta' else ''})")
+
+
+def predicted_seconds(kind: str, group_size: int, n_bytes: float, alpha: float,
+                      beta: float) -> float:
+    """Seconds one collective takes under the alpha-beta model (formulas in the module
+    docstring): ``p = group_size`` devices per group, ``n_bytes`` the full buffer ``n``,
+    ``alpha`` seconds per message, ``beta`` seconds per byte."""
+    if kind not in KINDS:
+        raise ValueError(f"predicted_seconds: kind={kind!r} is not valid; expected one of "
+                         + ", ".join(repr(k) for k in KINDS))
+    _check_model("predicted_seconds", alpha, beta)
+    p, n = int(group_size), float(n_bytes)
+    if kind in ("Push", "Pull"):
+        return alpha + n * beta          # a worker's message to / from the servers
+    if p <= 1:
+        return 0.0
+    if kind == "AllReduce":
+        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
+    if kind in ("AllGather", "ReduceScatter", "AlltoAll", "Scatter", "Gather"):
+        return (p - 1) * alpha + (p - 1) / p * n * beta
+    if kind in ("Broadcast", "Reduce"):
+        return math.ceil(math.log2(p)) * (alpha + n * beta)
+    return alpha + n * beta              # Send/Recv
+
+
 def current_cause() -> Tuple[Optional[str], str]:
     """The innermost ``(op, reason)`` set by :func:`comm_cause`, else ``(None, "user")``."""
     return _STATE.causes[-1] if _STATE.causes else (None, "user")
@@ -127,7 +208,8 @@ def record(kind: str, group_size: int, num_groups: int, buffer_bytes: int,
         return
     op, reason = current_cause()
     rec = CommRecord(kind, int(group_size), int(num_groups),
-                     bytes_per_device(kind, group_size, buffer_bytes, total_bytes), op, reason)
+                     bytes_per_device(kind, group_size, buffer_bytes, total_bytes), op, reason,
+                     full_buffer_bytes(kind, group_size, buffer_bytes, total_bytes))
     for report in _STATE.reports:
         report._add_record(rec)
 

@@ -20,6 +20,14 @@ AllReduce ``2 (n-1)/n S`` (ring), AllGather ``(n-1) S_in``, ReduceScatter
 of one device moves 0 bytes and is still recorded, so counts do not depend on group
 sizes.
 
+Predicted time: ``CommReport(alpha_s=..., beta_s_per_byte=...)`` or ``CommReport(link=
+"10GbE" | "100GbE" | "nvlink")`` sets an alpha-beta network model;
+``report.predicted_time(kind=None, reason=None)`` is then the sum of the selected
+collectives' times by the ring formulas of :mod:`dualmode.communication.trace`
+(:func:`~dualmode.communication.trace.predicted_seconds`), ``report.record_time(rec)``
+one record's, and the table gains a column of them. Two strategies' reports under the
+same model compare their cost on that network without running on it.
+
 ``peak_memory`` is the largest per-device live total seen while the report was active:
 the parameter storage of one device (:func:`parameter_bytes_per_device`: each live
 parameter's local block when it is stored sharded, its whole value when plain, nothing
@@ -34,12 +42,12 @@ from __future__ import annotations
 import math
 from typing import Iterable, List, Optional
 
-from ..communication.trace import (KINDS, REASONS, CommRecord, activate, comm_cause,
-                                   deactivate, note_memory)
+from ..communication.trace import (KINDS, LINKS, REASONS, CommRecord, activate, comm_cause,
+                                   deactivate, note_memory, predicted_seconds)
 from ..tensor import live_parameters
 
 __all__ = ["CommReport", "CommRecord", "comm_cause", "note_memory",
-           "parameter_bytes_per_device"]
+           "parameter_bytes_per_device", "network_model", "LINKS"]
 
 
 def parameter_bytes_per_device(params: Optional[Iterable] = None) -> int:
@@ -56,6 +64,41 @@ def parameter_bytes_per_device(params: Optional[Iterable] = None) -> int:
         local = getattr(p._layout, "local_shape", None)
         total += data.nbytes if local is None else math.prod(local) * data.itemsize
     return total
+
+
+def network_model(func: str, alpha_s=None, beta_s_per_byte=None,
+                  link=None) -> Optional[tuple]:
+    """``(alpha, beta)`` from explicit values or a ``link`` preset (:data:`LINKS`), or
+    None when neither is given; raises errors naming `func` and the bad argument."""
+    if link is not None:
+        if alpha_s is not None or beta_s_per_byte is not None:
+            raise ValueError(f"{func}: give either link={link!r} or alpha_s/beta_s_per_byte, "
+                             f"not both")
+        if not isinstance(link, str) or link not in LINKS:
+            raise ValueError(f"{func}: link={link!r} is not valid; expected one of "
+                             + ", ".join(repr(k) for k in LINKS))
+        return LINKS[link]
+    if alpha_s is None and beta_s_per_byte is None:
+        return None
+    if alpha_s is None or beta_s_per_byte is None:
+        missing = "alpha_s" if alpha_s is None else "beta_s_per_byte"
+        raise ValueError(f"{func}: {missing} is missing; the alpha-beta model needs both "
+                         f"alpha_s (seconds per message) and beta_s_per_byte")
+    for name, v in (("alpha_s", alpha_s), ("beta_s_per_byte", beta_s_per_byte)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{func}: {name}={v!r} has type {type(v).__name__}; expected a "
+                            f"number of seconds")
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{func}: {name}={v!r} is not valid; expected a finite number "
+                             f">= 0")
+    return float(alpha_s), float(beta_s_per_byte)
+
+
+def _fmt_seconds(t: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t / 1e-9:.3g} ns" if t else "0 s"
 
 
 def _fmt_bytes(b: float) -> str:
@@ -77,9 +120,21 @@ class CommReport:
         buffers of the collective running at that moment (0 if nothing was seen).
     parameter_memory : int
         Largest parameter storage per device seen while active.
+
+    Parameters
+    ----------
+    alpha_s, beta_s_per_byte : float, optional
+        The alpha-beta network model for :meth:`predicted_time`: seconds per message and
+        seconds per byte (both or neither).
+    link : str, optional
+        A preset model instead: ``"10GbE"``, ``"100GbE"`` or ``"nvlink"``
+        (:data:`dualmode.communication.trace.LINKS`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, alpha_s: Optional[float] = None,
+                 beta_s_per_byte: Optional[float] = None, link: Optional[str] = None) -> None:
+        self.model = network_model("CommReport", alpha_s, beta_s_per_byte, link)
+        self.link = link
         self.records: List[CommRecord] = []
         self.peak_memory: int = 0
         self.parameter_memory: int = 0
@@ -123,29 +178,156 @@ class CommReport:
         """Bytes moved per device by the selected collectives (None: any)."""
         return float(sum(r.bytes_per_device for r in self._select("bytes", kind, reason)))
 
+    def record_time(self, rec: CommRecord) -> float:
+        """Predicted seconds of one record under this report's network model."""
+        alpha, beta = self._model("record_time")
+        return predicted_seconds(rec.kind, rec.group_size, rec.buffer_bytes, alpha, beta)
+
+    def predicted_time(self, kind: Optional[str] = None, reason: Optional[str] = None) -> float:
+        """Predicted seconds of the selected collectives (None: any), run one after
+        another, under the alpha-beta model given to the constructor."""
+        alpha, beta = self._model("predicted_time")
+        return float(sum(predicted_seconds(r.kind, r.group_size, r.buffer_bytes, alpha, beta)
+                         for r in self._select("predicted_time", kind, reason)))
+
+    def _model(self, func: str) -> tuple:
+        if self.model is None:
+            raise RuntimeError(f"CommReport.{func}: no network model; create the report "
+                               f"with CommReport(alpha_s=..., beta_s_per_byte=...) or "
+                               f"CommReport(link=...) with link one of "
+                               + ", ".join(repr(k) for k in LINKS))
+        return self.model
+
     def __len__(self) -> int:
         return len(self.records)
 
     def __repr__(self) -> str:
+        timed = "" if self.model is None else \
+            f", predicted {_fmt_seconds(self.predicted_time())}"
         return (f"CommReport({len(self.records)} collectives, "
-                f"{_fmt_bytes(self.bytes())} per device, peak memory "
+                f"{_fmt_bytes(self.bytes())} per device{timed}, peak memory "
                 f"{_fmt_bytes(self.peak_memory)} per device)")
 
     def __str__(self) -> str:
         lines = [repr(self)]
         if not self.records:
             return lines[0]
+        timed = self.model is not None
         head = f"{'#':>4}  {'kind':<13} {'op':<16} {'reason':<19} {'groups x size':>13}  " \
-               f"{'bytes/device':>12}"
+               f"{'bytes/device':>12}" + (f"  {'predicted':>10}" if timed else "")
         lines += [head, "-" * len(head)]
         for i, r in enumerate(self.records):
             gs = f"{r.num_groups} x {r.group_size}"
+            t = f"  {_fmt_seconds(self.record_time(r)):>10}" if timed else ""
             lines.append(f"{i:>4}  {r.kind:<13} {str(r.op or '-'):<16} {r.reason:<19} "
-                         f"{gs:>13}  {_fmt_bytes(r.bytes_per_device):>12}")
+                         f"{gs:>13}  {_fmt_bytes(r.bytes_per_device):>12}{t}")
         lines.append("-" * len(head))
         for kind in KINDS:
             n = self.count(kind)
             if n:
+                t = f"  {_fmt_seconds(self.predicted_time(kind)):>10}" if timed else ""
                 lines.append(f"{'':>4}  {kind:<13} {n:>3} call(s) "
-                             f"{'':>35}  {_fmt_bytes(self.bytes(kind)):>12}")
+                             f"{'':>35}  {_fmt_bytes(self.bytes(kind)):>12}{t}")
         return "\n".join(lines)
+
+
+# ------------------------------------------------------- compiled graphs: time per op
+
+#: lowered-graph node ops that communicate (dualmode.parallel.graph.ir MOVE / REDUCE)
+_MOVE, _REDUCE = "Move", "AllReduce"
+_STEP_KIND = {"AllGather": "AllGather", "AllToAll": "AlltoAll", "AlltoAll": "AlltoAll",
+              "ReduceScatter": "ReduceScatter", "AllReduce": "AllReduce"}
+
+
+def _axes_size(layout, axes) -> int:
+    return int(math.prod(layout.device_matrix[a] for a in axes))
+
+
+def _local_bytes(layout, itemsize: int) -> float:
+    return float(math.prod(layout.local_shape) * itemsize)
+
+
+def _node_collectives(node) -> list:
+    """``[(kind, p, n), ...]``: the collectives one lowered node runs (``n`` the full
+    buffer of the alpha-beta formulas)."""
+    itemsize = node.outputs[0].dtype.itemsize
+    if node.op == _REDUCE:
+        lay = node.attrs["layout"]
+        return [("AllReduce", _axes_size(lay, node.attrs["axes"]), _local_bytes(lay, itemsize))]
+    plan, src, kind = node.attrs.get("plan"), node.attrs.get("src"), node.attrs.get("kind")
+    out = []
+    if plan is not None:
+        for step in plan.steps:
+            p = int(step.parts)
+            if not step.communicates or p <= 1:
+                continue
+            k = _STEP_KIND[step.kind]
+            moved = float(step[4])        # bytes per device (trace.bytes_per_device)
+            n = moved * p / (2 * (p - 1)) if k == "AllReduce" else moved * p / (p - 1)
+            out.append((k, p, n))
+        return out
+    if src is None or kind not in ("resolve", "gather"):
+        return out                        # a local slice or a relabelling: no traffic
+    if src.partial:
+        out.append(("AllReduce", _axes_size(src, src.partial), _local_bytes(src, itemsize)))
+    if kind == "gather":
+        split = [a for dims in src.tensor_map for a in dims]
+        if split:
+            out.append(("AllGather", _axes_size(src, split),
+                        float(math.prod(src.shape) * itemsize)))
+    return out
+
+
+def compiled_comm_times(compiled, alpha_s: Optional[float] = None,
+                        beta_s_per_byte: Optional[float] = None,
+                        link: Optional[str] = None) -> dict:
+    """Predicted communication time per op of a compiled graph, by the same alpha-beta
+    formulas as :meth:`CommReport.predicted_time`.
+
+    Parameters
+    ----------
+    compiled : CompiledGraph or a compiled function
+        What ``ops.shard`` / ``Cell.shard`` / ``AutoParallel`` compiled (its lowered graph
+        ``compiled.program.graph``), or the function ``ops.shard`` returned (its last
+        compiled graph).
+    alpha_s, beta_s_per_byte, link
+        The network model, as for :class:`CommReport` (one of them is required).
+
+    Returns
+    -------
+    dict
+        op node name (the keys of ``compiled.strategies()``) -> ``{"time": seconds,
+        "collectives": [(kind, group size, n bytes, seconds), ...], "backward": bool}``,
+        for every op that communicates: the redistributions made for it (Move nodes) and
+        the AllReduces finishing its outputs.
+    """
+    func = "compiled_comm_times"
+    model = network_model(func, alpha_s, beta_s_per_byte, link)
+    if model is None:
+        raise ValueError(f"{func}: no network model; pass alpha_s and beta_s_per_byte, or "
+                         f"link= one of " + ", ".join(repr(k) for k in LINKS))
+    if not hasattr(compiled, "program") and hasattr(compiled, "compiled"):
+        compiled = compiled.compiled          # ops.shard's function: its last graph
+    program = getattr(compiled, "program", None)
+    graph = getattr(program, "graph", None)
+    if graph is None or not hasattr(graph, "nodes"):
+        raise TypeError(f"{func}: compiled={type(compiled).__name__} is not a compiled graph "
+                        f"with a lowered program; expected what ops.shard, Cell.shard or "
+                        f"AutoParallel compiled, after its first call")
+    alpha, beta = model
+    out: dict = {}
+    for node in graph.nodes:
+        if node.op not in (_MOVE, _REDUCE):
+            continue
+        coll = _node_collectives(node)
+        if not coll:
+            continue
+        owner = node.attrs.get("for") if node.op == _MOVE else node.name.split("/")[0]
+        owner = owner or node.attrs.get("cause") or node.name
+        entry = out.setdefault(owner, {"time": 0.0, "collectives": [],
+                                       "backward": bool(node.backward)})
+        for kind, p, n in coll:
+            t = predicted_seconds(kind, p, n, alpha, beta)
+            entry["collectives"].append((kind, p, n, t))
+            entry["time"] += t
+    return out
