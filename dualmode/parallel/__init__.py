@@ -36,3 +36,9 @@ from ..ops import interpreter as _interpreter  # noqa: E402
 from .eager import ShardedEager  # noqa: E402
 
 _interpreter.install(ShardedEager())
+from .report import compiled_comm_times  # noqa: E402
+
+__all__ += ["compiled_comm_times"]
+from .check import EquivalenceReport, check_equivalence  # noqa: E402
+
+__all__ += ["check_equivalence", "EquivalenceReport"]
