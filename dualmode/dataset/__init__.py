@@ -17,6 +17,8 @@ from .numpy_slices import NumpySlicesDataset
 from .repeat import RepeatDataset
 from .samplers import DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from .shuffle import ShuffleDataset
+from . import transforms, vision
+from .vision import Cifar10Dataset, MnistDataset
 
 __all__ = [
     "Dataset",
@@ -32,4 +34,8 @@ __all__ = [
     "DistributedSampler",
     "TupleIterator",
     "DictIterator",
+    "MnistDataset",
+    "Cifar10Dataset",
+    "vision",
+    "transforms",
 ]
