@@ -303,7 +303,7 @@ def _cast_linear(attrs):
     return (0,) if np.dtype(attrs["dtype"]).kind in "fc" else None
 
 
-CAST = register("Cast", linear=_cast_linear, infer=_infer_cast,
+CAST = register("Cast", linear=_cast_linear, family=("elementwise",), infer=_infer_cast,
                 kernel=lambda attrs, x: x.astype(attrs["dtype"]), backward=_bw_cast)
 
 
@@ -524,15 +524,15 @@ def _mean_kernel(at, x):
     return np.true_divide(s, count, dtype=acc).astype(x.dtype, copy=False)
 
 
-REDUCE_SUM = register("ReduceSum", linear=(0,), infer=_make_reduce_infer("ReduceSum", numeric_only=True),
+REDUCE_SUM = register("ReduceSum", family=("reduce", "sum"), linear=(0,), infer=_make_reduce_infer("ReduceSum", numeric_only=True),
                       kernel=_sum_kernel, backward=_bw_reduce_sum)
-REDUCE_MEAN = register("ReduceMean", linear=(0,), infer=_make_reduce_infer("ReduceMean", True),
+REDUCE_MEAN = register("ReduceMean", family=("reduce", "mean"), linear=(0,), infer=_make_reduce_infer("ReduceMean", True),
                        kernel=_mean_kernel, backward=_bw_reduce_mean)
-REDUCE_MAX = register("ReduceMax", infer=_make_reduce_infer("ReduceMax"),
+REDUCE_MAX = register("ReduceMax", family=("reduce", "max"), infer=_make_reduce_infer("ReduceMax"),
                       kernel=lambda at, x: np.maximum.reduce(x, axis=at["axis"],
                                                              keepdims=at["keep_dims"]),
                       backward=_bw_reduce_extreme, save_outputs=True)
-REDUCE_MIN = register("ReduceMin", infer=_make_reduce_infer("ReduceMin"),
+REDUCE_MIN = register("ReduceMin", family=("reduce", "min"), infer=_make_reduce_infer("ReduceMin"),
                       kernel=lambda at, x: np.minimum.reduce(x, axis=at["axis"],
                                                              keepdims=at["keep_dims"]),
                       backward=_bw_reduce_extreme, save_outputs=True)

@@ -49,9 +49,10 @@ def _bw_log_softmax(node, g):
     return (M.sub(g, M.mul(M.exp(y), M.reduce_sum(g, axis, True))),)
 
 
-SOFTMAX = register("Softmax", infer=_make_infer("Softmax"), kernel=_softmax_kernel,
+SOFTMAX = register("Softmax", family=("along_axis",), infer=_make_infer("Softmax"), kernel=_softmax_kernel,
                    backward=_bw_softmax, save_outputs=True)
-LOG_SOFTMAX = register("LogSoftmax", infer=_make_infer("LogSoftmax"),
+LOG_SOFTMAX = register("LogSoftmax", family=("along_axis",),
+                       infer=_make_infer("LogSoftmax"),
                        kernel=_log_softmax_kernel, backward=_bw_log_softmax, save_outputs=True)
 
 

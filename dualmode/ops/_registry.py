@@ -19,7 +19,7 @@ __all__ = ["REGISTRY", "register", "get_op", "linearity", "apply", "binary", "Op
 REGISTRY: dict[str, OpDef] = {}
 
 
-def register(name, *, linear=None, **kw) -> OpDef:
+def register(name, *, linear=None, family=None, **kw) -> OpDef:
     """Create and register the OpDef for `name` (names are unique).
 
     ``linear`` declares how the op treats values that are pending sums (a sharded
@@ -29,12 +29,20 @@ def register(name, *, linear=None, **kw) -> OpDef:
     fixed (``a * c``: ``(0, 1)``; ``a / c``: ``(0,)``; a reshape: ``(0,)``), or a
     function of the op's attrs giving one of those (or None). Other ops need their
     inputs' sums resolved first. Stored as ``extras["linear"]``; read it with
-    :func:`linearity`."""
+    :func:`linearity`.
+
+    ``family`` names the sharding-rule family the op belongs to, with its parameter:
+    ``("reduce", "sum")``, ``("along_axis",)``, ``("elementwise",)`` (unary and binary
+    ops are elementwise by their kind). The parallel layer builds the op's rule from
+    it, so a new op of a known family needs this one declaration. Stored as
+    ``extras["family"]``."""
     if name in REGISTRY:
         raise ValueError(f"register: an op named {name!r} is already registered")
     op = OpDef(name, **kw)
     if linear is not None:
         op.extras["linear"] = linear
+    if family is not None:
+        op.extras["family"] = tuple(family)
     REGISTRY[name] = op
     return op
 

@@ -82,12 +82,10 @@ def _elementwise_plan(op, attrs, lays, dtypes):
     return ShardPlan(tuple(need), (out,), local)
 
 
-def _register_elementwise():
-    for name, op in REGISTRY.items():
-        if op.kind in (KIND_UNARY, KIND_BINARY) or name == "Cast":
-            register_rule(name, per_device=True,
-                          shared=elementwise_pairs if op.kind == KIND_BINARY else None)(
-                lambda attrs, lays, dtypes, _op=op: _elementwise_plan(_op, attrs, lays, dtypes))
+def _elementwise_rule(op):
+    return register_rule(op.name, per_device=True,
+                         shared=elementwise_pairs if op.kind == KIND_BINARY else None)(
+        lambda attrs, lays, dtypes: _elementwise_plan(op, attrs, lays, dtypes))
 
 
 # ---------------------------------------------------------------------------
@@ -225,7 +223,9 @@ def _bias_add(attrs, lays, dtypes):
 # ---------------------------------------------------------------------------
 # reductions: sums over split dims stay pending; max/min finish with an AllReduce
 # ---------------------------------------------------------------------------
-def _make_reduce(name):
+def _make_reduce(op):
+    name, combine = op.name, op.extras["family"][1]
+
     def rule(attrs, lays, dtypes):
         x = lays[0]
         pend = pending_sums(name, attrs, lays)
@@ -240,36 +240,36 @@ def _make_reduce(name):
             tuple(s for d, s in enumerate(x.shape) if d not in axes)
         stack_axes = tuple(d + 1 for d in axes)
         count = math.prod(x.shape[d] for d in axes)
-        if name in ("ReduceSum", "ReduceMean"):
+        if combine in ("sum", "mean"):
             out = layout(dm, tmap, shape, set(red_axes) | set(pend[0]))
 
             def local(attrs, stacks):
                 s = stacks[0]
                 r = np.add.reduce(s, axis=stack_axes, dtype=s.dtype, keepdims=keep)
-                if name == "ReduceMean":
+                if combine == "mean":
                     r = np.true_divide(r, count, dtype=s.dtype)
                 return r
 
             return ShardPlan((x,), (out,), local)
-        ufunc = np.maximum if name == "ReduceMax" else np.minimum
+        ufunc = np.maximum if combine == "max" else np.minimum
         out = layout(dm, tmap, shape)
 
         def local(attrs, stacks):
             return ufunc.reduce(stacks[0], axis=stack_axes, keepdims=keep)
 
-        post = (("max" if name == "ReduceMax" else "min", red_axes),) if red_axes else ()
+        post = ((combine, red_axes),) if red_axes else ()
         return ShardPlan((x,), (out,), local, post)
     return rule
 
 
-for _name in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"):
-    register_rule(_name, per_device=True)(_make_reduce(_name))
+def _reduce_rule(op):
+    return register_rule(op.name, per_device=True)(_make_reduce(op))
 
 
 # ---------------------------------------------------------------------------
 # Softmax / LogSoftmax: the softmax axis must be whole on each device
 # ---------------------------------------------------------------------------
-def _along_axis_whole(name):
+def _along_axis_whole(op):
     def rule(attrs, lays, dtypes):
         x = lays[0]
         if x is None or x.partial:
@@ -277,7 +277,6 @@ def _along_axis_whole(name):
         axis = attrs["axis"]
         tmap = [() if d == axis else m for d, m in enumerate(x.tensor_map)]
         need = layout(x.device_matrix, tmap, x.shape)
-        op = REGISTRY[name]
 
         def local(attrs, stacks):
             return op.kernel({"axis": axis + 1}, stacks[0])
@@ -286,8 +285,8 @@ def _along_axis_whole(name):
     return rule
 
 
-for _name in ("Softmax", "LogSoftmax"):
-    register_rule(_name, per_device=True)(_along_axis_whole(_name))
+def _along_axis_rule(op):
+    return register_rule(op.name, per_device=True)(_along_axis_whole(op))
 
 
 # ---------------------------------------------------------------------------
@@ -458,6 +457,33 @@ def _one_hot(attrs, lays, dtypes):
     return ShardPlan((idx, None, None), (out,), local)
 
 
-_register_elementwise()
+# ---------------------------------------------------------------------------
+# families: every registered op declaring one (or unary/binary by its kind) gets its rule
+# ---------------------------------------------------------------------------
+FAMILIES = {"elementwise": _elementwise_rule, "reduce": _reduce_rule,
+            "along_axis": _along_axis_rule}
+
+
+def family_of(op):
+    """The sharding family `op` declared at registration (unary and binary ops are
+    elementwise by their kind), or None."""
+    fam = op.extras.get("family")
+    if fam is None and op.kind in (KIND_UNARY, KIND_BINARY):
+        return ("elementwise",)
+    return fam
+
+
+def _register_families():
+    for op in list(REGISTRY.values()):
+        fam = family_of(op)
+        if fam is None:
+            continue
+        if fam[0] not in FAMILIES:
+            raise ValueError(f"register: op {op.name} declares sharding family {fam[0]!r}; "
+                             f"known families: {sorted(FAMILIES)}")
+        FAMILIES[fam[0]](op)
+
+
+_register_families()
 from . import rules_array  # noqa: E402,F401
 from . import rules_conv  # noqa: E402,F401
