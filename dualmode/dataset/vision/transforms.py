@@ -21,12 +21,13 @@ class Inter:
 
 
 def _size(owner, size):
+    given = size
     if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
         size = (int(size), int(size))
     if not isinstance(size, (tuple, list)) or len(size) != 2 or any(
             isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1
             for s in size):
-        raise ValueError(f"{owner}: size={size!r} is not valid; expected an int >= 1 or "
+        raise ValueError(f"{owner}: size={given!r} is not valid; expected an int >= 1 or "
                          f"(height, width)")
     return int(size[0]), int(size[1])
 
@@ -112,6 +113,7 @@ class Resize:
 
 
 def _pad4(owner, padding):
+    given = padding
     if padding is None:
         return (0, 0, 0, 0)
     if isinstance(padding, (int, np.integer)) and not isinstance(padding, bool):
@@ -121,7 +123,7 @@ def _pad4(owner, padding):
     if not isinstance(padding, (tuple, list)) or len(padding) != 4 or any(
             isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0
             for p in padding):
-        raise ValueError(f"{owner}: padding={padding!r} is not valid; expected an int >= 0, "
+        raise ValueError(f"{owner}: padding={given!r} is not valid; expected an int >= 0, "
                          f"(left/right, top/bottom) or (left, top, right, bottom)")
     return tuple(int(p) for p in padding)
 
