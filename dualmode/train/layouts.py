@@ -18,7 +18,6 @@ from .. import context
 from .._core._tensor import TensorBase
 from ..parallel.devices import device_num, parallel_active
 from ..parallel.graph.compile import compile_graph
-from ..parallel.graph.ir import Ref
 from ..parallel.graph.trace import trace
 from ..parallel.inputs import distribute_inputs
 from ..parallel.tensor_layout import TensorLayout
@@ -29,22 +28,6 @@ from .strategy_file import load_strategy_file, parameter_layout, save_strategy_f
 __all__ = ["parameter_layouts", "save_context_strategy", "apply_context_strategy"]
 
 _SHARDED_MODES = ("semi_auto_parallel", "auto_parallel")
-
-
-def _first_use_layouts(graph) -> Dict[int, TensorLayout]:
-    """id(param) -> the sharded layout its first consuming node moves it into."""
-    out = {}
-    by_value = {v.id: p for p, v in graph.params}
-    for (p, _), lay in zip(graph.params, graph.param_layouts or ()):
-        if lay is not None:
-            out[id(p)] = lay
-    for node in graph.nodes:
-        if not node.in_layouts:
-            continue
-        for x, lay in zip(node.inputs, node.in_layouts):
-            if isinstance(x, Ref) and x.id in by_value and is_sharded_layout(lay):
-                out.setdefault(id(by_value[x.id]), lay)
-    return out
 
 
 def parameter_layouts(fn, args, params, owner) -> "OrderedDict[str, TensorLayout]":
@@ -61,7 +44,7 @@ def parameter_layouts(fn, args, params, owner) -> "OrderedDict[str, TensorLayout
         compiled = compile_graph(graph, n, sharded=True, propagate=mode == "auto_parallel",
                                  name=owner, arg_sources=sources,
                                  fully_use_devices=context._STATE.algo.fully_use_devices)
-        found = _first_use_layouts(compiled.graph)
+        found = {id(p): lay for p, lay in compiled.parameter_layouts() if lay is not None}
     out = OrderedDict()
     for p in params:
         if is_sharded_layout(p._layout):

@@ -361,6 +361,15 @@ class CompiledGraph:
         return _build(g.outputs, env)
 
     # ---- introspection ------------------------------------------------------------
+    def parameter_layouts(self) -> list:
+        """``[(Parameter, layout), ...]``: where each parameter the graph reads lives while
+        it runs (its first sharded consumer's layout, as in PyNative mode; None: a
+        whole value). Empty for a graph that is not sharded."""
+        if self.program is None:
+            return []
+        plans = self.program.param_plans
+        return [(p, plans[v.id].layout) for p, v in self.program.graph.params]
+
     def strategies(self) -> dict:
         """node name -> {"strategy": strategy tuples per input (None: as it comes),
         "configured": bool, "cost": alpha-beta cost of its communication (s),
