@@ -42,3 +42,6 @@ __all__ += ["compiled_comm_times"]
 from .check import EquivalenceReport, check_equivalence  # noqa: E402
 
 __all__ += ["check_equivalence", "EquivalenceReport"]
+from .visualize import visualize  # noqa: E402
+
+__all__ += ["visualize"]
