@@ -41,140 +41,23 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from ..ops._registry import register, same_as_input
-from ..communication.trace import record
-from .devices import backend as _backend
 from .devices import device_num, parallel_active
-from .devices import live_backend as _live_backend
-from .devices import op_cause as _cause
 from .devices import some_devices as _some_devices
-from .devices import world_stack
-from .tensor_layout import TensorLayout
+from .moves import REDISTRIBUTE, gather_global, gather_stack, moved, resolve_partial
 from .rules import pending_sums
 from .sharding import rule_plan, sharded_apply
+from .stacks import assemble, distribute, is_batch_layout, local_rows
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
-           "is_batch_layout", "resolve_partial", "register_layout_kind"]
+           "is_batch_layout", "resolve_partial", "register_layout_kind", "local_rows",
+           "moved", "REDISTRIBUTE", "gather_stack", "batch_global_outputs"]
+
+_gather_global = gather_global      # the name parallel/collectives.py and device_local.py use
 
 
 # ---------------------------------------------------------------------------
 # layouts and stacks
 # ---------------------------------------------------------------------------
-def is_batch_layout(layout) -> bool:
-    """Split on dim 0 over a 1-axis device matrix, nothing else split or partial."""
-    return (layout is not None and len(layout.device_matrix) == 1 and not layout.partial
-            and len(layout.tensor_map) > 0 and layout.tensor_map[0] == (0,)
-            and all(m == () for m in layout.tensor_map[1:]))
-
-
-
-
-def local_rows(arr, layout: TensorLayout) -> np.ndarray:
-    """The stack of this process's blocks of the global value `arr` in `layout` (every
-    device's under "sim"; only ``backend.local_ranks``' otherwise, the others never
-    built)."""
-    b = _live_backend()
-    if b is not None and len(b.local_ranks) < layout.device_num == b.world_size:
-        return layout.local_blocks_of(arr, b.local_ranks)
-    return layout.local_blocks(arr)
-
-
-def distribute(x, layout: TensorLayout):
-    """A distributed Tensor holding `x` (a Tensor or array with the global value)
-    in `layout`: this process's blocks of it. Batch splits are views; other layouts
-    copy the local blocks."""
-    arr = x._value() if isinstance(x, TensorBase) else np.asarray(x)
-    if _some_devices():
-        return _core.wrap_dist(local_rows(arr, layout), layout)
-    if is_batch_layout(layout):
-        n = layout.device_matrix[0]
-        stack = arr.reshape((n, arr.shape[0] // n) + arr.shape[1:])
-    else:
-        stack = layout.local_blocks(arr)
-    return _core.wrap_dist(stack, layout)
-
-
-def assemble(t) -> np.ndarray:
-    """The global value of a distributed tensor (an observation, not a collective of the
-    program: under "mpi" an unrecorded AllGather over the world, so every rank must
-    read it, in the same order)."""
-    layout = t._layout
-    s = t._data
-    if isinstance(layout, TensorLayout) and s.shape[0] != layout.device_num:
-        s = world_stack(s, layout)
-    if is_batch_layout(layout):
-        return s.reshape((s.shape[0] * s.shape[1],) + s.shape[2:])
-    return layout.assemble(s)
-
-
-def resolve_partial(t, op_name):
-    """AllReduce a partial tensor into one without pending sums (plain when nothing else
-    is split). Recorded on the tape, so gradients flow through it."""
-    stack, layout = resolve_stack(t._data, t._layout, op_name)
-    return moved(t, stack, layout)
-
-
-def resolve_stack(stack, layout, op_name):
-    """`stack` in `layout` with its pending sums AllReduced: ``(stack, layout without
-    partial)``, or ``(global value, None)`` when nothing else is split."""
-    with _cause(op_name):
-        out = _backend().all_reduce(stack, members=_members(layout, layout.partial), op="sum")
-    rest = layout.without_partial()
-    if all(m == () for m in rest.tensor_map):
-        return np.asarray(out[0]), None
-    return np.asarray(out), rest
-
-
-# Moving a tensor into another layout changes where its pieces live, not its value,
-# so the gradient passes through unchanged (in whatever layout it arrives). On a plain
-# global value the kernel is the identity; the moves themselves are made by `moved`.
-REDISTRIBUTE = register("Redistribute", infer=same_as_input,
-                        kernel=lambda attrs, x: x, backward=lambda node, g: (g,))
-
-
-def moved(x, stack, layout):
-    """`x` (a Tensor) now stored as `stack` in `layout`, as a recorded Redistribute."""
-    rec = isinstance(x, TensorBase) and x._node is not None and _core.recording()
-    return _core.finish(REDISTRIBUTE, {"dst": layout}, (x,), stack, rec, (layout,))
-
-
-def _members(layout, axes):
-    return layout.group_members(axes)
-
-
-def _gather_global(t, op_name):
-    """The global value of a distributed input, moved by an AllGather (fallback)."""
-    return gather_stack(t._data, t._layout, op_name)
-
-
-def gather_stack(stack, layout, op_name):
-    """The global value of `stack` in `layout`: pending sums AllReduced, splits
-    AllGathered (reported as "redistribution")."""
-    if layout.partial:
-        stack, layout = resolve_stack(stack, layout, op_name)
-        if layout is None:
-            return stack
-    backend = _backend()
-    if is_batch_layout(layout):
-        with _cause(op_name, "redistribution"):
-            out = backend.all_gather(stack, members=None, axis=0)
-        return np.asarray(out[0])
-    if stack.shape[0] != layout.device_num:
-        # a process holding some devices: one AllGather of the stacks over the world
-        with _cause(op_name, "redistribution"):
-            out = backend.all_gather(np.ascontiguousarray(stack)[:, None], members=None,
-                                     axis=0)
-        return layout.assemble(out[0])
-    # one AllGather over the axes that split the tensor; under "sim" the blocks are
-    # reassembled in place, so only the record is made here
-    group = 1
-    for a in layout.split_axes:
-        group *= layout.device_matrix[a]
-    with _cause(op_name, "redistribution"):
-        record("AllGather", group, layout.device_num // group, stack[0].nbytes)
-    return layout.assemble(stack)
-
-
 # ---------------------------------------------------------------------------
 # running an op
 # ---------------------------------------------------------------------------
@@ -244,7 +127,7 @@ def _merged(x):
 
 
 def _fallback(op, attrs, inputs, layouts, rec):
-    plain = tuple(_core.wrap_dist(_gather_global(x, op.name), None)
+    plain = tuple(_core.wrap_dist(gather_global(x, op.name), None)
                   if lay is not None else x for x, lay in zip(inputs, layouts))
     arrays = [x._value() if isinstance(x, TensorBase) else x for x in plain]
     out = _run(op, attrs, arrays)

@@ -24,7 +24,7 @@ from ..communication.trace import note_memory
 from ..tensor import Parameter
 from ..ops.primitive import _flat
 from .devices import device_num, live_backend, parallel_active
-from .dtensor import moved
+from .moves import moved
 from .tensor_layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
 from .sharding import op_strategy_layouts, same_placement

@@ -37,7 +37,7 @@ from ..._core import _tensor as _core
 from ..._core._tensor import KIND_GENERIC, OpDef, TensorBase
 from ...autograd import vjp
 from ...tensor import Tensor
-from ..dtensor import gather_stack
+from ..moves import gather_stack
 from ..tensor_layout import TensorLayout
 from ..redistribute_bridge import redistribute_tensor
 from ..sharding import RULES, common_device_matrix, reexpress

@@ -24,7 +24,8 @@ from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
 from ..devices import backend as _backend
 from ..devices import op_cause
-from ..dtensor import batch_global_outputs, gather_stack
+from ..dtensor import batch_global_outputs
+from ..moves import gather_stack
 from ..redistribute import execute, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local

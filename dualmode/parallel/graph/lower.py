@@ -34,7 +34,7 @@ import numpy as np
 
 from ..._core._tensor import TensorBase
 from ..devices import holds_all_devices
-from ..dtensor import is_batch_layout
+from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
 from ..rules import pending_sums

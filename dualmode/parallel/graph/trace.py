@@ -33,7 +33,7 @@ from ...ops.interpreter import interpreting
 from ...ops.primitive import _flat
 from ...tensor import Parameter, Tensor
 from ..devices import device_num
-from ..dtensor import REDISTRIBUTE
+from ..moves import REDISTRIBUTE
 from ..sharding import op_strategy_layouts
 from ..strategy import strategies_active
 from ..strategy_checks import check_strategy_for

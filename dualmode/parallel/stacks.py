@@ -1,0 +1,68 @@
+"""Global values and this process's stacks of shards.
+
+A distributed Tensor keeps ``_layout`` (a TensorLayout) and, in ``_data``, the stack of
+the local shards of the devices this process holds (leading axis = local devices):
+every device's under "sim", its own only under "mpi". These functions go between a
+global value and such a stack; no collective of the program is made (reading a global
+value under "mpi" gathers the world's stacks, an observation CommReport does not
+record).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._core import _tensor as _core
+from .._core._tensor import TensorBase
+from .devices import live_backend as _live_backend
+from .devices import some_devices as _some_devices
+from .devices import world_stack
+from .tensor_layout import TensorLayout
+
+__all__ = ["is_batch_layout", "local_rows", "distribute", "assemble"]
+
+
+def is_batch_layout(layout) -> bool:
+    """Split on dim 0 over a 1-axis device matrix, nothing else split or partial."""
+    return (layout is not None and len(layout.device_matrix) == 1 and not layout.partial
+            and len(layout.tensor_map) > 0 and layout.tensor_map[0] == (0,)
+            and all(m == () for m in layout.tensor_map[1:]))
+
+
+
+
+def local_rows(arr, layout: TensorLayout) -> np.ndarray:
+    """The stack of this process's blocks of the global value `arr` in `layout` (every
+    device's under "sim"; only ``backend.local_ranks``' otherwise, the others never
+    built)."""
+    b = _live_backend()
+    if b is not None and len(b.local_ranks) < layout.device_num == b.world_size:
+        return layout.local_blocks_of(arr, b.local_ranks)
+    return layout.local_blocks(arr)
+
+
+def distribute(x, layout: TensorLayout):
+    """A distributed Tensor holding `x` (a Tensor or array with the global value)
+    in `layout`: this process's blocks of it. Batch splits are views; other layouts
+    copy the local blocks."""
+    arr = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+    if _some_devices():
+        return _core.wrap_dist(local_rows(arr, layout), layout)
+    if is_batch_layout(layout):
+        n = layout.device_matrix[0]
+        stack = arr.reshape((n, arr.shape[0] // n) + arr.shape[1:])
+    else:
+        stack = layout.local_blocks(arr)
+    return _core.wrap_dist(stack, layout)
+
+
+def assemble(t) -> np.ndarray:
+    """The global value of a distributed tensor (an observation, not a collective of the
+    program: under "mpi" an unrecorded AllGather over the world, so every rank must
+    read it, in the same order)."""
+    layout = t._layout
+    s = t._data
+    if isinstance(layout, TensorLayout) and s.shape[0] != layout.device_num:
+        s = world_stack(s, layout)
+    if is_batch_layout(layout):
+        return s.reshape((s.shape[0] * s.shape[1],) + s.shape[2:])
+    return layout.assemble(s)
