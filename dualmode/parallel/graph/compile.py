@@ -45,7 +45,7 @@ from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
 from ..devices import some_devices
 from .executor import Program
-from .ir import CALL, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, verify
+from .ir import CALL, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, map_leaves, verify
 from .lower import insert_communication
 from .propagate import propagate
 from .trace import trace
@@ -358,7 +358,7 @@ class CompiledGraph:
                 out = apply(op, attrs, xs)
                 for vid, o in zip(outs, out if op.multi_output else (out,)):
                     env[vid] = o
-        return _build(g.outputs, env)
+        return map_leaves(g.outputs, lambda x: env[x.id] if isinstance(x, Ref) else x.value)
 
     # ---- introspection ------------------------------------------------------------
     def parameter_layouts(self) -> list:
@@ -539,7 +539,8 @@ class Block:
                                  + self.weights, arrays, True,
                                  tuple(lays[x.id] for x, d in zip(self.fwd, self.diff) if d)))
         flat = [next(outs) if d else prog.outputs(env, x) for x, d in zip(self.fwd, self.diff)]
-        return _rebuild(self.template, iter(flat))
+        flat = iter(flat)
+        return map_leaves(self.template, lambda x: next(flat))
 
     def _backward(self, node, *douts):
         prog = self.program
@@ -576,32 +577,6 @@ def _flat_outputs(template, out):
     elif isinstance(template, dict):
         for k in template:
             yield from _flat_outputs(template[k], out[k])
-
-
-def _rebuild(template, leaves):
-    if isinstance(template, (Ref, Const)):
-        return next(leaves)
-    if isinstance(template, tuple):
-        return tuple(_rebuild(t, leaves) for t in template)
-    if isinstance(template, list):
-        return [_rebuild(t, leaves) for t in template]
-    if isinstance(template, dict):
-        return {k: _rebuild(t, leaves) for k, t in template.items()}
-    return template
-
-
-def _build(tree, env):
-    if isinstance(tree, Ref):
-        return env[tree.id]
-    if isinstance(tree, Const):
-        return tree.value
-    if isinstance(tree, tuple):
-        return tuple(_build(t, env) for t in tree)
-    if isinstance(tree, list):
-        return [_build(t, env) for t in tree]
-    if isinstance(tree, dict):
-        return {k: _build(t, env) for k, t in tree.items()}
-    return tree
 
 
 def _move_costs(lowered: Graph) -> dict:

@@ -30,7 +30,7 @@ from ..redistribute import execute, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
 from ..strategy import _to
-from .ir import CALL, MOVE, REDUCE, Const, Ref
+from .ir import CALL, MOVE, REDUCE, Ref, map_leaves
 
 __all__ = ["Program"]
 
@@ -128,20 +128,9 @@ class Program:
     def outputs(self, env, tree=None):
         """The graph's output structure with Tensors for its values."""
         lays = self.layouts
-
-        def build(t):
-            if isinstance(t, Ref):
-                return _core.wrap_dist(env[t.id], lays[t.id])
-            if isinstance(t, Const):
-                return t.value
-            if isinstance(t, tuple):
-                return tuple(build(y) for y in t)
-            if isinstance(t, list):
-                return [build(y) for y in t]
-            if isinstance(t, dict):
-                return {k: build(y) for k, y in t.items()}
-            return t
-        return build(self.graph.outputs if tree is None else tree)
+        return map_leaves(self.graph.outputs if tree is None else tree,
+                          lambda x: _core.wrap_dist(env[x.id], lays[x.id])
+                          if isinstance(x, Ref) else x.value)
 
 
 def _move(attrs, x, reason):

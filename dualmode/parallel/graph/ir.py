@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 __all__ = ["Value", "Ref", "Const", "Node", "Graph", "GraphError", "verify", "CALL", "MOVE",
-           "REDUCE"]
+           "REDUCE", "flatten_refs", "map_leaves"]
 
 #: ``Node.op`` of an opaque call (an optimizer update): ``attrs["fn"](*inputs)``.
 CALL = "Call"
@@ -169,6 +169,20 @@ def flatten_refs(tree) -> list:
                 walk(t[k])
     walk(tree)
     return out
+
+
+def map_leaves(tree, fn):
+    """The output structure `tree` with every Ref/Const leaf replaced by ``fn(leaf)``
+    (tuples, lists and dicts rebuilt; other leaves kept)."""
+    if isinstance(tree, (Ref, Const)):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        return tuple(map_leaves(t, fn) for t in tree)
+    if isinstance(tree, list):
+        return [map_leaves(t, fn) for t in tree]
+    if isinstance(tree, dict):
+        return {k: map_leaves(t, fn) for k, t in tree.items()}
+    return tree
 
 
 def verify(graph: Graph) -> Graph:

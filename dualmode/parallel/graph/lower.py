@@ -40,7 +40,7 @@ from ..redistribute import plan_redistribution
 from ..rules import pending_sums
 from ..sharding import RULES, plan_for, same_placement, shared_replicas
 from ..strategy import is_sharded_layout, placement_conflict
-from .ir import CALL, MOVE, REDUCE, Const, Graph, Node, Ref, Value, flatten_refs, verify
+from .ir import CALL, MOVE, REDUCE, Graph, Node, Ref, Value, flatten_refs, map_leaves, verify
 
 __all__ = ["insert_communication", "ParamPlan", "OpRun", "LoweringError"]
 
@@ -224,7 +224,7 @@ class _Lowering:
             for leaf, need in zip(leaves, g.out_layouts):
                 if need is not None and isinstance(leaf, Ref):
                     moved[id(leaf)] = self.move(leaf, need, self.name)
-            outputs = _map_leaves(outputs, lambda r: moved.get(id(r), r))
+            outputs = map_leaves(outputs, lambda r: moved.get(id(r), r))
         meta = dict(g.meta)
         meta["layouts"] = dict(self.lay)
         meta["params"] = self.param_plans
@@ -243,7 +243,7 @@ class _Lowering:
         return x
 
     def rename(self, tree):
-        return _map_leaves(tree, self.ref)
+        return map_leaves(tree, self.ref)
 
     def input_layout(self, x):
         if isinstance(x, Ref):
@@ -442,18 +442,6 @@ def _const_value(c) -> Value:
     if isinstance(v, TensorBase):
         return Value(-1, tuple(v.shape), v.dtype)
     return Value(-1, tuple(np.shape(v)), np.asarray(v).dtype)
-
-
-def _map_leaves(tree, fn):
-    if isinstance(tree, (Ref, Const)):
-        return fn(tree) if isinstance(tree, Ref) else tree
-    if isinstance(tree, tuple):
-        return tuple(_map_leaves(t, fn) for t in tree)
-    if isinstance(tree, list):
-        return [_map_leaves(t, fn) for t in tree]
-    if isinstance(tree, dict):
-        return {k: _map_leaves(t, fn) for k, t in tree.items()}
-    return tree
 
 
 def insert_communication(graph: Graph, n: int, *, arg_sources=None, some_devices=False,
