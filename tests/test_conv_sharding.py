@@ -44,7 +44,7 @@ CONV_STRATEGIES = {
 }
 CONV_GEOMETRY = [dict(pad_mode="same"), dict(pad_mode="same", stride=2),
                  dict(pad_mode="pad", pad=1, stride=2), dict(pad_mode="valid"),
-                 dict(pad_mode="same", dilation=2)]
+                 dict(pad_mode="same", dilation=2), dict(pad_mode="same", stride=2, k=1)]
 
 
 @pytest.mark.parametrize("geometry", CONV_GEOMETRY, ids=lambda g: "-".join(
@@ -52,15 +52,17 @@ CONV_GEOMETRY = [dict(pad_mode="same"), dict(pad_mode="same", stride=2),
 @pytest.mark.parametrize("split", list(CONV_STRATEGIES))
 def test_conv2d_sharded_equals_stand_alone(split, geometry):
     rng = np.random.default_rng(0)
+    geometry = dict(geometry)
+    k = geometry.pop("k", 3)          # 1x1 stride 2: each device's block is cropped
     x = rng.normal(size=(8, 4, 8, 16)).astype(np.float32)
-    w = rng.normal(size=(8, 4, 3, 3)).astype(np.float32)
+    w = rng.normal(size=(8, 4, k, k)).astype(np.float32)
 
     def fn(a, b):
-        y = ops.Conv2D(8, 3, **geometry).shard(CONV_STRATEGIES[split])(a, b)
+        y = ops.Conv2D(8, k, **geometry).shard(CONV_STRATEGIES[split])(a, b)
         return ops.reduce_sum(ops.mul(y, y))
 
     rep = _run_both(fn, (x, w))
-    if split == "HW" and geometry.get("pad_mode") != "valid":
+    if split == "HW" and geometry.get("pad_mode") != "valid" and k == 3:
         # the halo is exchanged, not the whole image: forward and both backward ops
         fwd = [r for r in rep.records if r.op == "Conv2D"]
         assert [r.kind for r in fwd] == ["AllGather", "AllGather"]
@@ -84,7 +86,7 @@ def test_conv2d_groups_sharded_on_n_and_h():
 
 @pytest.mark.parametrize("pool, kernel, stride, pad_mode", [
     ("max", 3, 2, "same"), ("max", 2, 2, "valid"), ("avg", 2, 2, "valid"),
-    ("avg", 3, 2, "same"), ("max", 3, 1, "same")])
+    ("avg", 3, 2, "same"), ("max", 3, 1, "same"), ("max", 1, 2, "valid")])
 def test_pool_sharded_on_hw_equals_stand_alone(pool, kernel, stride, pad_mode):
     x = np.random.default_rng(2).permutation(8 * 2 * 8 * 16).reshape(8, 2, 8, 16)
     x = (x / 100.0).astype(np.float32)

@@ -76,14 +76,19 @@ class Dense(Cell):
         if not shape or shape[-1] != self.in_channels:
             raise ValueError(f"Dense: input has shape {tuple(shape)}; its last dim must equal "
                              f"in_channels={self.in_channels}")
-        if x.dtype != self.weight.dtype:
+        weight, bias = self.weight, getattr(self, "bias", None)
+        amp = self.__dict__.get("amp_dtype")        # Model(amp_level="O2"): float16 compute
+        if amp is not None:
+            x, weight = ops.cast(x, amp), ops.cast(weight, amp)
+            bias = ops.cast(bias, amp) if bias is not None else None
+        if x.dtype != weight.dtype:
             raise TypeError(f"Dense: input has dtype {x.dtype} but the weight has dtype "
                             f"{self.weight.dtype}; cast the input with ops.cast")
         if len(shape) != 2:
             x = ops.reshape(x, (-1, self.in_channels))
-        x = ops.matmul(x, self.weight, transpose_b=True)
+        x = ops.matmul(x, weight, transpose_b=True)
         if self.has_bias:
-            x = ops.bias_add(x, self.bias)
+            x = ops.bias_add(x, bias)
         if self.activation is not None:
             x = self.activation(x)
         if len(shape) != 2:

@@ -72,11 +72,17 @@ class Conv2d(Cell):
 
     def construct(self, x):
         check_float_tensor("Conv2d", "input", x)
-        y = self.conv2d(x, ops.cast(self.weight, x.dtype) if self.weight.dtype != x.dtype
-                        else self.weight)
+        weight, bias = self.weight, getattr(self, "bias", None)
+        amp = self.__dict__.get("amp_dtype")        # Model(amp_level="O2"): float16 compute
+        if amp is not None:
+            x, weight = ops.cast(x, amp), ops.cast(weight, amp)
+            bias = ops.cast(bias, amp) if bias is not None else None
+        if x.dtype != weight.dtype:
+            raise TypeError(f"Conv2d: input has dtype {x.dtype} but the weight has dtype "
+                            f"{weight.dtype}; cast the input with ops.cast")
+        y = self.conv2d(x, weight)
         if self.has_bias:
-            b = self.bias if self.bias.dtype == y.dtype else ops.cast(self.bias, y.dtype)
-            y = self.bias_add(y, b)
+            y = self.bias_add(y, bias)
         return y
 
     def extend_repr(self):

@@ -138,6 +138,14 @@ def _columns(x, kernel, stride, dilation, pads, out_hw, group):
     return cols.transpose(0, 2, 1, 3)                               # D g P K
 
 
+def _mm(a, b):
+    """np.matmul; float16 operands are multiplied with float32 accumulation (as float16
+    hardware does) and the product rounded back to float16 (numpy has no float16 BLAS)."""
+    if a.dtype == np.float16:
+        return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+    return np.matmul(a, b)
+
+
 def _same_on_every_device(w):
     return w.shape[0] > 1 and w.strides[0] == 0
 
@@ -153,9 +161,9 @@ def conv_stack(x, w, stride, dilation, pads, group):
     wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
     if _same_on_every_device(w) and group == 1:
         p = cols.shape[2]
-        out = np.matmul(cols.reshape(d * p, -1), wm[0, 0].T).reshape(d, 1, p, co)
+        out = _mm(cols.reshape(d * p, -1), wm[0, 0].T).reshape(d, 1, p, co)
     else:
-        out = np.matmul(cols, np.swapaxes(wm, -1, -2))                   # D g P Cog
+        out = _mm(cols, np.swapaxes(wm, -1, -2))                   # D g P Cog
     out = out.transpose(0, 2, 1, 3).reshape(d, n, out_hw[0], out_hw[1], co)
     return np.ascontiguousarray(out.transpose(0, 1, 4, 2, 3))
 
@@ -190,9 +198,9 @@ def conv_input_grad_stack(dy, w, in_hw, stride, dilation, pads, group):
     wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
     if _same_on_every_device(w) and group == 1:
         p = dym.shape[2]
-        dcols = np.matmul(dym.reshape(d * p, co), wm[0, 0]).reshape(d, 1, p, -1)
+        dcols = _mm(dym.reshape(d * p, co), wm[0, 0]).reshape(d, 1, p, -1)
     else:
-        dcols = np.matmul(dym, wm)                                       # D g P K
+        dcols = _mm(dym, wm)                                       # D g P K
     dcols = dcols.transpose(0, 2, 1, 3).reshape(d, n, ho, wo, group * cg, kernel[0],
                                                 kernel[1])
     dwin = dcols.transpose(0, 1, 4, 2, 3, 5, 6)                          # D N C Ho Wo kh kw
@@ -208,7 +216,7 @@ def conv_filter_grad_stack(dy, x, kernel, stride, dilation, pads, group):
     dym = np.ascontiguousarray(dy.transpose(0, 1, 3, 4, 2)).reshape(d, n * ho * wo, group,
                                                                     co // group)
     dym = dym.transpose(0, 2, 3, 1)                                      # D g Cog P
-    dw = np.matmul(dym, cols)                                            # D g Cog K
+    dw = _mm(dym, cols)                                            # D g Cog K
     return dw.reshape(d, co, c // group, kernel[0], kernel[1])
 
 

@@ -96,21 +96,17 @@ def halo_exchange(stack, lay, axes, dim, lo, hi, fill, opname):
     return np.moveaxis(np.concatenate(pieces, axis=1), 1, dim)
 
 
-def halo_reduce(ext, lay, axes, dim, lo, hi, opname):
+def halo_reduce(ext, lay, axes, dim, lo, hi, block, opname):
     """Inverse of :func:`halo_exchange` for gradients: `ext` holds each device's
     contributions to its extended block (`lo` rows before its own, max(hi, 0) after);
-    the overhangs are sent to the neighbours that own those rows and added there."""
+    the overhangs are sent to the neighbours that own those rows and added there. The
+    result has `block` rows along `dim` (zeros where a cropped block had none)."""
     take_hi = max(hi, 0)
     size = ext.shape[dim] - lo - take_hi
-    if lo == 0 and take_hi == 0:
-        if hi >= 0:
-            return ext
-        pad = [(0, 0)] * ext.ndim
-        pad[dim] = (0, -hi)
-        return np.pad(ext, pad)
-    idx = np.r_[np.arange(lo), np.arange(lo + size, lo + size + take_hi)]
-    g, pos, parts = _edge_gather(np.take(ext, idx, axis=dim), lay, axes, dim, opname)
-    d = np.arange(g.shape[0])
+    if lo or take_hi:
+        idx = np.r_[np.arange(lo), np.arange(lo + size, lo + size + take_hi)]
+        g, pos, parts = _edge_gather(np.take(ext, idx, axis=dim), lay, axes, dim, opname)
+        d = np.arange(g.shape[0])
     body = np.moveaxis(ext, dim, 1)[:, lo:lo + size].copy()
     if lo:             # the next device's `lo` overhang covers my last lo rows
         nxt = g[d, np.minimum(pos + 1, parts - 1), :lo]
@@ -120,8 +116,8 @@ def halo_reduce(ext, lay, axes, dim, lo, hi, opname):
         prev = g[d, np.maximum(pos - 1, 0), lo:]
         prev[pos == 0] = 0
         body[:, :take_hi] += prev
-    if hi < 0:
-        body = np.concatenate([body, np.zeros((body.shape[0], -hi) + body.shape[2:],
+    if size < block:   # a cropped block (hi < 0): its last rows get no gradient
+        body = np.concatenate([body, np.zeros((body.shape[0], block - size) + body.shape[2:],
                                               body.dtype)], axis=1)
     return np.moveaxis(body, 1, dim)
 
@@ -174,10 +170,11 @@ def _extend(stack, lay, keep, halos, fill, opname):
     return stack
 
 
-def _shrink(stack, lay, keep, halos, opname):
+def _shrink(stack, lay, keep, halos, blocks, opname):
+    """Gradients on extended blocks back onto each device's own (H, W) `blocks`."""
     for i, h in reversed(list(enumerate(halos))):
         if h is not None:
-            stack = halo_reduce(stack, lay, keep[i], 3 + i, h[0], h[1], opname)
+            stack = halo_reduce(stack, lay, keep[i], 3 + i, h[0], h[1], blocks[i], opname)
     return stack
 
 
@@ -287,7 +284,7 @@ def _conv_input_grad(attrs, lays, dtypes):
     def local(attrs, stacks):
         ext = C.conv_input_grad_stack(stacks[0], stacks[1], ext_hw, stride, dilation, lpads,
                                       g)
-        return _shrink(ext, need_dy, keep, halos, "Conv2DBackpropInput")
+        return _shrink(ext, need_dy, keep, halos, out.local_shape[2:], "Conv2DBackpropInput")
 
     return ShardPlan((need_dy, need_w), (out,), local)
 
@@ -344,7 +341,7 @@ def _pool_grad_rule(name, mode):
             xs = _extend(stacks[0], need_x, keep, halos, fill, name)
             ext = C.pool_grad_stack(xs, stacks[1], mode, attrs["kernel_size"],
                                     attrs["strides"], lpads)
-            return _shrink(ext, need_x, keep, halos, name)
+            return _shrink(ext, need_x, keep, halos, need_x.local_shape[2:], name)
 
         return ShardPlan((need_x, need_dy), (need_x,), local)
     return rule

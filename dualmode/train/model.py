@@ -11,6 +11,7 @@ from ..nn import Cell
 from ..parallel.devices import parallel_active
 from ..parallel.grad_reduce import broadcast_parameters
 from ..parallel.tensor_layout import TensorLayout
+from .amp import FixedLossScaleManager, apply_amp, check_amp_level, grads_finite, to_float32
 from .callback import CallbackList, RunContext
 from .layouts import (apply_context_strategy, network_parameters, parameter_layouts,
                       save_context_strategy)
@@ -37,9 +38,16 @@ class Model:
     optimizer : nn.Optimizer, optional
         Required by :meth:`train`.
     metrics : set/list of names ("accuracy", "loss", "mae", "mse") or dict name -> Metric
+    amp_level : "O0" (default) or "O2"
+        "O2": Dense and Conv2d compute in float16 from float32 master weights, BatchNorm
+        in float32, the loss in float32 with a static loss scale (see
+        :mod:`dualmode.train.amp`).
+    loss_scale_manager : FixedLossScaleManager, optional
+        The loss scale under "O2" (default ``FixedLossScaleManager(128.0)``).
     """
 
-    def __init__(self, network, loss_fn=None, optimizer=None, metrics=None):
+    def __init__(self, network, loss_fn=None, optimizer=None, metrics=None, amp_level="O0",
+                 loss_scale_manager=None):
         if not _is_cell(network):
             raise TypeError(f"Model: network must be a dualmode.nn.Cell, got "
                             f"{type(network).__name__}")
@@ -48,6 +56,16 @@ class Model:
         if optimizer is not None and not hasattr(optimizer, "parameters"):
             raise TypeError(f"Model: optimizer must be a dualmode.nn.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        check_amp_level(amp_level)
+        if loss_scale_manager is not None and \
+                not isinstance(loss_scale_manager, FixedLossScaleManager):
+            raise TypeError(f"Model: loss_scale_manager must be a FixedLossScaleManager, got "
+                            f"{type(loss_scale_manager).__name__}")
+        if amp_level == "O2" and loss_scale_manager is None:
+            loss_scale_manager = FixedLossScaleManager()
+        self._amp_level = amp_level
+        self._loss_scale = loss_scale_manager
+        apply_amp(network, amp_level)
         self._network = network
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -78,22 +96,36 @@ class Model:
     # ---- training -------------------------------------------------------------
     def _forward_loss(self, *cols):
         if self._loss_fn is None:
-            return self._network(*cols)
+            return to_float32(self._network(*cols))
         if len(cols) < 2:
             raise ValueError(f"Model: with a loss_fn each data row needs inputs and a label; "
                              f"got {len(cols)} column(s)")
-        return self._loss_fn(self._network(*cols[:-1]), cols[-1])
+        return self._loss_fn(to_float32(self._network(*cols[:-1])), cols[-1])
 
     def _build_train_step(self):
         opt = self._optimizer
-        grad_fn = value_and_grad(self._forward_loss, None, opt.parameters)
+        if self._loss_scale is None:
+            grad_fn = value_and_grad(self._forward_loss, None, opt.parameters)
 
-        def step(*cols):
-            loss, grads = grad_fn(*cols)
-            opt(grads)
-            return loss
+            def step(*cols):
+                loss, grads = grad_fn(*cols)
+                opt(grads)
+                return loss
 
-        return step
+            return step
+        scale = self._loss_scale.get_loss_scale()
+        drop = self._loss_scale.drop_overflow_update
+        grad_fn = value_and_grad(lambda *cols: self._forward_loss(*cols) * scale, None,
+                                 opt.parameters)
+
+        def scaled_step(*cols):
+            scaled, grads = grad_fn(*cols)
+            grads = tuple(g / scale for g in grads)
+            if not drop or grads_finite(grads):      # an overflowed step is skipped
+                opt(grads)
+            return scaled / scale
+
+        return scaled_step
 
     def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False,
               sink_size=-1, initial_epoch=0):
