@@ -78,4 +78,4 @@ def to_float32(out):
 
 def grads_finite(grads) -> bool:
     """Are all gradients finite (a read of every gradient)?"""
-    return all(bool(np.isfinite(np.asarray(g)).all()) for g in grads if g is not None)
+    return all(bool(np.isfinite(np.asarray(g.asnumpy())).all()) for g in grads if g is not None)
