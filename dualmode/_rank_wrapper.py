@@ -37,6 +37,8 @@ import time
 import traceback
 from typing import List, Optional, Tuple
 
+from .communication.rank_table import load_rank_table
+
 FAIL_MARK = "[dualmode.run] rank "
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -222,7 +224,6 @@ def _device_id(rank: int, local: int) -> int:
     path = os.environ.get("RANK_TABLE_FILE")
     if not path:
         return local
-    from .communication.rank_table import load_rank_table
     table = load_rank_table(path, "RANK_TABLE_FILE")
     flat = [d for ids in table.device_ids for d in ids]
     return flat[rank] if rank < len(flat) else local

@@ -168,6 +168,11 @@ class ContextState:
 
 _STATE = ContextState()
 
+#: functions called with the new AutoParallelConfig before set_auto_parallel_context
+#: applies it (communication rebuilds a "sim" backend for a new device_num); one that
+#: raises leaves the context unchanged
+_AUTO_PARALLEL_HOOKS: list = []
+
 
 def reset_context() -> None:
     """Restore every setting of this module to its default (for tests and notebooks).
@@ -597,7 +602,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     """
     func = "set_auto_parallel_context"
     values = _validate(func, kwargs, _AUTO_PARALLEL_CHECKERS)
-    _STATE.auto_parallel = _merge_auto_parallel(func, values)
+    new = _merge_auto_parallel(func, values)
+    for hook in _AUTO_PARALLEL_HOOKS:
+        hook(new)
+    _STATE.auto_parallel = new
 
 
 def _process_backend():

@@ -520,8 +520,14 @@ def test_init_without_device_num_uses_rank_size_then_one(monkeypatch):
     comm.init()
     assert comm.get_group_size() == 1
     monkeypatch.setenv("RANK_SIZE", "3")
-    comm.init()
+    comm.init("sim")                    # explicit "sim": RANK_SIZE simulated devices
     assert comm.get_group_size() == 3
+    # init() of a process started by hand as one of 3 ranks: refused, never 1 of 1
+    monkeypatch.setenv("RANK_ID", "1")
+    with pytest.raises(RuntimeError, match=E("init: environment variable RANK_SIZE=3 (RANK_ID=1) "
+                                             "says this process is one of 3 ranks, but mpiexec "
+                                             "did not start it")):
+        comm.init()
     monkeypatch.setenv("RANK_SIZE", "three")
     with pytest.raises(ValueError, match=E("init: environment variable RANK_SIZE='three' is "
                                            "not valid")):
@@ -548,7 +554,9 @@ def test_init_rejects_unknown_backend_and_accepts_mindspore_names(monkeypatch):
         comm.init("gloo")
     with pytest.raises(RuntimeError, match=E("backend_name='mpi' was given")):
         comm.init("mpi")
-    comm.init("hccl")
+    with pytest.warns(UserWarning, match=E("init: backend_name='hccl' is MindSpore's device "
+                                           "backend; dualmode runs backend 'sim'")):
+        comm.init("hccl")
     assert comm.GlobalComm.BACKEND == "sim" and comm.GlobalComm.INITED
 
 

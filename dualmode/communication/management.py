@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from typing import Optional, Tuple
 
 import numpy as np
@@ -77,6 +78,26 @@ def _configured_device_num() -> int:
     return value
 
 
+def _check_hand_started(launched: Optional[Tuple[str, str]]) -> None:
+    """Refuse a process that says it is one of several ranks (``RANK_SIZE > 1``, as
+    seed 004's shell scripts set) but was not started by mpiexec: it would otherwise run
+    alone, as rank 0 of 1, without a word."""
+    if launched is not None:
+        return
+    raw = os.environ.get("RANK_SIZE", "").strip()
+    if not raw.isdigit() or int(raw) <= 1:
+        return
+    n = int(raw)
+    rank = os.environ.get("RANK_ID")
+    which = f" (RANK_ID={rank})" if rank is not None else ""
+    raise RuntimeError(f"init: environment variable RANK_SIZE={n}{which} says this process is "
+                       f"one of {n} ranks, but mpiexec did not start it, so it would run "
+                       f"alone; start all {n} ranks with python -m dualmode.run --worker_num "
+                       f"{n} script.py (or mpiexec -n {n} python script.py), or unset "
+                       f"RANK_SIZE and set_auto_parallel_context(device_num={n}) to simulate "
+                       f"the {n} devices in this process (or call init('sim'))")
+
+
 def _check_mpi_launch(launched: Optional[Tuple[str, str]]) -> None:
     """Refuse "mpi" in a process that mpiexec did not start (before MPI is initialised)."""
     if launched is None:
@@ -139,7 +160,13 @@ def init(backend_name: Optional[str] = None) -> None:
     launched = _mpi_launch()
     name = backend_name
     if name is None or name in _MINDSPORE_NAMES:
+        _check_hand_started(launched)
         name = "mpi" if launched else "sim"
+        if backend_name is not None:
+            warnings.warn(f"init: backend_name={backend_name!r} is MindSpore's device "
+                          f"backend; dualmode runs backend {name!r} in its place ("
+                          + ("one device per MPI rank)" if launched else
+                             "devices simulated in this process)"), stacklevel=2)
     factory = backend_factory(name)
     if factory is None:
         raise ValueError(f"init: backend_name={backend_name!r} is not a registered backend; "
@@ -174,6 +201,46 @@ def _install(backend: Backend) -> None:
     _STATE.member_arrays = {}
     GlobalComm.BACKEND = backend.name
     GlobalComm.INITED = True
+
+
+def _follow_context(cfg) -> None:
+    """Called by :func:`dualmode.set_auto_parallel_context` before it applies ``cfg``:
+    a live "sim" backend is rebuilt for a new ``device_num`` (MindSpore's order:
+    ``init()`` first, then the context), keeping the named groups that still fit."""
+    b = _STATE.backend
+    if b is None or b.name != "sim" or cfg.device_num is None or cfg.device_num == b.world_size:
+        return
+    backend = backend_factory("sim")(cfg.device_num)
+    keep = {k: v for k, v in _STATE.groups.items()
+            if k != HCCL_WORLD_COMM_GROUP and max(v) < cfg.device_num}
+    _install(backend)
+    _STATE.groups.update(keep)
+
+
+context._AUTO_PARALLEL_HOOKS.append(_follow_context)
+
+
+def ensure_init(func: str) -> Backend:
+    """The live backend; before any ``init()``, the one ``init()`` would make when a
+    parallel mode is set with a ``device_num`` (or the process was started by mpiexec),
+    else a ValueError naming ``device_num`` (never a silent single device)."""
+    if _STATE.backend is not None:
+        return _STATE.backend
+    cfg = context._STATE.auto_parallel
+    if cfg.device_num is None and _mpi_launch() is None:
+        raise no_device_num_error(cfg.parallel_mode)
+    init()
+    return _STATE.backend
+
+
+def no_device_num_error(parallel_mode: str) -> ValueError:
+    """The error for a parallel mode that would run on one simulated device."""
+    return ValueError(f"device_num is not set: parallel_mode={parallel_mode!r} would run on "
+                      "1 simulated device; "
+                      "call dualmode.set_auto_parallel_context(device_num=N) (before or after "
+                      "communication.init()), or launch N ranks with python -m dualmode.run "
+                      "--worker_num N script.py; set device_num=1 to run one device on "
+                      "purpose")
 
 
 #: ``join(backend_name) -> Backend``: joining a parameter server cluster, installed by

@@ -12,6 +12,7 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from ..communication import _live_backend, get_backend
+from ..communication.management import ensure_init, no_device_num_error
 from ..communication.trace import comm_cause
 
 __all__ = ["backend", "live_backend", "device_num", "parallel_active", "some_devices",
@@ -35,11 +36,22 @@ def device_num() -> int:
 
 
 def parallel_active() -> bool:
-    """True when ops should run distributed: a parallel mode, a backend, >1 device."""
-    if context.get_auto_parallel_context("parallel_mode") == "stand_alone":
+    """True when ops should run distributed: a parallel mode and >1 device.
+
+    Never a silent single device: with a parallel mode set and no backend yet, the
+    backend ``init()`` would make is started (``device_num`` set, or launched by
+    mpiexec); a parallel mode whose simulated devices are only one because
+    ``device_num`` was never set is a ValueError naming ``device_num``.
+    """
+    cfg = context._STATE.auto_parallel
+    if cfg.parallel_mode == "stand_alone":
         return False
     b = _live_backend()
-    return b is not None and b.world_size > 1
+    if b is None:
+        b = ensure_init(cfg.parallel_mode)
+    elif b.world_size == 1 and b.name == "sim" and cfg.device_num is None:
+        raise no_device_num_error(cfg.parallel_mode)
+    return b.world_size > 1
 
 
 def some_devices() -> bool:
