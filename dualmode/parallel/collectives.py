@@ -135,10 +135,10 @@ def _plain_grad(g, opname):
 
 
 def _local_grad(g, n, shape, opname):
-    """The gradient of a device-local output as a stack (n, *shape)."""
+    """The gradient of a device-local output as this process's stack (rows, *shape)."""
     if isinstance(g, TensorBase) and isinstance(g._layout, dl.DeviceLocalLayout):
         return g._data
-    return np.broadcast_to(_plain_grad(g, opname), (n,) + tuple(shape))
+    return np.broadcast_to(_plain_grad(g, opname), (dl.local_row_count(n),) + tuple(shape))
 
 
 def _wrap_local(stack, layout):
@@ -203,17 +203,19 @@ def _bw_all_reduce(node, g):
     if _is_full(attrs):
         G = _plain_grad(g, "AllReduce")
         ym = y._value() if op in ("max", "min") else None
+        if op in ("max", "min", "prod"):      # needs every device's input (unrecorded
+            xs = dl.all_rows(xs, n)            # under "mpi", as sim reads its stack)
         dx = _reduce_grad(op, xs, ym, G, k)   # member order does not matter: all devices
-        return (_wrap_local(dx, lay),)
+        return (_wrap_local(dl.own_rows(dx, n) if dx.shape[0] == n else dx, lay),)
     gs = _local_grad(g, n, lay.shape, "AllReduce")
     gsum = _comm("AllReduce", "all_reduce", gs, members=_members2d(attrs), op="sum")
     if op == "sum":
         return (_wrap_local(gsum, lay),)       # members: the summed gradient; others: own
     mem = np.asarray(attrs["members"], dtype=np.int64)
-    dx = np.array(gsum)
-    ym = y._data[mem] if op in ("max", "min") else None
-    dx[mem] = _reduce_grad(op, xs[mem], ym, gsum[mem], k)
-    return (_wrap_local(dx, lay),)
+    dx = np.array(dl.all_rows(gsum, n))
+    ym = dl.all_rows(y._data, n)[mem] if op in ("max", "min") else None
+    dx[mem] = _reduce_grad(op, dl.all_rows(xs, n)[mem], ym, dx[mem], k)
+    return (_wrap_local(dl.own_rows(dx, n), lay),)
 
 
 # ---------------------------------------------------------------------------
@@ -246,7 +248,7 @@ def _bw_all_gather(node, g):
     n = lay.device_num
     attrs = node.attrs
     k = _group_size(attrs)
-    if _is_dp_partial(g) and g._data.shape[0] == n:
+    if _is_dp_partial(g) and g._data.shape[0] == dl.local_row_count(n):
         # device d only needs part d of the summed gradient: a ReduceScatter
         dx = _comm("AllGather", "reduce_scatter", g._data, members=_members2d(attrs), axis=0,
                    op="sum")
@@ -254,10 +256,10 @@ def _bw_all_gather(node, g):
     G = _plain_grad(g, "AllGather")
     parts = G.reshape((k,) + tuple(lay.shape))
     if attrs["members"] is None:
-        return (_wrap_local(parts, lay),)
+        return (_wrap_local(dl.own_rows(parts, n), lay),)
     dx = np.empty((n,) + tuple(lay.shape), dtype=parts.dtype)
     dx[np.asarray(attrs["members"], dtype=np.int64)] = parts
-    return (_wrap_local(dx, lay),)
+    return (_wrap_local(dl.own_rows(dx, n), lay),)
 
 
 # ---------------------------------------------------------------------------
@@ -325,13 +327,13 @@ def _bw_broadcast(node, g):
         G = _plain_grad(g, "Broadcast")
         dx = np.zeros((n,) + tuple(lay.shape), dtype=G.dtype)
         dx[root] = G
-        return (_wrap_local(dx, lay),)
+        return (_wrap_local(dl.own_rows(dx, n), lay),)
     gs = _local_grad(g, n, lay.shape, "Broadcast")
     red = _comm("Broadcast", "reduce", np.ascontiguousarray(gs), members=_members2d(attrs),
                 root=attrs["root"], op="sum")
     dx = np.array(red)
     others = [m for m in attrs["members"] if m != root]
-    dx[others] = 0
+    dx[np.isin(dl.local_ranks(n), others)] = 0        # this process's rows of the others
     return (_wrap_local(dx, lay),)
 
 
@@ -457,7 +459,7 @@ def run(prim, x):
         else:
             x = dl.to_device_local(x, n, name)    # every device: the global value
     else:
-        x = _core.wrap_dist(np.broadcast_to(x, (n,) + x.shape),
+        x = _core.wrap_dist(np.broadcast_to(x, (dl.local_row_count(n),) + x.shape),
                             dl.DeviceLocalLayout(n, x.shape))
     attrs = {"group": prim.group, "n": n, "members": members}
     attrs.update(prim._attrs(tuple(x.shape), k))

@@ -63,7 +63,7 @@ from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, OpDef, TensorBase
 from ..tensor import Parameter
 from . import dtensor
-from .devices import device_num, live_backend, parallel_active
+from .devices import device_num, live_backend, parallel_active, world_stack
 from .tensor_layout import TensorLayout
 from .sharding import RULES
 
@@ -170,8 +170,12 @@ class DeviceLocalLayout:
         return self
 
     def assemble(self, stack):
-        """The stack itself: a device-local value has no single global value."""
+        """The stack itself: a device-local value has no single global value. Under
+        "mpi" (a stack of this rank's row only) every rank's row, gathered unrecorded."""
         want = (self._n,) + self._shape
+        if np.ndim(stack) == len(want) and tuple(np.shape(stack)[1:]) == self._shape \
+                and np.shape(stack)[0] == local_row_count(self._n) < self._n:
+            stack = world_stack(stack, self)
         if tuple(np.shape(stack)) != want:
             raise ValueError(f"{self!r}: assemble got a stack of shape {np.shape(stack)}, "
                              f"expected {want} (device_num, *shape)")
@@ -207,6 +211,37 @@ def is_device_local(x) -> bool:
 
 
 # ============================================================================ context
+
+def local_row_count(n: int) -> int:
+    """Rows of this process's stack of an ``n``-device value: ``n`` under "sim", one
+    per local device under "mpi"."""
+    b = live_backend()
+    if b is not None and b.world_size == n and len(b.local_ranks) < n:
+        return len(b.local_ranks)
+    return n
+
+
+def local_ranks(n: int) -> np.ndarray:
+    """The devices whose rows this process's stack of an ``n``-device value holds."""
+    b = live_backend()
+    if b is not None and b.world_size == n and len(b.local_ranks) < n:
+        return np.asarray(b.local_ranks, dtype=np.int64)
+    return np.arange(n, dtype=np.int64)
+
+
+def all_rows(stack: np.ndarray, n: int) -> np.ndarray:
+    """Every device's row ``(n, ...)`` from this process's stack (an unrecorded
+    AllGather under "mpi"; the stack itself under "sim")."""
+    if stack.shape[0] == n:
+        return stack
+    return world_stack(np.ascontiguousarray(stack), DeviceLocalLayout(n, stack.shape[1:]))
+
+
+def own_rows(full: np.ndarray, n: int) -> np.ndarray:
+    """This process's rows of an every-device stack ``(n, ...)``."""
+    rows = local_row_count(n)
+    return full if rows == n else full[local_ranks(n)]
+
 
 def _context_devices() -> int:
     """Devices of the live parallel context; 1 outside one (no backend, stand_alone)."""
@@ -309,6 +344,7 @@ def set_layerwise_slices(param, values, dim=None):
         param._layout = None
         param.set_data(np.asarray(stack[0]).astype(dtype))
         return param
+    stack = own_rows(stack, n)             # under "mpi": this rank's slice only
     param._data = np.array(stack, dtype=dtype, order="C", copy=True)   # owned, writable
     param._layout = DeviceLocalLayout(n, shape)
     param._init = None
@@ -327,13 +363,13 @@ def device_local_tensor(values):
     if arr.ndim == 0 or arr.shape[0] != n:
         raise ValueError(f"{func}: values have shape {tuple(arr.shape)}; expected a stack "
                          f"(n, *shape) with n = {n}, the devices of the parallel context")
-    return _core.wrap_dist(arr, DeviceLocalLayout(n, arr.shape[1:]))
+    return _core.wrap_dist(own_rows(arr, n), DeviceLocalLayout(n, arr.shape[1:]))
 
 
 def _localize_parameter(p, n):
     """A plain layerwise Parameter becomes n per-device copies of its value (in place)."""
     v = p._value()
-    p._data = np.array(np.broadcast_to(v, (n,) + v.shape), order="C")
+    p._data = np.array(np.broadcast_to(v, (local_row_count(n),) + v.shape), order="C")
     p._layout = DeviceLocalLayout(n, v.shape)
 
 
@@ -371,7 +407,7 @@ def to_device_local(x, n, op_name):
     every device holds x's global value: a zero-copy broadcast view, recorded on the tape
     when x is on it (its gradient is then the partial sum of the devices' gradients)."""
     arr = _plain_array(x, op_name)
-    stack = np.broadcast_to(arr, (n,) + arr.shape)
+    stack = np.broadcast_to(arr, (local_row_count(n),) + arr.shape)
     rec = _core.recording() and x._node is not None
     return _core.finish(_TO_LOCAL, {"n": n}, (x,), stack, rec,
                         (DeviceLocalLayout(n, arr.shape),))
@@ -383,7 +419,7 @@ def _bw_shards(node, g):
         stack = g._data
     else:
         gv = _plain_array(g, "ShardsAsDeviceLocal")
-        stack = np.broadcast_to(gv, (lay.device_matrix[0],) + tuple(gv.shape))
+        stack = np.broadcast_to(gv, (node.inputs[0]._data.shape[0],) + tuple(gv.shape))
     return (_core.wrap_dist(stack, lay),)
 
 
@@ -396,7 +432,7 @@ def shards_as_device_local(x):
     """A batch-split (data-parallel) Tensor seen per device: device d holds its shard
     (no copy; recorded on the tape when x is on it)."""
     stack = x._data
-    n = stack.shape[0]
+    n = x._layout.device_num
     rec = _core.recording() and x._node is not None
     return _core.finish(_SHARDS, None, (x,), stack, rec,
                         (DeviceLocalLayout(n, stack.shape[1:]),))
@@ -466,7 +502,7 @@ def device_local_apply(op, attrs, inputs, rec):
     results, layouts = [], []
     for o, (shape, _dt) in zip(outs, meta):
         o = np.asarray(o)
-        want = (n,) + tuple(shape)
+        want = (local_row_count(n),) + tuple(shape)
         if o.shape != want:      # a rule bug: never return a wrong result
             raise RuntimeError(f"{name}: internal error: per-device result of shape "
                                f"{o.shape[1:]}, expected {tuple(shape)}")
@@ -492,7 +528,7 @@ def _per_device(op, attrs, arrays, local, n):
             stacks.append(a)
             continue
         lays.append(_whole(tuple(shape), n))
-        stacks.append(a if loc else np.broadcast_to(a, (n,) + a.shape))
+        stacks.append(a if loc else np.broadcast_to(a, (local_row_count(n),) + a.shape))
     if op.extras.get("random"):
         raise _unsupported(op.name, "it draws random numbers, which have no per-device "
                                     "meaning here")

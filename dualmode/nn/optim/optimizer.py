@@ -259,8 +259,14 @@ class Optimizer(Cell):
                     self._update(i, w, g, lr)
                     continue
                 else:
-                    g = g._value() if isinstance(g, TensorBase) else np.asarray(g)
-                    w = p._value()
+                    # a per-device (layerwise) weight updates this process's rows in place
+                    # (under "mpi" its value would be every rank's rows, gathered)
+                    local = p._layout is not None and not isinstance(p._layout, TensorLayout)
+                    if local and isinstance(g, TensorBase) and g._layout == p._layout:
+                        g = g._data
+                    else:
+                        g = g._value() if isinstance(g, TensorBase) else np.asarray(g)
+                    w = p._data if local else p._value()
                 if p._layout is not None:
                     self._match_states(i, p, w)
                     if g.shape != w.shape:          # a plain gradient of a per-device weight
