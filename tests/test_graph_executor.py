@@ -138,3 +138,19 @@ def test_per_device_values_in_a_compiled_graph_are_refused_by_name():
         f = ops.shard(lambda x: ops.matmul(x, w), in_strategy=((1, 1),))
         with pytest.raises(ValueError, match=r"parameter w holds per-device values"):
             f(Tensor(X))
+
+
+def test_strategies_give_each_op_its_predicted_communication_time():
+    with devices(8, "auto_parallel"):
+        w = Parameter(Tensor(W.copy()), name="w")
+        f = _block(w)
+        f(Tensor(X))
+        plain = f.strategies()
+        timed = f.strategies(link="10GbE")
+        assert all("time" not in v for v in plain.values())
+        times = dm.parallel.compiled_comm_times(f, link="10GbE")
+        assert times and all(timed[name]["time"] == t["time"] for name, t in times.items())
+        assert sum(v["time"] for v in timed.values()) == pytest.approx(
+            sum(t["time"] for t in times.values()))
+        with pytest.raises(ValueError, match=r"link"):
+            f.strategies(link="carrier pigeon")

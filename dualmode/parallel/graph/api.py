@@ -226,9 +226,10 @@ class ShardFunction:
                                f"signature on the first call, so call the function once first")
         return self.compiled
 
-    def strategies(self) -> dict:
-        """The chosen strategy per op of the last compiled graph, and its cost."""
-        return self._last().strategies()
+    def strategies(self, **network) -> dict:
+        """The chosen strategy per op of the last compiled graph, and its cost (and its
+        predicted communication time given ``link=`` or ``alpha_s``/``beta_s_per_byte``)."""
+        return self._last().strategies(**network)
 
     def dump(self, path=None, backward=False) -> str:
         """The last compiled graph as graphviz dot text (written to `path` if given);

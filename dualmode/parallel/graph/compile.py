@@ -40,6 +40,7 @@ from ...tensor import Tensor
 from ..moves import gather_stack
 from ..tensor_layout import TensorLayout
 from ..redistribute_bridge import redistribute_tensor
+from ..report import compiled_comm_times
 from ..sharding import RULES, common_device_matrix, reexpress
 from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
@@ -370,12 +371,18 @@ class CompiledGraph:
         plans = self.program.param_plans
         return [(p, plans[v.id].layout) for p, v in self.program.graph.params]
 
-    def strategies(self) -> dict:
+    def strategies(self, *, alpha_s=None, beta_s_per_byte=None, link=None) -> dict:
         """node name -> {"strategy": strategy tuples per input (None: as it comes),
         "configured": bool, "cost": alpha-beta cost of its communication (s),
         "backward": bool}. The cost of a propagated op is the one propagation weighed;
-        of any other, that of the moves the lowered graph makes for it."""
+        of any other, that of the moves the lowered graph makes for it. Given a network
+        model (as for CommReport: ``link="10GbE"`` or ``alpha_s``/``beta_s_per_byte``),
+        each entry also has "time": the predicted time of the collectives made for it
+        (:func:`~dualmode.parallel.report.compiled_comm_times`)."""
         moved = _move_costs(self.program.graph) if self.program is not None else {}
+        times = None
+        if (alpha_s, beta_s_per_byte, link) != (None, None, None) and self.program is not None:
+            times = compiled_comm_times(self, alpha_s, beta_s_per_byte, link)
         out = {}
         for node in self.graph.nodes:
             if node.op == CALL:
@@ -389,6 +396,8 @@ class CompiledGraph:
             cost = node.cost if node.chosen is not None else node.cost + moved.get(node.name, 0.0)
             out[node.name] = {"strategy": st, "configured": conf, "cost": cost,
                               "backward": node.backward}
+            if times is not None:
+                out[node.name]["time"] = times.get(node.name, {}).get("time", 0.0)
         return out
 
     def dump(self, path=None, backward=False) -> str:
