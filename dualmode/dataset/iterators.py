@@ -1,13 +1,15 @@
 """Iterators that run a dataset epoch by epoch and hand rows to the user."""
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import context
 from ..parallel.devices import live_backend as _live_backend
-from ..parallel.inputs import RANK_SHARDS
+from ..parallel.inputs import RANK_SHARDS, rank_rows
 from ..tensor import Tensor
 from ._checks import check_bool, is_int
 from ._rows import Row, owned
@@ -44,6 +46,66 @@ def _rank_shard_set(dataset):
     return None
 
 
+def _rank_sampled(dataset):
+    """The nodes of `dataset` whose sampler is a rank's shard (``num_shards`` and
+    ``shard_id`` set), and whether a ``batch`` stage sits above them."""
+    found, batched = [], False
+    stack = [(dataset, False)]
+    while stack:
+        d, below_batch = stack.pop()
+        sampler = getattr(d, "_sampler", None)
+        if getattr(sampler, "num_shards", None) is not None:
+            found.append((d, below_batch))
+        here = below_batch or hasattr(d, "batch_size")
+        stack.extend((c, here) for c in getattr(d, "_children", None) or ())
+    if not found:
+        return [], False
+    batched = all(b for _, b in found)
+    return [d for d, _ in found], batched
+
+
+def _clone_for_shard(d, shard: int):
+    """A copy of the pipeline `d` in which every rank-sharded sampler reads ``shard``
+    (nodes copied shallowly: the data is shared)."""
+    c = copy.copy(d)
+    sampler = getattr(d, "_sampler", None)
+    if getattr(sampler, "num_shards", None) is not None:
+        c._sampler = copy.copy(sampler)
+        c._sampler.shard_id = shard
+    kids = getattr(d, "_children", None)
+    if kids:
+        c._children = tuple(_clone_for_shard(k, shard) for k in kids)
+    return c
+
+
+def _sim_shard_clones(dataset):
+    """When one process simulates every device and `dataset` reads a rank's shard
+    (``num_shards`` = the devices, ``shard_id`` = this process's rank, as
+    ``num_shards=get_group_size(), shard_id=get_rank()`` gives under "sim"), one copy
+    of the pipeline per device d reading shard d: their batches, concatenated in device
+    order, form the global batch whose data-parallel split feeds device d with shard d
+    (what each rank reads under "mpi"). Else None."""
+    b = _live_backend()
+    if b is None or b.world_size == 1 or len(b.local_ranks) != b.world_size:
+        return None
+    cfg = context._STATE.auto_parallel
+    if cfg.parallel_mode == "stand_alone" or cfg.dataset_strategy != "data_parallel":
+        return None
+    nodes, batched = _rank_sampled(dataset)
+    n = b.world_size
+    rank = cfg.global_rank or 0
+    if not nodes or not batched or any(d._sampler.num_shards != n or d._sampler.shard_id != rank
+                                       for d in nodes):
+        return None
+    return [_clone_for_shard(dataset, d) for d in range(n)]
+
+
+def _concat_rows(rows) -> Row:
+    """The rows of the devices' batches, column by column, concatenated in device order."""
+    return tuple(np.concatenate(cols, axis=0) if np.ndim(cols[0]) else np.stack(cols)
+                 for cols in zip(*rows))
+
+
 class _EpochIterator:
     """Runs ``num_epochs`` epochs of a dataset; each ``for`` loop consumes one epoch.
 
@@ -64,6 +126,14 @@ class _EpochIterator:
         self._epochs_done = 0
         self._rows: Optional[Iterator[Row]] = None
         self._rank_shards = None if self._output_numpy else _rank_shard_set(dataset)
+        self._device_shards = _sim_shard_clones(dataset)
+        self._as_rank_rows = False
+        if self._rank_shards is not None:
+            cfg = context._STATE.auto_parallel
+            if cfg.parallel_mode != "stand_alone" and cfg.dataset_strategy == "data_parallel" \
+                    and _rank_sampled(dataset)[1]:
+                # batches of this rank's shard: its rows of the global batch, every column
+                self._as_rank_rows = True
 
     def __iter__(self):
         return self
@@ -72,7 +142,12 @@ class _EpochIterator:
         if self._rows is None:
             if self._num_epochs != -1 and self._epochs_done >= self._num_epochs:
                 raise StopIteration
-            self._rows = self._dataset._rows(self._dataset._next_key())
+            key = self._dataset._next_key()
+            if self._device_shards is None:
+                self._rows = self._dataset._rows(key)
+            else:               # device d's batch from shard d, as rank d reads it
+                self._rows = map(_concat_rows,
+                                 zip(*(c._rows(key) for c in self._device_shards)))
         try:
             return next(self._rows)
         except StopIteration:
@@ -84,6 +159,8 @@ class _EpochIterator:
         arr = owned(arr)
         if self._output_numpy:
             return arr
+        if self._as_rank_rows and arr.ndim and arr.dtype.kind not in "OSUV":
+            return rank_rows(arr)
         t = _to_tensor(arr)
         if self._rank_shards is not None and not isinstance(t, np.ndarray):
             self._rank_shards[id(t)] = t

@@ -5,18 +5,30 @@ from __future__ import annotations
 import weakref
 
 from .. import context
+from .._core import _tensor as _core
 from .._core._tensor import TensorBase
 from ..tensor import Parameter
 from .devices import device_num, some_devices
 from .dtensor import distribute, moved
 from .tensor_layout import TensorLayout
 
-__all__ = ["distribute_inputs", "RANK_SHARDS"]
+__all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows"]
 
 #: Tensors a data set made from this rank's own shard (``num_shards`` = the MPI world,
 #: ``shard_id`` = this rank): a network takes them as its local rows of the batch.
 #: (by id: tensors compare elementwise)
 RANK_SHARDS = weakref.WeakValueDictionary()
+
+
+def rank_rows(arr):
+    """A batch-split Tensor whose local rows are `arr`, this rank's batch of a data set
+    sharded per rank: the global batch is the ranks' batches concatenated in rank order
+    (one device per process), exactly what the one-process simulation builds from the
+    devices' shards. Every column of the data set (features, labels) gets this layout,
+    so they meet in any op, inside a network or not."""
+    n = device_num()
+    layout = TensorLayout.batch_split((arr.shape[0] * n,) + tuple(arr.shape[1:]), n)
+    return _core.wrap_dist(arr[None], layout)
 
 
 def distribute_inputs(args):
