@@ -161,13 +161,13 @@ class BatchNorm2d(Cell):
     def _update_moving(self, mean, var, count):
         new_mean, new_var = running_update(self.moving_mean, self.moving_variance, mean, var,
                                            count, self.momentum)
-        tr = current_trace()
-        if tr is not None:      # graph mode: the update runs as one opaque node
-            tr.call_opaque(self._assign_moving, "BatchNorm2d.update", (new_mean, new_var))
-        else:
-            self._assign_moving(new_mean, new_var)
+        self._assign_moving(new_mean, new_var)
 
     def _assign_moving(self, new_mean, new_var):
+        tr = current_trace()
+        if tr is not None:      # graph mode (or its replay): one opaque node, run eagerly
+            tr.call_opaque(self._assign_moving, "BatchNorm2d.update", (new_mean, new_var))
+            return
         self.moving_mean.set_data(np.asarray(new_mean))
         self.moving_variance.set_data(np.asarray(new_var))
 

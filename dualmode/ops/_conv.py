@@ -601,10 +601,9 @@ def batch_norm(x, running_mean, running_var, weight, bias, training=False, momen
 
 
 def running_update(moving_mean, moving_var, mean, var, count, keep):
-    """``keep * moving + (1 - keep) * batch`` for mean and (unbiased) variance; no
-    gradient flows into them."""
+    """``keep * moving + (1 - keep) * batch`` for mean and (unbiased) variance (values
+    that feed no loss: no gradient reaches them)."""
     unbias = count / max(count - 1, 1)
-    mean, var = A.stop_gradient(mean), A.stop_gradient(var)
     new_mean = M.add(M.mul(moving_mean, keep), M.mul(mean, 1.0 - keep))
     new_var = M.add(M.mul(moving_var, keep), M.mul(var, (1.0 - keep) * unbias))
     return new_mean, new_var
