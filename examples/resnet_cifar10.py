@@ -1,6 +1,7 @@
 """ResNet on CIFAR-10 (seed 004's ResNet-50 example) on simulated devices, against one
-device: data parallel, semi-auto parallel (a strategy on the final MatMul) and a
-``dataset_strategy`` that tiles the images on H and W.
+device: data parallel, semi-auto parallel (a strategy on the final MatMul), a
+``dataset_strategy`` that tiles the images on H and W, and hybrid parallel (the head's
+classes split over the devices by hand, logits AllGathered).
 
 Reads ``data_batch_*.bin`` from ``--data_dir`` (the ``cifar-10-batches-bin`` folder);
 without one, a small synthetic CIFAR-10 is written in that format first. The pipeline is
@@ -11,9 +12,10 @@ variant with one basic block per stage.
 
     python examples/resnet_cifar10.py [--data_dir DIR] [--depth 8] [--width 16]
         [--image_size 32] [--device_num 8] [--steps 3] [--batch 32]
-        [--mode data_parallel|semi_auto|tiles|all]
+        [--mode data_parallel|semi_auto|tiles|hybrid|all]
 """
 import argparse
+import math
 import os
 import tempfile
 
@@ -23,6 +25,7 @@ import dualmode as dm
 from dualmode import Parameter, communication, nn, ops
 from dualmode.common.initializer import initializer
 from dualmode.dataset import Cifar10Dataset, transforms, vision
+from dualmode.parallel import set_layerwise_slices
 
 
 def _conv_bn(cin, cout, k, stride):
@@ -73,9 +76,13 @@ DEPTHS = {8: (BasicBlock, (1, 1, 1)), 14: (BasicBlock, (2, 2, 2)),
 class ResNet(nn.Cell):
     """Stem (3x3 conv+BN+ReLU, 3x3/2 max pool), stages of residual blocks (the first
     block of each later stage with stride 2), global average pool, and a MatMul head
-    whose primitive takes a strategy (``head_strategy``) in semi-auto mode."""
+    whose primitive takes a strategy (``head_strategy``) in semi-auto mode. With
+    ``hybrid_devices=k`` the head weight is ``layerwise_parallel``: each device holds
+    ``num_classes / k`` of its columns and the logits are put together with
+    ``ops.AllGather`` (hybrid parallel: the user writes the communication)."""
 
-    def __init__(self, depth=8, num_classes=10, width=16, head_strategy=None):
+    def __init__(self, depth=8, num_classes=10, width=16, head_strategy=None,
+                 hybrid_devices=None):
         super().__init__()
         if depth not in DEPTHS:
             raise ValueError(f"ResNet: depth={depth} is not supported; expected one of "
@@ -90,16 +97,21 @@ class ResNet(nn.Cell):
                 layers.append(block(cin, cout, 2 if (j == 0 and i > 0) else 1))
                 cin = cout
         self.layers = nn.SequentialCell(layers)
-        self.head_weight = Parameter(initializer("normal", [cin, num_classes], dm.float32),
-                                     name="head_weight")
+        cols = num_classes // hybrid_devices if hybrid_devices else num_classes
+        self.head_weight = Parameter(initializer("normal", [cin, cols], dm.float32),
+                                     name="head_weight",
+                                     layerwise_parallel=bool(hybrid_devices))
         self.head = ops.MatMul()
         if head_strategy is not None:
             self.head.shard(head_strategy)
+        self.gather = ops.AllGather()        # the identity on one device
 
     def construct(self, x):
         x = self.layers(self.stem(x))
         x = ops.reduce_mean(x, (2, 3))
-        return self.head(x, self.head_weight)
+        logits = self.head(x, self.head_weight)
+        # classes gathered over the devices (AllGather concatenates along dim 0)
+        return ops.transpose(self.gather(ops.transpose(logits, (1, 0))), (1, 0))
 
 
 def write_synthetic_cifar10(data_dir, n=320, seed=0):
@@ -149,6 +161,9 @@ MODES = {
     "semi_auto": dict(parallel_mode="semi_auto_parallel", head=((4, 1), (1, 2))),
     # images split on H and W over (2, 4) devices, labels whole on every device
     "tiles": dict(parallel_mode="semi_auto_parallel", dataset_strategy=((1, 1, 2, 4), (1,))),
+    # the head's classes split over the devices (layerwise_parallel), the rest replicated
+    # on the full batch; on gcd(device_num, 10) devices
+    "hybrid": dict(parallel_mode="hybrid_parallel", dataset_strategy="full_batch"),
 }
 
 
@@ -158,6 +173,9 @@ def train_steps(data, device_num=None, mode="data_parallel", depth=8, width=16, 
     (``device_num=None``) or on `device_num` simulated devices in `mode`."""
     cfg = dict(MODES[mode])
     head = cfg.pop("head", None)
+    hybrid = mode == "hybrid" and device_num
+    if hybrid:
+        device_num = math.gcd(device_num, 10)
     dm.reset_auto_parallel_context()
     communication.init()
     if device_num:
@@ -165,7 +183,13 @@ def train_steps(data, device_num=None, mode="data_parallel", depth=8, width=16, 
         communication.init()
     try:
         dm.set_seed(seed)
-        net = ResNet(depth, 10, width, head_strategy=head)
+        net = ResNet(depth, 10, width, head_strategy=head,
+                     hybrid_devices=device_num if hybrid else None)
+        w0 = np.random.default_rng(seed).normal(0, 0.01, (net.head_weight.shape[0], 10))
+        if hybrid:
+            set_layerwise_slices(net.head_weight, w0.astype(np.float32), dim=1)
+        else:
+            net.head_weight.set_data(w0)
         net.set_train()
         opt = nn.Momentum(net.trainable_params(), lr, 0.9)
         loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
@@ -204,7 +228,8 @@ def main(argv=None):
     single, _ = train_steps(data, **kw)
     modes = sorted(MODES) if args.mode == "all" else [args.mode]
     results = {m: train_steps(data, args.device_num, m, **kw)[0] for m in modes}
-    print(f"ResNet depth {args.depth}, {args.device_num} devices: loss per step")
+    print(f"ResNet depth {args.depth}, {args.device_num} devices (hybrid: "
+          f"{math.gcd(args.device_num, 10)}, the class count must divide): loss per step")
     print(f"{'step':>4}  {'1 device':>12}" + "".join(f"  {m:>14}" for m in modes))
     for i, a in enumerate(single):
         print(f"{i + 1:>4}  {a:12.6f}" + "".join(f"  {results[m][i]:14.6f}" for m in modes))
