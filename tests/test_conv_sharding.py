@@ -191,3 +191,17 @@ def test_conv_hw_strategy_and_bn_in_both_modes(graph):
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     for name, want in ref.items():          # moving statistics included (an opaque node
         _close(got[name], want, name)       # in graph mode)
+
+
+@pytest.mark.parametrize("strategy, match", [
+    (((1, 2, 1, 1), (1, 4, 1, 1)), r"Conv2D: in_strategy\[0\]\[1\]=2 and in_strategy\[1\]\[1\]=4 "
+                                   r"split the input channel dim differently"),
+    (((1, 1, 3, 1), (1, 1, 1, 1)), r"Conv2D: in_strategy\[0\]\[2\]=3 does not divide dim 2 "
+                                   r"\(size 8\) of input 0"),
+])
+def test_bad_conv_strategies_are_named(strategy, match):
+    x = Tensor(np.zeros((8, 4, 8, 8), np.float32))
+    w = Tensor(np.zeros((4, 4, 3, 3), np.float32))
+    with devices(8):
+        with pytest.raises(ValueError, match=match):
+            ops.Conv2D(4, 3).shard(strategy)(x, w)
