@@ -1,11 +1,13 @@
-"""Data-parallel training on 8 simulated devices, checked against one device.
+"""Data-parallel training on N devices, checked against one device.
 
 The same MLP is trained twice from the same seed: once stand-alone, once with
-``parallel_mode="data_parallel"`` on 8 simulated devices with fused gradient
-AllReduce. The losses and final weights agree, and the CommReport shows what the
-parallel run communicated.
+``parallel_mode="data_parallel"`` on N devices with fused gradient AllReduce. The
+losses and final weights agree, and the CommReport shows what the parallel run
+communicated. N is ``--devices``, else the launched world (one device per rank), else 8
+simulated devices:
 
     python examples/data_parallel.py [--devices 8] [--steps 20]
+    python -m dualmode.run --worker_num 4 examples/data_parallel.py
 """
 import argparse
 
@@ -54,16 +56,29 @@ def train(devices, steps, batch):
     return monitor.losses, [p.asnumpy() for p in net.trainable_params()], report
 
 
+def device_count(requested=None):
+    """``requested``; else the MPI world this script was launched in (``python -m
+    dualmode.run --worker_num N`` or ``mpiexec -n N``); else 8 simulated devices."""
+    if requested:
+        return requested
+    communication.init()
+    backend = communication.get_backend()
+    return backend.world_size if backend.name == "mpi" else 8
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="devices of the parallel run (default: the launched ranks, "
+                             "else 8 simulated devices)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args(argv)
+    args.devices = device_count(args.devices)
 
     print("one device:")
     ref_losses, ref_w, _ = train(1, args.steps, args.batch)
-    print(f"{args.devices} simulated devices:")
+    print(f"{args.devices} devices:")
     losses, w, report = train(args.devices, args.steps, args.batch)
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     w_err = max(float(np.max(np.abs(a - b))) for a, b in zip(w, ref_w))

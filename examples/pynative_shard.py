@@ -3,11 +3,13 @@
 An MLP classifier whose middle block (two matrix products around a tanh) is wrapped in
 ``ops.shard``. Only the block's input and output strategies are given; sharding
 propagation chooses the strategies of the ops inside.
-The loop around it is plain PyNative code on 8 simulated devices. The same script runs
+The loop around it is plain PyNative code on N devices (``--devices``, else the
+launched world, one device per rank, else 8 simulated devices). The same script runs
 on one device; the losses agree step by step, and the CommReport shows what the
 sharded run communicated and why.
 
-    python examples/pynative_shard.py [--steps 10] [--dump block.dot]
+    python examples/pynative_shard.py [--steps 10] [--dump block.dot] [--devices 8]
+    python -m dualmode.run --worker_num 4 examples/pynative_shard.py
 """
 import argparse
 
@@ -34,14 +36,16 @@ class Block(nn.Cell):
 
 
 class Classifier(nn.Cell):
-    def __init__(self, in_features=784, width=64, classes=10, shard=True):
+    def __init__(self, in_features=784, width=64, classes=10, shard=True, devices=8):
         super().__init__()
+        shard = shard and devices > 1
         self.embed = nn.Dense(in_features, width, activation="relu")
         self.block = Block(width)
-        # the block: input split 4 ways on the batch and 2 ways on features, output back
-        # to a plain batch split; everything inside is chosen by propagation
-        self.run_block = ops.shard(self.block, in_strategy=((4, 2),),
-                                   out_strategy=((8, 1),)) if shard else self.block
+        # the block: input split N/2 ways on the batch and 2 ways on features (4 x 2 on
+        # 8 devices), output back to a plain batch split; everything inside is chosen by
+        # propagation
+        self.run_block = ops.shard(self.block, in_strategy=((devices // 2, 2),),
+                                   out_strategy=((devices, 1),)) if shard else self.block
         self.head = nn.Dense(width, classes)
 
     def construct(self, x):
@@ -56,7 +60,7 @@ def run(devices, steps, batch=64):
                                      search_mode="sharding_propagation", gradients_mean=True)
     communication.init()
     dm.set_seed(3)
-    net = Classifier(shard=devices > 1)
+    net = Classifier(shard=devices > 1, devices=devices)
     opt = nn.Momentum(net.trainable_params(), learning_rate=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     grad_fn = dm.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
@@ -73,13 +77,27 @@ def run(devices, steps, batch=64):
     return losses, net, report
 
 
+def device_count(requested=None):
+    """``requested``; else the MPI world this script was launched in (``python -m
+    dualmode.run --worker_num N`` or ``mpiexec -n N``); else 8 simulated devices."""
+    if requested:
+        return requested
+    communication.init()
+    backend = communication.get_backend()
+    return backend.world_size if backend.name == "mpi" else 8
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dump", default=None, help="write the block's graph (dot) here")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="devices of the sharded run (default: the launched ranks, "
+                             "else 8 simulated devices)")
     args = parser.parse_args(argv)
+    devices = device_count(args.devices)
     ref, _, _ = run(1, args.steps)
-    losses, net, report = run(8, args.steps)
+    losses, net, report = run(devices, args.steps)
     for step, (a, b) in enumerate(zip(losses, ref)):
         print(f"step {step}: loss {a:.6f}   (one device: {b:.6f})")
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
