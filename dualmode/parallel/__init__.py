@@ -45,3 +45,5 @@ __all__ += ["check_equivalence", "EquivalenceReport"]
 from .visualize import visualize  # noqa: E402
 
 __all__ += ["visualize"]
+
+from . import auto_parallel  # noqa: E402,F401  (dm.parallel.auto_parallel.AutoParallel)
