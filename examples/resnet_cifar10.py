@@ -104,13 +104,16 @@ class ResNet(nn.Cell):
         self.head = ops.MatMul()
         if head_strategy is not None:
             self.head.shard(head_strategy)
-        self.gather = ops.AllGather()        # the identity on one device
+        # hybrid: the logits' classes are gathered over the devices by hand (AllGather
+        # concatenates along dim 0); the other modes need no communication here
+        self.gather = ops.AllGather() if hybrid_devices else None
 
     def construct(self, x):
         x = self.layers(self.stem(x))
         x = ops.reduce_mean(x, (2, 3))
         logits = self.head(x, self.head_weight)
-        # classes gathered over the devices (AllGather concatenates along dim 0)
+        if self.gather is None:
+            return logits
         return ops.transpose(self.gather(ops.transpose(logits, (1, 0))), (1, 0))
 
 
