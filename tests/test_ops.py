@@ -691,6 +691,28 @@ ReLU Maximum Minimum ReduceSum ReduceMean ReduceMax Softmax LogSoftmax OneHot Fl
 Transpose ExpandDims Squeeze Concat Split StridedSlice Gather BiasAdd Cast""".split()
 
 
+# image ops: conv2d, max_pool, avg_pool, batch_norm (direct references and every pad
+# mode in tests/test_conv_ops.py; here one case each through the shared checker)
+def _ref_pool(x, fn):
+    return fn(x.reshape(x.shape[0], x.shape[1], x.shape[2] // 2, 2, x.shape[3] // 2, 2),
+              axis=(3, 5))
+
+
+case("conv2d-1x1", lambda x, w: F.conv2d(x, w),
+     lambda x, w: np.einsum("nchw,oc->nohw", x, w[:, :, 0, 0]), [(2, 3, 4, 4), (5, 3, 1, 1)],
+     ["conv2d"])
+case("max_pool-2x2", lambda x: F.max_pool(x, 2, 2), lambda x: _ref_pool(x, np.max),
+     [np.random.default_rng(8).permutation(64).reshape(1, 1, 8, 8).astype(np.float32)],
+     ["max_pool"])
+case("avg_pool-2x2", lambda x: F.avg_pool(x, 2, 2), lambda x: _ref_pool(x, np.mean),
+     [(2, 3, 4, 4)], ["avg_pool"])
+case("batch_norm-inference", lambda x, m, v, g, b: F.batch_norm(x, m, v, g, b),
+     lambda x, m, v, g, b: ((x - m[:, None, None]) / np.sqrt(v[:, None, None] + 1e-5)
+                            * g[:, None, None] + b[:, None, None]),
+     [(2, 3, 4, 4), (3,), np.linspace(0.5, 1.5, 3).astype(np.float32), (3,), (3,)],
+     ["batch_norm"], rtol=1e-5, atol=1e-5)
+
+
 def test_every_functional_form_is_tested():
     dedicated = {"one_hot", "zeros", "ones", "zeros_like", "ones_like", "shape",
                  "scalar_to_tensor", "scalar_to_array", "stop_gradient", "dropout"}
@@ -782,6 +804,20 @@ INFER_TABLE = {
     "Less": (None, lambda d: (_arr((3,), d), _arr((3,), d, 1))),
     "LessEqual": (None, lambda d: (_arr((3,), d), _arr((3,), d, 1))),
     "Greater": (None, lambda d: (_arr((3,), d), _arr((3,), d, 1))),
+    # image ops (tests/test_conv_ops.py checks them against direct references)
+    "Conv2D": ({"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((4, 3, 3, 3), d, 1))),
+    "Conv2DBackpropInput": ({**{"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, "in_hw": (5, 5)},
+                            lambda d: (_arr((2, 4, 3, 3), d), _arr((4, 3, 3, 3), d, 1))),
+    "Conv2DBackpropFilter": ({"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, lambda d: (_arr((2, 4, 3, 3), d), _arr((2, 3, 5, 5), d, 1))),
+    "MaxPool": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d),)),
+    "AvgPool": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d),)),
+    "MaxPoolGrad": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((2, 3, 3, 3), d, 1))),
+    "AvgPoolGrad": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((2, 3, 3, 3), d, 1))),
+    "MaxPoolSelect": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((2, 3, 5, 5), d, 1))),
+    "BatchNormStats": (None, lambda d: (_arr((2, 3, 4, 4), d),)),
+    "BatchNormStatsGrad": (None, lambda d: (_arr((2, 3, 4, 4), d), _arr((2, 3), d, 1))),
+    "BatchNormFold": ({"count": 8}, lambda d: (_arr((2, 3), d),)),
+    "BatchNormFoldGrad": ({"count": 8}, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
 }
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
 

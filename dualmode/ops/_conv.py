@@ -413,6 +413,7 @@ def _make_pool(name, mode):
 
 
 def _infer_select(attrs, x, gg):
+    check_float("MaxPoolSelect", gg)
     return ((tuple(gg.shape[:2]) + _out_hw("MaxPoolSelect", x.shape[2:],
                                            attrs["kernel_size"], attrs["strides"], (1, 1),
                                            attrs["pads"]), gg.dtype),)
@@ -463,7 +464,7 @@ def avg_pool(x, kernel_size=1, strides=1, pad_mode="valid"):
 # BatchNorm pieces: per-channel (sum, sum of squares) -> (mean, variance)
 # ---------------------------------------------------------------------------
 def _infer_bn_stats(attrs, x):
-    check_float("BatchNorm", x)
+    check_float("BatchNormStats", x)
     if x.ndim < 2:
         raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
     return (((2, x.shape[1]), x.dtype),)
@@ -485,6 +486,7 @@ def _bw_bn_stats(node, g):
 
 
 def _infer_bn_stats_grad(attrs, x, g):
+    check_float("BatchNormStatsGrad", x)
     return ((tuple(x.shape), x.dtype),)
 
 
@@ -494,7 +496,8 @@ def _bn_stats_grad_kernel(attrs, x, g):
     return (g[0].reshape(shape) + 2 * x * g[1].reshape(shape)).astype(x.dtype)
 
 
-def _infer_bn_fold(attrs, s):
+def _infer_bn_fold(attrs, s, name="BatchNormFold"):
+    check_float(name, s)
     return ((tuple(s.shape), s.dtype),)
 
 
@@ -520,7 +523,7 @@ BN_STATS_GRAD = register("BatchNormStatsGrad", infer=_infer_bn_stats_grad,
                          kernel=_bn_stats_grad_kernel)
 BN_STATS = register("BatchNormStats", infer=_infer_bn_stats, kernel=_bn_stats_kernel,
                     backward=_bw_bn_stats)
-BN_FOLD_GRAD = register("BatchNormFoldGrad", infer=lambda attrs, s, g: _infer_bn_fold(attrs, s),
+BN_FOLD_GRAD = register("BatchNormFoldGrad", infer=lambda attrs, s, g: _infer_bn_fold(attrs, s, "BatchNormFoldGrad"),
                         kernel=_bn_fold_grad_kernel)
 BN_FOLD = register("BatchNormFold", infer=_infer_bn_fold, kernel=_bn_fold_kernel,
                    backward=_bw_bn_fold)
