@@ -349,7 +349,7 @@ _HYDRA_CODES = re.compile(r"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
 _HYDRA_BANNER = ("=====", "=   ", "YOUR APPLICATION TERMINATED", "This typically refers",
                  "Please see the FAQ", "\n")
 #: seconds a rank may wait in a collective after another rank exited before the job ends
-EXIT_GRACE = 3.0
+EXIT_GRACE = 2.0
 
 
 def _signal_name(num: int) -> str:
@@ -444,6 +444,8 @@ class _Job:
         tick = 0
         while self.proc.poll() is None:
             time.sleep(0.05)
+            if len(self.states) < self.cfg.worker_num:
+                self._read_states()     # until every rank of this machine is known
             self._note_deaths()
             tick += 1
             if tick % 5:
@@ -465,7 +467,7 @@ class _Job:
                           f"{self.states[waiting[0]][4]}; a rank that leaves early must not "
                           "be followed by collectives on the others")
                 return
-            if timeout is not None and now - last_progress >= timeout:
+            if timeout is not None and self.states and now - last_progress >= timeout:
                 self._stacks()
                 stuck = sorted(r for r, st in self.states.items()
                                if st[1] == "run" and not st[2])
@@ -557,30 +559,41 @@ class _Job:
         return self.proc.returncode
 
     def killed(self, rc: int) -> List[str]:
-        """Ranks that mpiexec reported dead by a signal or a non-zero exit (or that the
-        monitor saw go first, with mpiexec's exit code, which is theirs)."""
-        out = []
-        if not self.hydra:
-            exited = [(r, st >> 8) for r, st in enumerate(self.statuses)
-                      if st & 0x7f == 0 and st >> 8]
-            if exited:
-                return [f"rank {r} exited with code {c} (without a Python traceback)"
-                        for r, c in exited]
-            if self.deaths:
-                return [f"rank {self.deaths[0]} ended with mpiexec exit code {rc}"]
+        """The rank that took the job down without a Python traceback, and how.
+
+        mpiexec kills the other ranks at once, and neither its report nor its exit codes
+        nor the order in which processes vanish reliably single out the first. The
+        ranks' own last states do: the others were blocked in a collective, waiting for
+        it. So: the one dead rank that was not in a collective, else the rank mpiexec's
+        report names, else one with a non-zero status, else the first seen to go."""
+        banner, banner_signal = None, None
         for pid, line in self.hydra:
             rank = self._rank_of_pid(pid)
-            who = f"rank {rank}" if rank is not None else f"the rank with pid {pid}"
             m = _HYDRA_SIGNAL.search(line)
             if m:
-                out.append(f"{who} was killed by {_signal_name(int(m.group(1)))}")
-                continue
-            code = int(_HYDRA_CODE.match(line).group(1))
-            if rank is not None and self.states[rank][1] == "run" and 0 < code < 65:
-                out.append(f"{who} was killed by {_signal_name(code)}")
-            else:
-                out.append(f"{who} exited with code {code}")
-        return list(dict.fromkeys(out))
+                banner_signal = int(m.group(1))
+            if banner is None and rank is not None:
+                banner = rank
+        st = self.statuses
+        outside = [r for r, state in self.states.items() if state[1] == "run" and not state[2]]
+        if len(outside) == 1:
+            rank = outside[0]
+        elif banner is not None:
+            rank = banner
+        else:
+            bad = [r for r in range(len(st)) if st[r]] or list(self.deaths[:1])
+            if not bad:
+                return []
+            rank = bad[0]
+        status = st[rank] if rank < len(st) else 0
+        if status & 0x7f:
+            return [f"rank {rank} was killed by {_signal_name(status & 0x7f)}"]
+        if status >> 8:
+            return [f"rank {rank} exited with code {status >> 8} (without a Python "
+                    "traceback)"]
+        if banner_signal is not None:
+            return [f"rank {rank} was killed by {_signal_name(banner_signal)}"]
+        return [f"rank {rank} ended (mpiexec exit code {rc})"]
 
 
 def _pid_alive(pid: int) -> bool:

@@ -129,3 +129,11 @@ def test_mindspore_backend_names_say_what_runs():
             "'sim' in its place (devices simulated in this process)")):
         communication.init("nccl")
     assert communication.GlobalComm.BACKEND == "sim"
+
+
+def test_strategy_needing_more_devices_than_configured_names_device_num():
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=2)
+    communication.init()
+    with pytest.raises(ValueError, match=re.escape(
+            "MatMul: in_strategy[0]=(2, 4) needs 8 devices but device_num is 2")):
+        _sharded_matmul()

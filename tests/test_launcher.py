@@ -96,11 +96,11 @@ def test_launcher_names_rank_exiting_nonzero_without_traceback(tmp_path):
 def test_launcher_timeout_ends_hung_job_with_every_stack_in_the_logs(tmp_path):
     s = _script(tmp_path)
     logs = tmp_path / "logs"
-    proc = launch("--worker_num", 2, "--log_dir", logs, "--timeout", 3, s, "hang", 1,
+    proc = launch("--worker_num", 2, "--log_dir", logs, "--timeout", 2, s, "hang", 1,
                   cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.seconds < 25, proc.seconds
-    assert ("dualmode.run: no rank made progress for 3 s (--timeout): rank 1 at faults.py:"
+    assert ("dualmode.run: no rank made progress for 2 s (--timeout): rank 1 at faults.py:"
             in proc.stderr)
     assert "in stuck_here; rank 0 waiting in the MPI collective all_reduce" in proc.stderr
     one = (logs / "worker_1.log").read_text()
