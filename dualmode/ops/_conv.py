@@ -128,15 +128,14 @@ def window_view(xp, kernel, stride, dilation, out_hw):
 
 
 def _columns(x, kernel, stride, dilation, pads, out_hw, group):
-    """im2col of a stack (D, N, C, H, W) -> (D, N, group, Ho*Wo, C/group*kh*kw) (a view
-    of one contiguous copy; every matrix in it is BLAS-ready)."""
+    """im2col of a stack (D, N, C, H, W) -> (D, group, N*Ho*Wo, C/group*kh*kw)."""
     xp = _pad_stack(x, pads)
     win = window_view(xp, kernel, stride, dilation, out_hw)    # D N C Ho Wo kh kw
     d, n, c = x.shape[:3]
-    hw = out_hw[0] * out_hw[1]
+    p = n * out_hw[0] * out_hw[1]
     cols = np.ascontiguousarray(win.transpose(0, 1, 3, 4, 2, 5, 6))  # D N Ho Wo C kh kw
-    cols = cols.reshape(d, n, hw, group, (c // group) * kernel[0] * kernel[1])
-    return cols.transpose(0, 1, 3, 2, 4)                           # D N g HW K
+    cols = cols.reshape(d, p, group, (c // group) * kernel[0] * kernel[1])
+    return cols.transpose(0, 2, 1, 3)                               # D g P K
 
 
 def _mm(a, b):
@@ -147,18 +146,28 @@ def _mm(a, b):
     return np.matmul(a, b)
 
 
+def _same_on_every_device(w):
+    """One weight for the whole stack (one device, or a stride-0 replicated stack): the
+    devices' rows go through one GEMM."""
+    return w.shape[0] == 1 or w.strides[0] == 0
+
+
 def conv_stack(x, w, stride, dilation, pads, group):
     """Per-device 2-D convolution: x (D, N, C, H, W), w (D, Co, C/g, kh, kw) -> (D, N, Co,
-    Ho, Wo): im2col, then one GEMM per image ``W (Co, K) @ cols.T (K, Ho*Wo)`` that writes
-    NCHW directly."""
+    Ho, Wo), as im2col + one (batched) GEMM."""
     d, n = x.shape[:2]
     co, kernel = w.shape[1], w.shape[3:]
     out_hw = (conv_out_size(x.shape[3], kernel[0], stride[0], dilation[0], pads[0], pads[1]),
               conv_out_size(x.shape[4], kernel[1], stride[1], dilation[1], pads[2], pads[3]))
-    cols = _columns(x, kernel, stride, dilation, pads, out_hw, group)    # D N g HW K
-    wm = w.reshape(w.shape[0], 1, group, co // group, -1)                # D 1 g Cog K
-    out = _mm(wm, np.swapaxes(cols, -1, -2))                             # D N g Cog HW
-    return out.reshape(d, n, co, out_hw[0], out_hw[1])
+    cols = _columns(x, kernel, stride, dilation, pads, out_hw, group)    # D g P K
+    wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
+    if _same_on_every_device(w) and group == 1:
+        p = cols.shape[2]
+        out = _mm(cols.reshape(d * p, -1), wm[0, 0].T).reshape(d, 1, p, co)
+    else:
+        out = _mm(cols, np.swapaxes(wm, -1, -2))                   # D g P Cog
+    out = out.transpose(0, 2, 1, 3).reshape(d, n, out_hw[0], out_hw[1], co)
+    return np.ascontiguousarray(out.transpose(0, 1, 4, 2, 3))
 
 
 def _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dtype):
@@ -182,28 +191,37 @@ def _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dtype):
 
 def conv_input_grad_stack(dy, w, in_hw, stride, dilation, pads, group):
     """Gradient of conv_stack with respect to x: dy (D, N, Co, Ho, Wo), w (D, Co, C/g, kh,
-    kw) -> (D, N, C, H, W): one GEMM per image ``dy.T (Ho*Wo, Co) @ W (Co, K)``, then
-    col2im."""
+    kw) -> (D, N, C, H, W) (one GEMM, then col2im)."""
     d, n, co, ho, wo = dy.shape
     cg, kernel = w.shape[2], w.shape[3:]
-    dy5 = dy.reshape(d, n, group, co // group, ho * wo)                  # D N g Cog HW
-    wm = w.reshape(w.shape[0], 1, group, co // group, -1)                # D 1 g Cog K
-    dcols = _mm(np.swapaxes(dy5, -1, -2), wm)                            # D N g HW K
-    dcols = dcols.reshape(d, n, group, ho, wo, cg, kernel[0], kernel[1])
-    dwin = dcols.transpose(0, 1, 2, 5, 3, 4, 6, 7)                       # D N g Cg Ho Wo k k
-    dx = _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dy.dtype)
-    return dx.reshape(d, n, group * cg, dx.shape[-2], dx.shape[-1])
+    dym = np.ascontiguousarray(dy.transpose(0, 1, 3, 4, 2)).reshape(d, n * ho * wo, group,
+                                                                    co // group)
+    dym = dym.transpose(0, 2, 1, 3)                                      # D g P Cog
+    wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
+    if _same_on_every_device(w) and group == 1:
+        p = dym.shape[2]
+        dcols = _mm(dym.reshape(d * p, co), wm[0, 0]).reshape(d, 1, p, -1)
+    else:
+        dcols = _mm(dym, wm)                                       # D g P K
+    dcols = dcols.transpose(0, 2, 1, 3).reshape(d, n, ho, wo, group * cg, kernel[0],
+                                                kernel[1])
+    dwin = dcols.transpose(0, 1, 4, 2, 3, 5, 6)                          # D N C Ho Wo kh kw
+    return _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dy.dtype)
 
 
 def conv_filter_grad_stack(dy, x, kernel, stride, dilation, pads, group):
     """Per-device gradient of conv_stack with respect to w: dy (D, N, Co, Ho, Wo), x (D, N,
-    C, H, W) -> (D, Co, C/g, kh, kw): im2col of x, one GEMM per image ``dy (Co, Ho*Wo) @
-    cols (Ho*Wo, K)``, summed over the images."""
+    C, H, W) -> (D, Co, C/g, kh, kw): im2col of x, one GEMM with dy."""
     d, n, co, ho, wo = dy.shape
     c = x.shape[2]
-    cols = _columns(x, kernel, stride, dilation, pads, (ho, wo), group)  # D N g HW K
-    dy5 = dy.reshape(d, n, group, co // group, ho * wo)                  # D N g Cog HW
-    dw = np.add.reduce(_mm(dy5, cols), axis=1)                           # D g Cog K
+    cols = _columns(x, kernel, stride, dilation, pads, (ho, wo), group)  # D g P K
+    dym = np.ascontiguousarray(dy.transpose(0, 1, 3, 4, 2)).reshape(d, n * ho * wo, group,
+                                                                    co // group)
+    dym = dym.transpose(0, 2, 3, 1)                                      # D g Cog P
+    if d == 1 and group == 1:
+        dw = _mm(dym[0, 0], cols[0, 0])[None, None]                     # one GEMM
+    else:
+        dw = _mm(dym, cols)                                            # D g Cog K
     return dw.reshape(d, co, c // group, kernel[0], kernel[1])
 
 
