@@ -48,6 +48,8 @@ def parallel_active() -> bool:
         return False
     b = _live_backend()
     if b is None:
+        if context._STATE.ps.enable_ps:     # a parameter server's scheduler or server
+            return False
         b = ensure_init(cfg.parallel_mode)
     elif b.world_size == 1 and b.name == "sim" and cfg.device_num is None:
         raise no_device_num_error(cfg.parallel_mode)
