@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import lenet_mnist  # noqa: E402
 import resnet_cifar10  # noqa: E402
 
-RTOL = 1e-4          # float32 sums reordered across devices, over three steps
+RTOL = 1e-4          # SPEC: float32 over a training run
 
 
 def _same(a, b):
@@ -43,8 +43,12 @@ def cifar_batches(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["data_parallel", "semi_auto", "tiles", "hybrid"])
 def test_small_resnet_equals_stand_alone(cifar_batches, mode):
-    ref = resnet_cifar10.train_steps(cifar_batches, depth=8, width=8)
-    losses, params = resnet_cifar10.train_steps(cifar_batches, 8, mode, depth=8, width=8)
+    # lr 0.01: at the example's 0.05 this 16-image BatchNorm net is chaotic, and the
+    # last-bit differences of reordered float32 sums grow ~20x per step (1e-11, 2e-7,
+    # 4e-6 on stem.1.beta in three steps, stand-alone against any sharded run)
+    ref = resnet_cifar10.train_steps(cifar_batches, depth=8, width=8, lr=0.01)
+    losses, params = resnet_cifar10.train_steps(cifar_batches, 8, mode, depth=8, width=8,
+                                                lr=0.01)
     if mode == "hybrid":        # the head is held as per-device column blocks
         params["head_weight"] = np.concatenate(list(params["head_weight"]), axis=1)
     _same((losses, params), ref)

@@ -816,8 +816,10 @@ INFER_TABLE = {
     "MaxPoolSelect": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((2, 3, 5, 5), d, 1))),
     "BatchNormStats": (None, lambda d: (_arr((2, 3, 4, 4), d),)),
     "BatchNormStatsGrad": (None, lambda d: (_arr((2, 3, 4, 4), d), _arr((2, 3), d, 1))),
-    "BatchNormFold": ({"count": 8}, lambda d: (_arr((2, 3), d),)),
-    "BatchNormFoldGrad": ({"count": 8}, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
+    "BatchNormFold": ({"count": 8, "dtype": np.dtype(np.float32)},
+                      lambda d: (_arr((2, 3), d),)),
+    "BatchNormFoldGrad": ({"count": 8, "dtype": np.dtype(np.float32)},
+                          lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
 }
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
 

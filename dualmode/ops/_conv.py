@@ -485,7 +485,7 @@ def _infer_bn_stats(attrs, x):
     check_float("BatchNormStats", x)
     if x.ndim < 2:
         raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
-    return (((2, x.shape[1]), x.dtype),)
+    return (((2, x.shape[1]), np.dtype(np.float64)),)
 
 
 def _bn_axes(ndim):
@@ -493,10 +493,12 @@ def _bn_axes(ndim):
 
 
 def _bn_stats_kernel(attrs, x):
-    """Rows: per-channel sum and sum of squares over every dim but 1 (float64 sums)."""
+    """Rows: per-channel sum and sum of squares over every dim but 1, in float64 (the
+    variance is E[x^2] - E[x]^2: float32 sums would lose it to cancellation, and the
+    devices' partial sums would round differently from one device's)."""
     axes = _bn_axes(x.ndim)
     x64 = x.astype(np.float64)
-    return np.stack([x64.sum(axis=axes), np.square(x64).sum(axis=axes)]).astype(x.dtype)
+    return np.stack([x64.sum(axis=axes), np.square(x64).sum(axis=axes)])
 
 
 def _bw_bn_stats(node, g):
@@ -509,22 +511,29 @@ def _infer_bn_stats_grad(attrs, x, g):
 
 
 def _bn_stats_grad_kernel(attrs, x, g):
-    """d(sum)/dx * g[0] + d(sum of squares)/dx * g[1], per channel."""
+    """d(sum)/dx * g[0] + d(sum of squares)/dx * g[1], per channel, in x's dtype."""
     shape = (1, -1) + (1,) * (x.ndim - 2)
-    return (g[0].reshape(shape) + 2 * x * g[1].reshape(shape)).astype(x.dtype)
+    g = g.astype(x.dtype)
+    return g[0].reshape(shape) + 2 * x * g[1].reshape(shape)
 
 
-def _infer_bn_fold(attrs, s, name="BatchNormFold"):
-    check_float(name, s)
+def _infer_bn_fold(attrs, s):
+    check_float("BatchNormFold", s)
+    return ((tuple(s.shape), np.dtype(attrs["dtype"])),)
+
+
+def _infer_bn_fold_grad(attrs, s, g):
+    check_float("BatchNormFoldGrad", s)
     return ((tuple(s.shape), s.dtype),)
 
 
 def _bn_fold_kernel(attrs, s):
-    """(sums, sums of squares) over `count` values -> (mean, biased variance)."""
+    """(sums, sums of squares) over `count` values -> (mean, biased variance), computed
+    in the sums' dtype (float64) and given in attrs["dtype"] (x's)."""
     n = attrs["count"]
     mean = s[0] / n
     var = np.maximum(s[1] / n - mean * mean, 0)
-    return np.stack([mean, var]).astype(s.dtype)
+    return np.stack([mean, var]).astype(attrs["dtype"])
 
 
 def _bw_bn_fold(node, g):
@@ -534,28 +543,31 @@ def _bw_bn_fold(node, g):
 def _bn_fold_grad_kernel(attrs, s, g):
     n = attrs["count"]
     mean = s[0] / n
-    return np.stack([g[0] / n - 2 * mean * g[1] / n, g[1] / n]).astype(s.dtype)
+    g = g.astype(s.dtype)
+    return np.stack([g[0] / n - 2 * mean * g[1] / n, g[1] / n])
 
 
 BN_STATS_GRAD = register("BatchNormStatsGrad", infer=_infer_bn_stats_grad,
                          kernel=_bn_stats_grad_kernel)
 BN_STATS = register("BatchNormStats", infer=_infer_bn_stats, kernel=_bn_stats_kernel,
                     backward=_bw_bn_stats)
-BN_FOLD_GRAD = register("BatchNormFoldGrad", infer=lambda attrs, s, g: _infer_bn_fold(attrs, s, "BatchNormFoldGrad"),
+BN_FOLD_GRAD = register("BatchNormFoldGrad", infer=_infer_bn_fold_grad,
                         kernel=_bn_fold_grad_kernel)
 BN_FOLD = register("BatchNormFold", infer=_infer_bn_fold, kernel=_bn_fold_kernel,
                    backward=_bw_bn_fold)
 
 
 def batch_norm_stats(x):
-    """(2, C): per-channel sum and sum of squares of x (N, C, ...) over all other dims.
-    Sharded on N/H/W it is a pending sum: one AllReduce of both rows finishes it."""
+    """(2, C) float64: per-channel sum and sum of squares of x (N, C, ...) over all other
+    dims. Sharded on N/H/W it is a pending sum: one AllReduce of both rows finishes it."""
     return apply(BN_STATS, None, (const(x, "BatchNorm"),))
 
 
-def batch_norm_fold(stats, count):
-    """(2, C): mean and biased variance from batch_norm_stats over `count` values."""
-    return apply(BN_FOLD, {"count": int(count)}, (const(stats, "BatchNorm"),))
+def batch_norm_fold(stats, count, dtype):
+    """(2, C) in `dtype`: mean and biased variance from batch_norm_stats (float64 sums)
+    over `count` values."""
+    return apply(BN_FOLD, {"count": int(count), "dtype": np.dtype(dtype)},
+                 (const(stats, "BatchNorm"),))
 
 
 def bn_count(shape):
@@ -583,7 +595,7 @@ def batch_norm_train(x, gamma, beta, eps=1e-5):
     x = const(x, "BatchNorm")
     if x.ndim < 2:
         raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
-    mv = batch_norm_fold(batch_norm_stats(x), bn_count(tuple(x.shape)))
+    mv = batch_norm_fold(batch_norm_stats(x), bn_count(tuple(x.shape)), x.dtype)
     mean, var = A.getitem(mv, 0), A.getitem(mv, 1)
     return batch_norm_apply(x, mean, var, gamma, beta, eps), mean, var
 

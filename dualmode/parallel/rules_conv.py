@@ -386,9 +386,8 @@ def _bn_stats(attrs, lays, dtypes):
     axes = (1,) + tuple(range(3, x.ndim + 1))
 
     def local(attrs, stacks):
-        s = stacks[0].astype(np.float64)
-        return np.stack([s.sum(axis=axes), np.square(s).sum(axis=axes)],
-                        axis=1).astype(stacks[0].dtype)
+        s = stacks[0].astype(np.float64)          # float64 sums, as the op's kernel
+        return np.stack([s.sum(axis=axes), np.square(s).sum(axis=axes)], axis=1)
 
     return ShardPlan((x,), (out,), local)
 
@@ -404,9 +403,10 @@ def _bn_stats_grad(attrs, lays, dtypes):
     def local(attrs, stacks):
         xs, gs = stacks
         d = xs.shape[0]
+        gs = gs.astype(xs.dtype)
         g0 = gs[:, 0].reshape((d,) + shape)
         g1 = gs[:, 1].reshape((d,) + shape)
-        return (g0 + 2 * xs * g1).astype(xs.dtype)
+        return g0 + 2 * xs * g1
 
     return ShardPlan((x, need_g), (x,), local)
 
