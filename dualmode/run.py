@@ -2,24 +2,35 @@
 
 ::
 
-    python -m dualmode.run --worker_num 4 [--log_dir DIR] train.py args...
+    python -m dualmode.run --worker_num 4 [--log_dir DIR] [--timeout S] train.py args...
     # several machines (run on each; node 0 starts the job):
-    python -m dualmode.run --worker_num 8 --nnodes 2 --node_rank R \\
+    python -m dualmode.run --nproc_per_node 4 --nnodes 2 --node_rank R \\
         --master_addr HOST0 --master_port 29500 train.py args...
+    # Kubernetes manifests of the same job instead of running it:
+    python -m dualmode.run --k8s mpijob|ps [--image IMG] ... train.py args...
 
-The ranks are started by MPICH's ``mpiexec`` (from the ``mpich`` wheel), each through
-:mod:`dualmode._rank_wrapper`, which sets ``RANK_ID``, ``RANK_SIZE`` and ``DEVICE_ID``,
-writes ``DIR/worker_<rank>.log`` (default ``log_output/``) and echoes rank 0 to this
-terminal. When a rank fails it aborts the job: every rank is killed within about a
-second and the launcher exits with status 1, printing
-``dualmode.run: rank R failed: <Type>: <message>``.
+The ranks are started by MPICH's ``mpiexec`` (from the ``mpich`` wheel, found beside
+``sys.executable``: no PATH set-up), each through :mod:`dualmode._rank_wrapper`, which
+sets ``RANK_ID``/``RANK``, ``RANK_SIZE``/``WORLD_SIZE``, ``LOCAL_RANK`` and
+``DEVICE_ID``, writes ``DIR/worker_<rank>.log`` (default ``log_output/``) and echoes rank
+0 to this terminal.
+
+Supervision: a rank that raises aborts the job itself (its wrapper prints ``rank R
+failed: <Type>: <message>`` and calls ``MPI_Abort``). Everything else the launcher sees
+through the ranks' state files and mpiexec's report, and it ends the job (mpiexec and
+every rank, in their own process group) with status 1 and one line naming the rank: a
+rank killed by a signal (named), a rank that exited without a traceback, a rank that
+exited while the others wait for it in a collective, no progress for ``--timeout``
+seconds (every rank's Python stack written to its log first), SIGINT/SIGTERM to the
+launcher. Nothing is left running.
 
 Machines: ``--nnodes K`` with ``--node_rank/--master_addr/--master_port`` (node 0 waits
 for the others on ``master_addr:master_port``, writes a hostfile of the addresses they
 connected from and runs mpiexec, which starts the remote ranks over ssh; the other nodes
 wait and exit with the job's status), or ``--hostfile FILE`` (MPICH's format,
 ``host:slots`` per line), or a ``RANK_TABLE_FILE`` whose ``server_list`` names several
-servers.
+servers; the remote hosts of a hostfile or rank table must answer ssh within
+``--ssh_timeout`` seconds, else the launcher names the host before starting anything.
 """
 from __future__ import annotations
 
@@ -756,7 +767,14 @@ def k8s_manifests(cfg: LaunchConfig) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the job; the exit status (0, or non-zero naming the failed rank)."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM ends as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         cfg = parse_args(argv)
         if cfg.k8s is not None:

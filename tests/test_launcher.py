@@ -203,3 +203,19 @@ def test_launcher_unreachable_host_fails_in_time_and_leaves_no_ssh(tmp_path):
                      r"answer within --ssh_timeout=2 s\)", proc.stderr), proc.stderr
     assert no_survivors(f"sleep 300 # {tmp_path}") == []
     assert not (tmp_path / "logs").exists()
+
+
+def test_hand_started_rank_process_is_told_how_to_launch(tmp_path):
+    """Seed 004's run.sh starts every rank by hand with RANK_SIZE / RANK_ID / DEVICE_ID:
+    without MPI each would run alone; init() refuses and says how to launch."""
+    code = ("import dualmode as dm\n"
+            "dm.communication.init()\n"
+            "print('ran alone')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                          env=_env(RANK_SIZE="8", RANK_ID="1", DEVICE_ID="1"),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and "ran alone" not in proc.stdout
+    assert ("RuntimeError: init: environment variable RANK_SIZE=8 (RANK_ID=1) says this "
+            "process is one of 8 ranks, but mpiexec did not start it, so it would run alone; "
+            "start all 8 ranks with python -m dualmode.run --worker_num 8 script.py"
+            in proc.stderr), proc.stderr
