@@ -154,3 +154,20 @@ def test_strategies_give_each_op_its_predicted_communication_time():
             sum(t["time"] for t in times.values()))
         with pytest.raises(ValueError, match=r"link"):
             f.strategies(link="carrier pigeon")
+
+
+class _StopGrad(nn.Cell):
+    def construct(self, x):
+        return ops.reduce_sum(ops.square(x)) + ops.reduce_sum(ops.stop_gradient(ops.square(x)))
+
+
+@pytest.mark.parametrize("mode", ["GRAPH_MODE", "PYNATIVE_MODE"])
+def test_stop_gradient_keeps_the_value_and_cuts_the_gradient(mode):
+    # traced, stop_gradient once read its input's value, which an abstract value does not
+    # have: the branch became a constant zero
+    with devices(8):
+        dm.set_context(mode=getattr(dm, mode))
+        net = _StopGrad()
+        loss, gx = dm.value_and_grad(net, 0)(Tensor(X))
+    np.testing.assert_allclose(loss.asnumpy(), 2 * np.sum(X * X), rtol=1e-5)
+    np.testing.assert_allclose(gx.asnumpy(), 2 * X, rtol=1e-5)

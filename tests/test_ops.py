@@ -760,6 +760,7 @@ INFER_TABLE = {
     "Equal": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
     "GreaterEqual": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
     "Neg": (None, lambda d: (_arr((2, 3), d),)),
+    "StopGradient": (None, lambda d: (_arr((2, 3), d),)),
     "Exp": (None, lambda d: (_arr((2, 3), d),)),
     "Log": (None, lambda d: (_arr((2, 3), d),)),
     "Sqrt": (None, lambda d: (_arr((2, 3), d),)),

@@ -1,6 +1,7 @@
 """Bad input in parameter server mode: every error names the variable (or address,
 key, parameter), the bad value and what is valid; nothing hangs."""
 import os
+import re
 import socket
 
 import numpy as np
@@ -151,8 +152,10 @@ def test_ps_workers_seeded_differently_refused(tmp_path):
         c.start_all()
         c.wait()
         logs = c.log("worker_0") + c.log("worker_1")
-        assert "initial value of parameter 'fc1.weight' differs from the first worker's; " \
-               "seed every worker alike (dm.set_seed)" in logs, c.all_logs()
+        # both weights differ; which server reports first depends on timing
+        assert re.search(r"initial value of parameter 'fc1\.(weight|bias)' differs from the "
+                         r"first worker's; seed every worker alike \(dm\.set_seed\)", logs), \
+            c.all_logs()
 
 
 def test_ps_parameter_marks():

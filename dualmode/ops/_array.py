@@ -9,7 +9,7 @@ import numpy as np
 from .._core._tensor import TensorBase
 from ..common.dtype import as_dtype
 from ._registry import apply, check_int_dtype, check_same_dtype, const, \
-    norm_axis, register, wrap
+    norm_axis, register, same_as_input, wrap
 
 
 def _shape_of(x):
@@ -505,7 +505,18 @@ def ones_like(x):
     return ones(x.shape, x.dtype)
 
 
+# the identity with no gradient: what stop_gradient records for a distributed or traced
+# value (a plain one is just re-wrapped, off the tape)
+STOP_GRADIENT = register("StopGradient", linear=(0,), family=("elementwise",),
+                         infer=same_as_input, kernel=lambda attrs, x: x,
+                         backward=lambda node, g: (None,))
+
+
 def stop_gradient(x):
     """The same value, cut off from the tape (no gradient flows through it)."""
     x = const(x, "stop_gradient")
+    if isinstance(x, TensorBase) and x._layout is not None:
+        # a distributed value keeps its shards and layout (reading the global value would
+        # gather it); a traced one must stay a graph value, with the cut recorded
+        return apply(STOP_GRADIENT, None, (x,))
     return wrap(x._value() if isinstance(x, TensorBase) else x)   # a new tensor, no tape
