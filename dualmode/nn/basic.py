@@ -25,6 +25,22 @@ def make_parameter(owner, what, init, shape, dtype, name):
     return Parameter(initializer(init, shape, dtype), name=name)
 
 
+def compute_operands(cell, name, x):
+    """``(x, weight, bias)`` of a layer with a ``weight`` (and maybe a ``bias``) in the
+    dtype it computes in: float16 under ``Model(amp_level="O2")`` (the Model sets
+    ``amp_dtype`` on the cell), else as stored; TypeError naming the layer when the input's
+    dtype is not the weight's."""
+    weight, bias = cell.weight, getattr(cell, "bias", None)
+    amp = cell.__dict__.get("amp_dtype")
+    if amp is not None:
+        x, weight = ops.cast(x, amp), ops.cast(weight, amp)
+        bias = ops.cast(bias, amp) if bias is not None else None
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{name}: input has dtype {x.dtype} but the weight has dtype "
+                        f"{cell.weight.dtype}; cast the input with ops.cast")
+    return x, weight, bias
+
+
 class Dense(Cell):
     """Fully connected layer: ``activation(x @ weight.T + bias)``.
 
@@ -76,14 +92,7 @@ class Dense(Cell):
         if not shape or shape[-1] != self.in_channels:
             raise ValueError(f"Dense: input has shape {tuple(shape)}; its last dim must equal "
                              f"in_channels={self.in_channels}")
-        weight, bias = self.weight, getattr(self, "bias", None)
-        amp = self.__dict__.get("amp_dtype")        # Model(amp_level="O2"): float16 compute
-        if amp is not None:
-            x, weight = ops.cast(x, amp), ops.cast(weight, amp)
-            bias = ops.cast(bias, amp) if bias is not None else None
-        if x.dtype != weight.dtype:
-            raise TypeError(f"Dense: input has dtype {x.dtype} but the weight has dtype "
-                            f"{self.weight.dtype}; cast the input with ops.cast")
+        x, weight, bias = compute_operands(self, "Dense", x)
         if len(shape) != 2:
             x = ops.reshape(x, (-1, self.in_channels))
         x = ops.matmul(x, weight, transpose_b=True)

@@ -8,7 +8,7 @@ from ..common import dtype as _dt
 from ..common.initializer import HeUniform, Uniform
 from ..ops._conv import check_pad, check_pad_mode, pair
 from ._checks import check_bool, check_float_tensor, check_int
-from .basic import make_parameter
+from .basic import compute_operands, make_parameter
 from .cell import Cell
 
 __all__ = ["Conv2d"]
@@ -72,14 +72,7 @@ class Conv2d(Cell):
 
     def construct(self, x):
         check_float_tensor("Conv2d", "input", x)
-        weight, bias = self.weight, getattr(self, "bias", None)
-        amp = self.__dict__.get("amp_dtype")        # Model(amp_level="O2"): float16 compute
-        if amp is not None:
-            x, weight = ops.cast(x, amp), ops.cast(weight, amp)
-            bias = ops.cast(bias, amp) if bias is not None else None
-        if x.dtype != weight.dtype:
-            raise TypeError(f"Conv2d: input has dtype {x.dtype} but the weight has dtype "
-                            f"{weight.dtype}; cast the input with ops.cast")
+        x, weight, bias = compute_operands(self, "Conv2d", x)
         y = self.conv2d(x, weight)
         if self.has_bias:
             y = self.bias_add(y, bias)
