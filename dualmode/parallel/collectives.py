@@ -63,7 +63,8 @@ from ..ops._registry import (KIND_GENERIC, REGISTRY, apply, const, register, sam
                              wrap)
 from ..ops.collectives import WORLD_GROUP
 from . import device_local as dl
-from . import dtensor
+from .moves import gather_global
+from .stacks import is_batch_layout
 from .devices import device_num, parallel_active
 from .graph.trace import is_abstract
 
@@ -131,7 +132,7 @@ def _plain_grad(g, opname):
         return g._value()
     if isinstance(lay, dl.DeviceLocalLayout):
         g = _core.wrap_dist(g._data, dl._partial_layout(lay.shape, lay.device_num))
-    return dtensor._gather_global(g, opname)
+    return gather_global(g, opname)
 
 
 def _local_grad(g, n, shape, opname):
@@ -454,7 +455,7 @@ def run(prim, x):
         lay = x._layout
         if isinstance(lay, dl.DeviceLocalLayout):
             pass
-        elif lay is not None and dtensor.is_batch_layout(lay):
+        elif lay is not None and is_batch_layout(lay):
             x = dl.shards_as_device_local(x)      # device d contributes its shard
         else:
             x = dl.to_device_local(x, n, name)    # every device: the global value

@@ -63,6 +63,7 @@ from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, OpDef, TensorBase
 from ..tensor import Parameter
 from . import dtensor
+from .moves import gather_global
 from .devices import device_num, live_backend, parallel_active, world_stack
 from .tensor_layout import TensorLayout
 from .sharding import RULES
@@ -384,7 +385,7 @@ def _plain_array(x, op_name):
     resolving as dtensor does)."""
     if x._layout is None:
         return x._value()
-    return dtensor._gather_global(x, op_name)
+    return gather_global(x, op_name)
 
 
 def _bw_to_local(node, g):

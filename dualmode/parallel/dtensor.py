@@ -52,8 +52,6 @@ __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_nu
            "is_batch_layout", "resolve_partial", "register_layout_kind", "local_rows",
            "moved", "REDISTRIBUTE", "gather_stack", "batch_global_outputs"]
 
-_gather_global = gather_global      # the name parallel/collectives.py and device_local.py use
-
 
 # ---------------------------------------------------------------------------
 # layouts and stacks

@@ -51,6 +51,7 @@ class Program:
         self.layouts = graph.meta["layouts"]
         self.param_plans = graph.meta["params"]
         self.name = graph.meta.get("name", "graph")
+        self.params = {v.id: p for p, v in graph.params}   # what Call nodes are given
         self.steps = tuple(self._prepare(graph))
 
     def _prepare(self, graph):
@@ -77,10 +78,8 @@ class Program:
         env = {}
         for v, x in zip(g.args, args):
             env[v.id] = x._data if self.layouts[v.id] is not None else x._value()
-        self.params = {}
         for p, v in g.params:
             plan = self.param_plans[v.id]
-            self.params[v.id] = p
             lay = plan.layout
             if p._layout == lay:
                 val = p

@@ -99,6 +99,8 @@ class _Lowering:
         self.nodes = []
         self.moves = 0
         self.arg_sources = arg_sources or {}
+        self.aliases = {}             # value id -> the id that replaced it (moved, reduced)
+        self.current = None           # the node being lowered (what its moves are for)
 
     # ---- helpers -------------------------------------------------------------------
     def fresh(self, like: Value) -> Value:
@@ -230,16 +232,12 @@ class _Lowering:
         meta["params"] = self.param_plans
         return verify(g.replace(nodes=tuple(self.nodes), outputs=outputs, meta=meta))
 
-    _aliases = None
-
     def alias(self, old, new):
-        if self._aliases is None:
-            self._aliases = {}
-        self._aliases[old] = new
+        self.aliases[old] = new
 
     def ref(self, x):
-        if isinstance(x, Ref) and self._aliases and x.id in self._aliases:
-            return Ref(self._aliases[x.id])
+        if isinstance(x, Ref) and x.id in self.aliases:
+            return Ref(self.aliases[x.id])
         return x
 
     def rename(self, tree):
@@ -249,8 +247,6 @@ class _Lowering:
         if isinstance(x, Ref):
             return self.lay[x.id]
         return _const_layout(x)
-
-    current = None                  # the node being lowered (what its moves are for)
 
     def lower_node(self, node: Node):
         self.current = node.name
@@ -317,16 +313,13 @@ class _Lowering:
                 v = self.values[x.id]
                 specs.append(lay if lay is not None else v.shape)
                 dtypes.append(v.dtype)
+            elif isinstance(x.value, TensorBase):
+                specs.append(lay if lay is not None else tuple(x.value.shape))
+                dtypes.append(x.value.dtype)
             else:
-                val = x.value
-                arr = val if not isinstance(val, TensorBase) else None
-                if isinstance(val, TensorBase):
-                    specs.append(lay if lay is not None else tuple(val.shape))
-                    dtypes.append(val.dtype)
-                else:
-                    specs.append(tuple(np.shape(arr)) if np.ndim(arr) > 0 else None)
-                    dtypes.append(np.asarray(arr).dtype if not hasattr(arr, "dtype")
-                                  else arr.dtype)
+                arr = np.asarray(x.value)
+                specs.append(arr.shape if arr.ndim > 0 else None)
+                dtypes.append(arr.dtype)
         return specs, dtypes
 
     def found_plan(self, node, ins, lays):
