@@ -26,7 +26,8 @@ __all__ = ["shard", "ShardFunction", "AutoParallel", "compile_count", "graph_cal
 _COMPILES = [0]
 
 _DEVICES = ("CPU", "GPU", "Ascend")
-_AUTO_MODES = ("semi_auto", "sharding_propagation", "recursive_programming")
+_AUTO_MODES = ("semi_auto", "sharding_propagation", "recursive_programming",
+               "dynamic_programming")
 
 
 def compile_count() -> int:
@@ -86,19 +87,27 @@ def _context_key():
 
 class _ModeOverride:
     """Run an AutoParallel network in its own parallel mode when the context is
-    stand-alone but a multi-device backend is up (as MindSpore's AutoParallel does)."""
+    stand-alone but a multi-device backend is up (as MindSpore's AutoParallel does), and
+    with its own search mode (``AutoParallel(parallel_mode="recursive_programming")``
+    searches that way whatever the context's ``search_mode``)."""
 
-    def __init__(self, mode):
+    def __init__(self, mode, search_mode=None):
         self.mode = mode
+        self.search_mode = search_mode
         self.saved = None
 
     def __enter__(self):
         st = context._STATE
+        changes = {}
         if self.mode is not None and st.auto_parallel.parallel_mode == "stand_alone":
             b = live_backend()
             if b is not None and b.world_size > 1:
-                self.saved = st.auto_parallel
-                st.auto_parallel = dataclasses.replace(self.saved, parallel_mode=self.mode)
+                changes["parallel_mode"] = self.mode
+        if self.search_mode is not None and st.auto_parallel.search_mode != self.search_mode:
+            changes["search_mode"] = self.search_mode
+        if changes:
+            self.saved = st.auto_parallel
+            st.auto_parallel = dataclasses.replace(self.saved, **changes)
         return self
 
     def __exit__(self, *exc):
@@ -116,7 +125,7 @@ class ShardFunction:
 
     def __init__(self, fn, in_strategy=None, out_strategy=None, parameter_plan=None,
                  device="CPU", level=0, *, owner="ops.shard", propagate=True,
-                 top_level=False, mode=None):
+                 top_level=False, mode=None, search_mode=None):
         if not callable(fn):
             raise TypeError(f"{owner}: fn must be a function or a Cell, got "
                             f"{type(fn).__name__}")
@@ -134,6 +143,7 @@ class ShardFunction:
         self.propagate = propagate
         self.top_level = top_level
         self.mode = mode
+        self.search_mode = search_mode
         self._cache = {}
         self.compiled = None
         self._cell = fn if is_cell(fn) else None
@@ -152,7 +162,7 @@ class ShardFunction:
         tr = current_trace()
         if tr is not None:                 # inside another compiled function: inline
             return self._inline(tr, args, kwargs)
-        with _ModeOverride(self.mode):
+        with _ModeOverride(self.mode, self.search_mode):
             sharded = parallel_active() and context._STATE.auto_parallel.parallel_mode in (
                 "semi_auto_parallel", "auto_parallel")
             if self.in_strategy is not None and len(self.in_strategy) != len(args):
@@ -210,7 +220,8 @@ class ShardFunction:
         sources = {v.id: a._layout for v, a in zip(
             graph.args, [a for a in args if isinstance(a, TensorBase)])}
         fully = context._STATE.algo.fully_use_devices
-        # every search_mode runs the one propagation engine (see propagate.py)
+        # fully_use_devices filters the candidates; the search itself is the context's
+        # search_mode (search.py), which AutoParallel's parallel_mode overrides
         compiled = compile_graph(graph, device_num(), sharded=sharded, propagate=self.propagate,
                                  name=self.owner, in_strategy=in_strategy,
                                  out_strategy=self.out_strategy,
@@ -260,9 +271,12 @@ class AutoParallel(ShardFunction):
     whole training step (forward, ``value_and_grad``, optimizer update) to one graph.
 
     ``"semi_auto"`` runs the ops' configured strategies and data parallel elsewhere;
-    ``"sharding_propagation"`` (and ``"recursive_programming"``, which uses the same
-    propagation engine over all unconfigured ops) chooses the other ops' strategies.
-    Inputs are split as batch data per ``dataset_strategy``, as a network's are.
+    the other modes choose the other ops' strategies with that search, whatever the
+    context's ``search_mode``: ``"sharding_propagation"`` (greedy from the configured
+    ops), ``"recursive_programming"`` (a fast heuristic, heaviest ops first) or
+    ``"dynamic_programming"`` (the exact minimum of the cost model, by graph
+    elimination; see :mod:`~dualmode.parallel.graph.search`). Inputs are split as batch
+    data per ``dataset_strategy``, as a network's are.
     """
 
     def __init__(self, network, parallel_mode="semi_auto"):
@@ -273,7 +287,8 @@ class AutoParallel(ShardFunction):
         super().__init__(network, owner="AutoParallel", propagate=parallel_mode != "semi_auto",
                          top_level=True,
                          mode="semi_auto_parallel" if parallel_mode == "semi_auto"
-                         else "auto_parallel")
+                         else "auto_parallel",
+                         search_mode=None if parallel_mode == "semi_auto" else parallel_mode)
 
 
 def graph_call(cell, inputs, kwargs):

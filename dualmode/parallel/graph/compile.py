@@ -8,7 +8,8 @@ Passes (each returns a new, verified Graph):
 2. :func:`propagate_strategies` — (``sharding_propagation``) every forward op without a
    strategy gets one: candidates from the op's sharding rule (candidates.py), costs from
    the alpha-beta model over the rules' collectives and the redistribution planner's
-   byte counts (cost.py), choices by the Cython propagation kernel (propagate.py).
+   byte counts (cost.py), choices by the context's ``search_mode`` (search.py: the
+   propagation kernel, exact dynamic programming, or recursive programming).
    Configured strategies are fixed points. In ``semi_auto`` mode this pass is skipped:
    an op without a strategy runs data parallel on whatever layout reaches it, exactly as
    in PyNative mode.
@@ -48,7 +49,7 @@ from ..devices import some_devices
 from .executor import Program
 from .ir import CALL, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, map_leaves, verify
 from .lower import insert_communication
-from .propagate import propagate
+from .search import PlanTable, search
 from .trace import trace
 
 __all__ = ["apply_strategies", "propagate_strategies",
@@ -288,15 +289,17 @@ def propagate_strategies(graph: Graph, n: int, *, arg_sources=None, impl="cython
                         redistribution_cost(have, need, itemsize, model)
             edges.append((src, dst))
             edge_costs.append(m)
-    choice = propagate(node_costs, np.array(edges, dtype=np.int64).reshape(-1, 2), edge_costs,
-                       np.array(fixed, dtype=np.int64), impl=impl)
+    plan = search(node_costs, np.array(edges, dtype=np.int64).reshape(-1, 2), edge_costs,
+                  np.array(fixed, dtype=np.int64), impl=impl)  # the context's search_mode
+    choice = plan.choice
     nodes = list(graph.nodes)
     for p, cands in free.items():
         k = labels[p]
         cand = cands[int(choice[p])]
         nodes[k] = nodes[k].replace(in_layouts=tuple(cand.in_layouts), cost=float(cand.cost),
                                     chosen=cand.strategy)
-    return verify(graph.replace(nodes=tuple(nodes)))
+    return verify(graph.replace(nodes=tuple(nodes), meta={
+        **graph.meta, "search_mode": plan.search_mode, "plan_cost": plan.cost}))
 
 
 def _gradient_cost(node, cand, trained, values, model) -> float:
@@ -378,7 +381,9 @@ class CompiledGraph:
         of any other, that of the moves the lowered graph makes for it. Given a network
         model (as for CommReport: ``link="10GbE"`` or ``alpha_s``/``beta_s_per_byte``),
         each entry also has "time": the predicted time of the collectives made for it
-        (:func:`~dualmode.parallel.report.compiled_comm_times`)."""
+        (:func:`~dualmode.parallel.report.compiled_comm_times`). The result is a
+        :class:`~.search.PlanTable` (a dict): ``total_cost`` sums the entries' costs,
+        ``plan_cost`` is the total the search minimised, ``search_mode`` the search."""
         moved = _move_costs(self.program.graph) if self.program is not None else {}
         times = None
         if (alpha_s, beta_s_per_byte, link) != (None, None, None) and self.program is not None:
@@ -398,7 +403,7 @@ class CompiledGraph:
                               "backward": node.backward}
             if times is not None:
                 out[node.name]["time"] = times.get(node.name, {}).get("time", 0.0)
-        return out
+        return PlanTable(out, self.graph.meta.get("plan_cost"), self.graph.meta.get("search_mode"))
 
     def dump(self, path=None, backward=False) -> str:
         """The graph as graphviz dot text, written to `path` when given (no graphviz

@@ -38,7 +38,9 @@ import numpy as np
 
 from ..._core import _propagate
 
-__all__ = ["propagate", "total_cost", "PropagationError", "DEFAULT_ROUNDS"]
+__all__ = ["propagate", "total_cost", "flat_total_cost", "prepare_problem",
+           "propagate_flat", "PropagationError",
+           "DEFAULT_ROUNDS"]
 
 #: Refinement sweeps run after the greedy pass unless ``rounds`` says otherwise.
 DEFAULT_ROUNDS = _propagate.DEFAULT_ROUNDS
@@ -167,7 +169,10 @@ def _check_fixed(fixed, counts) -> np.ndarray:
     return arr
 
 
-def _prepare(node_costs, edges, edge_costs, fixed=None):
+def prepare_problem(node_costs, edges, edge_costs, fixed=None):
+    """Validate a problem and flatten it: ``(node_ptr, node_flat, edges, edge_ptr,
+    edge_flat, fixed)`` (CSR arrays as the kernels take them; ``fixed`` None when not
+    given). Raises :class:`PropagationError` naming the bad parameter."""
     node_ptr, node_flat = _flatten_nodes(node_costs)
     counts = np.diff(node_ptr)
     n = counts.shape[0]
@@ -175,6 +180,7 @@ def _prepare(node_costs, edges, edge_costs, fixed=None):
     edge_ptr, edge_flat = _flatten_edges(edge_costs, edges, counts)
     fixed = None if fixed is None else _check_fixed(fixed, counts)
     return node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed
+
 
 
 def _check_rounds(rounds):
@@ -221,13 +227,19 @@ def propagate(node_costs: Sequence[np.ndarray], edges, edge_costs: Sequence[np.n
         raise PropagationError(f"propagate: impl={impl!r} is not valid; expected 'cython' "
                                f"or 'python'")
     rounds = _check_rounds(rounds)
-    node_ptr, node_flat, e_arr, edge_ptr, edge_flat, fixed_arr = _prepare(
-        node_costs, edges, edge_costs, fixed)
+    return propagate_flat(*prepare_problem(node_costs, edges, edge_costs, fixed), impl=impl,
+                          rounds=rounds)
+
+
+def propagate_flat(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, *,
+                   impl: str = "cython", rounds: int = DEFAULT_ROUNDS) -> np.ndarray:
+    """:func:`propagate` over a problem already flattened by :func:`prepare_problem`
+    (``impl`` and ``rounds`` trusted)."""
     if impl == "python":
-        return _reference(node_ptr, node_flat, e_arr, edge_ptr, edge_flat, fixed_arr, rounds)
-    return _propagate.propagate(node_ptr, node_flat, np.ascontiguousarray(e_arr[:, 0]),
-                                np.ascontiguousarray(e_arr[:, 1]), edge_ptr, edge_flat,
-                                fixed_arr, rounds)
+        return _reference(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, rounds)
+    return _propagate.propagate(node_ptr, node_flat, np.ascontiguousarray(edges[:, 0]),
+                                np.ascontiguousarray(edges[:, 1]), edge_ptr, edge_flat,
+                                fixed, rounds)
 
 
 def total_cost(choice, node_costs: Sequence[np.ndarray], edges,
@@ -236,7 +248,7 @@ def total_cost(choice, node_costs: Sequence[np.ndarray], edges,
 
     ``choice`` is an int array (N,) of candidate indices (as :func:`propagate` returns).
     """
-    node_ptr, node_flat, e_arr, edge_ptr, edge_flat, _ = _prepare(node_costs, edges,
+    node_ptr, node_flat, e_arr, edge_ptr, edge_flat, _ = prepare_problem(node_costs, edges,
                                                                    edge_costs)
     counts = np.diff(node_ptr)
     n = counts.shape[0]
@@ -251,11 +263,18 @@ def total_cost(choice, node_costs: Sequence[np.ndarray], edges,
         raise PropagationError(f"total_cost: choice[{i}]={int(arr[i])} is not valid for node "
                                f"{i} with {int(counts[i])} candidates; expected "
                                f"0..{int(counts[i]) - 1}")
-    own = node_flat[node_ptr[:-1] + arr].sum() if n else 0.0
-    if e_arr.shape[0] == 0:
+    return flat_total_cost(arr, node_ptr, node_flat, e_arr, edge_ptr, edge_flat)
+
+
+def flat_total_cost(choice, node_ptr, node_flat, edges, edge_ptr, edge_flat) -> float:
+    """:func:`total_cost` of a valid ``choice`` over a problem already flattened by
+    :func:`prepare_problem` (no validation)."""
+    counts = np.diff(node_ptr)
+    own = node_flat[node_ptr[:-1] + choice].sum() if counts.shape[0] else 0.0
+    if edges.shape[0] == 0:
         return float(own)
-    s, d = e_arr[:, 0], e_arr[:, 1]
-    edge = edge_flat[edge_ptr[:-1] + arr[s] * counts[d] + arr[d]].sum()
+    s, d = edges[:, 0], edges[:, 1]
+    edge = edge_flat[edge_ptr[:-1] + choice[s] * counts[d] + choice[d]].sum()
     return float(own + edge)
 
 

@@ -1,0 +1,187 @@
+# cython: language_level=3
+"""Recursive-programming kernel: one candidate per node, chosen in a given order.
+
+The rules are those of :func:`dualmode.parallel.graph.search.recursive_programming`
+(whose docstring explains them) and of its pure-Python reference ``impl="python"``; the
+tests compare the two choice for choice.
+
+The graph comes in as the flat (CSR) arrays of :mod:`dualmode._core._propagate`,
+validated by the caller, plus ``order``: every node once, the fixed nodes first.
+
+Steps (all ``nogil``):
+
+1. ``_adjacency`` / ``_transpose``: incident edges per node (both directions) and a
+   transposed copy of every edge matrix, so a node reads one contiguous row whichever
+   end of the edge it is.
+2. ``_choose``: each free node in ``order`` takes the candidate minimising its own cost
+   plus the edge costs to the neighbours decided so far (ties: the lower index).
+3. ``_refine``: up to ``rounds`` sweeps in ``order`` re-choose each free node given all
+   its neighbours, taking a new candidate only when strictly cheaper (the total cost
+   never rises); stops early on a sweep without change.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
+
+cnp.import_array()
+
+
+cdef void _adjacency(int64_t N, int64_t E, const int64_t* src, const int64_t* dst,
+                     int64_t* adj_ptr, int64_t* adj_edge) noexcept nogil:
+    """CSR of incident edges per node (each edge listed at both ends), by edge index."""
+    cdef int64_t i, e, p
+    for i in range(N + 1):
+        adj_ptr[i] = 0
+    for e in range(E):
+        adj_ptr[src[e] + 1] += 1
+        adj_ptr[dst[e] + 1] += 1
+    for i in range(N):
+        adj_ptr[i + 1] += adj_ptr[i]
+    for e in range(E):
+        p = adj_ptr[src[e]]
+        adj_edge[p] = e
+        adj_ptr[src[e]] = p + 1
+        p = adj_ptr[dst[e]]
+        adj_edge[p] = e
+        adj_ptr[dst[e]] = p + 1
+    for i in range(N, 0, -1):
+        adj_ptr[i] = adj_ptr[i - 1]
+    adj_ptr[0] = 0
+
+
+cdef void _transpose(int64_t E, const int64_t* node_ptr, const int64_t* src,
+                     const int64_t* dst, const int64_t* edge_ptr, const double* edge_cost,
+                     double* edge_cost_t) noexcept nogil:
+    """Each edge's (c_src, c_dst) matrix transposed."""
+    cdef int64_t e, a, b, cs, cd
+    cdef const double* m
+    cdef double* t
+    for e in range(E):
+        cs = node_ptr[src[e] + 1] - node_ptr[src[e]]
+        cd = node_ptr[dst[e] + 1] - node_ptr[dst[e]]
+        m = &edge_cost[edge_ptr[e]]
+        t = &edge_cost_t[edge_ptr[e]]
+        for a in range(cs):
+            for b in range(cd):
+                t[b * cs + a] = m[a * cd + b]
+
+
+cdef int64_t _best(int64_t v, const int64_t* node_ptr, const double* node_cost,
+                   const int64_t* src, const int64_t* dst, const int64_t* edge_ptr,
+                   const double* edge_cost, const double* edge_cost_t,
+                   const int64_t* adj_ptr, const int64_t* adj_edge,
+                   const int64_t* choice, int64_t current, double* tot) noexcept nogil:
+    """The candidate of node v minimising its own cost plus the edge costs to its decided
+    neighbours, ties to the lower index; `current` (or -1) is kept unless another
+    candidate is strictly cheaper."""
+    cdef int64_t c = node_ptr[v + 1] - node_ptr[v], a, p, e, cu, best
+    cdef const double* m
+    for a in range(c):
+        tot[a] = node_cost[node_ptr[v] + a]
+    for p in range(adj_ptr[v], adj_ptr[v + 1]):
+        e = adj_edge[p]
+        if src[e] == v:
+            cu = choice[dst[e]]
+            if cu < 0:
+                continue
+            m = &edge_cost_t[edge_ptr[e] + cu * c]
+        else:
+            cu = choice[src[e]]
+            if cu < 0:
+                continue
+            m = &edge_cost[edge_ptr[e] + cu * c]
+        for a in range(c):
+            tot[a] += m[a]
+    best = 0 if current < 0 else current
+    for a in range(c):
+        if tot[a] < tot[best]:
+            best = a
+    return best
+
+
+cdef void _ordered(int64_t N, int64_t E, const int64_t* node_ptr, const double* node_cost,
+                   const int64_t* src, const int64_t* dst, const int64_t* edge_ptr,
+                   const double* edge_cost, double* edge_cost_t, const int64_t* fixed,
+                   const int64_t* order, int64_t rounds, int64_t* choice,
+                   int64_t* adj_ptr, int64_t* adj_edge, double* tot) noexcept nogil:
+    """Fill `choice` (N): greedy in `order`, then refinement sweeps."""
+    cdef int64_t i, k, v, best, r, changed
+    _adjacency(N, E, src, dst, adj_ptr, adj_edge)
+    _transpose(E, node_ptr, src, dst, edge_ptr, edge_cost, edge_cost_t)
+    for i in range(N):
+        choice[i] = fixed[i]
+    for k in range(N):
+        v = order[k]
+        if fixed[v] < 0:
+            choice[v] = _best(v, node_ptr, node_cost, src, dst, edge_ptr, edge_cost,
+                              edge_cost_t, adj_ptr, adj_edge, choice, -1, tot)
+    for r in range(rounds):
+        changed = 0
+        for k in range(N):
+            v = order[k]
+            if fixed[v] >= 0:
+                continue
+            best = _best(v, node_ptr, node_cost, src, dst, edge_ptr, edge_cost,
+                         edge_cost_t, adj_ptr, adj_edge, choice, choice[v], tot)
+            if best != choice[v]:
+                choice[v] = best
+                changed += 1
+        if changed == 0:
+            break
+
+
+def ordered_greedy(const int64_t[::1] node_ptr, const double[::1] node_cost,
+                   const int64_t[::1] src, const int64_t[::1] dst,
+                   const int64_t[::1] edge_ptr, const double[::1] edge_cost,
+                   const int64_t[::1] fixed, const int64_t[::1] order, Py_ssize_t rounds):
+    """The chosen candidate per node (int64, length N): greedy in ``order``, then up to
+    ``rounds`` refinement sweeps.
+
+    The caller (``dualmode.parallel.graph.search``) validates values; this entry checks
+    only that the array lengths agree and that ``order`` is a permutation, so the kernel
+    never reads out of bounds given in-range values.
+    """
+    cdef int64_t N = fixed.shape[0], E = src.shape[0], i, cmax = 1
+    if node_ptr.shape[0] != N + 1 or dst.shape[0] != E or edge_ptr.shape[0] != E + 1 \
+            or order.shape[0] != N:
+        raise ValueError(f"_search.ordered_greedy: array lengths disagree: node_ptr "
+                         f"{node_ptr.shape[0]} (expected N + 1 = {N + 1}), order "
+                         f"{order.shape[0]} (expected N), dst {dst.shape[0]} and edge_ptr "
+                         f"{edge_ptr.shape[0]} (expected E = {E} and E + 1)")
+    if node_ptr[N] != node_cost.shape[0] or edge_ptr[E] != edge_cost.shape[0]:
+        raise ValueError(f"_search.ordered_greedy: node_ptr[-1]={node_ptr[N]} and "
+                         f"edge_ptr[-1]={edge_ptr[E]} must equal the lengths of node_cost "
+                         f"({node_cost.shape[0]}) and edge_cost ({edge_cost.shape[0]})")
+    if rounds < 0:
+        raise ValueError(f"_search.ordered_greedy: rounds={rounds} must be >= 0")
+    seen = np.zeros(N, dtype=np.uint8)
+    cdef unsigned char[::1] seen_v = seen
+    for i in range(N):
+        if order[i] < 0 or order[i] >= N or seen_v[order[i]]:
+            raise ValueError(f"_search.ordered_greedy: order is not a permutation of "
+                             f"0..{N - 1} (entry {i} is {order[i]})")
+        seen_v[order[i]] = 1
+        cmax = max(cmax, node_ptr[i + 1] - node_ptr[i])
+    out = np.empty(N, dtype=np.int64)
+    cdef int64_t[::1] choice = out
+    cdef int64_t* adj_ptr = <int64_t*>malloc((N + 1) * sizeof(int64_t))
+    cdef int64_t* adj_edge = <int64_t*>malloc((2 * E + 1) * sizeof(int64_t))
+    cdef double* tot = <double*>malloc(cmax * sizeof(double))
+    cdef double* edge_cost_t = <double*>malloc((edge_cost.shape[0] + 1) * sizeof(double))
+    try:
+        if not (adj_ptr and adj_edge and tot and edge_cost_t):
+            raise MemoryError("_search.ordered_greedy: out of memory for the work arrays")
+        if N > 0:
+            with nogil:
+                _ordered(N, E, &node_ptr[0], &node_cost[0] if node_cost.shape[0] else NULL,
+                         &src[0] if E else NULL, &dst[0] if E else NULL, &edge_ptr[0],
+                         &edge_cost[0] if edge_cost.shape[0] else NULL, edge_cost_t,
+                         &fixed[0], &order[0], rounds, &choice[0], adj_ptr, adj_edge, tot)
+    finally:
+        free(adj_ptr)
+        free(adj_edge)
+        free(tot)
+        free(edge_cost_t)
+    return out
