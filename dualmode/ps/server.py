@@ -41,7 +41,7 @@ from .env import ClusterEnv
 from .optim import (build_optimizer, optimizer_meta, restore_optimizer, state_arrays,
                     swap_rows, unswap_rows)
 from .scheduler import log
-from .transport import PSError, local_host, recv, send
+from .transport import PSError, local_host, recv, send, send_tracked
 
 __all__ = ["run_server", "checkpoint_path"]
 
@@ -57,6 +57,7 @@ class _Key:
     param: Parameter
     opt: Any
     changed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sending: list = field(default_factory=list)      # trackers of replies of param._data
 
     @property
     def sparse(self) -> bool:
@@ -220,7 +221,7 @@ class _Server:
                                           "the first worker's; seed every worker alike "
                                           "(dm.set_seed) before building the network")
         self.reply(ident, head, {"op": "init_ok", "version": g.version},
-                   [k.param._data for k in g.keys])
+                   [k.param._data for k in g.keys], g.keys)
 
     def on_push(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
         gid, worker, step = head["group"], head["worker"], head["step"]
@@ -265,14 +266,19 @@ class _Server:
         got = g.pending.get(step, {})
         if not got or not self.live.issubset(got):
             return
-        self.apply(g, list(got.values()), mean=True)
+        self.apply(g, [got[w] for w in sorted(got)], mean=True)
         g.pending.pop(step, None)
         for ident, head in g.owed.pop(step, []):
             self.answer(ident, head, g, head.get("want_rows"))
 
     def apply(self, g: _Group, pushes: list, mean: bool) -> None:
+        """One step of `g`'s optimizers with the sum (`mean`: the mean) of `pushes`
+        (each the split arrays of one push, in worker order). A dense gradient is summed
+        into the first push's received buffer, and the optimizer updates the shard in
+        place; a shard still being sent to a worker is first given a copy to update."""
         n = len(pushes)
         for k, key in enumerate(g.keys):
+            self._writable(key)
             if key.sparse:
                 ids = np.concatenate([p[k][0] for p in pushes])
                 rows = np.concatenate([p[k][1] for p in pushes])
@@ -289,29 +295,46 @@ class _Server:
                     unswap_rows(saved, local)
                 key.changed = uniq
             else:
-                grad = pushes[0][k] if n == 1 else np.sum([p[k] for p in pushes], axis=0)
-                if mean and n > 1:
-                    grad = grad / n
-                key.opt((Tensor._from_array(np.asarray(grad, key.param._data.dtype)),))
+                grad = np.asarray(pushes[0][k], key.param._data.dtype)
+                if n > 1:
+                    if not grad.flags.writeable:
+                        grad = grad.copy()
+                    for p in pushes[1:]:
+                        np.add(grad, p[k], out=grad)
+                    if mean:
+                        np.divide(grad, n, out=grad)
+                key.opt((Tensor._from_array(grad),))
         g.version += 1
         g.since_checkpoint += 1
         if g.since_checkpoint >= self.cfg.recovery_interval:
             self.checkpoint()
             g.since_checkpoint = 0
 
+    @staticmethod
+    def _writable(key: _Key) -> None:
+        """Let the optimizer write `key`'s shard: a shard ZeroMQ is still sending to a
+        worker (sent without a copy) is replaced by a copy first."""
+        if key.sending:
+            if not all(t.done for t in key.sending):
+                key.param._data = key.param._data.copy()
+            key.sending = []
+
     def answer(self, ident: bytes, head: dict, g: _Group, want_rows) -> None:
-        arrays = []
+        arrays, sent = [], []
         for k, key in enumerate(g.keys):
             if key.sparse:
                 if want_rows and want_rows[k]:
                     ids = key.changed
                     arrays += [ids, key.param._data[ids - key.spec["rows"][0]]]
+                    sent += [None, None]
                 else:
                     arrays += [np.zeros(0, np.int64),
                                np.zeros((0,) + key.param._data.shape[1:], key.param._data.dtype)]
+                    sent += [None, None]
             else:
                 arrays.append(key.param._data)
-        self.reply(ident, head, {"op": "pulled", "version": g.version}, arrays)
+                sent.append(key)
+        self.reply(ident, head, {"op": "pulled", "version": g.version}, arrays, sent)
 
     def on_pull_rows(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
         g = self.groups.get(head["group"])
@@ -323,9 +346,16 @@ class _Server:
         self.reply(ident, head, {"op": "rows", "version": g.version},
                    [key.param._data[ids - key.spec["rows"][0]]])
 
-    def reply(self, ident: bytes, req: dict, head: dict, arrays=()) -> None:
+    def reply(self, ident: bytes, req: dict, head: dict, arrays=(), keys=None) -> None:
+        """Answer request `req`; `keys` (aligned with `arrays`): the key whose shard an
+        array is (sent without a copy: tracked until ZeroMQ is done with it), or None."""
         head["req"] = req.get("req")
-        self.pull_bytes += send(self.data, head, arrays, ident=ident)
+        nbytes, trackers = send_tracked(self.data, head, arrays, ident, keys is not None)
+        self.pull_bytes += nbytes
+        if keys is not None:
+            for key, tracker in zip(keys, trackers):
+                if key is not None and tracker is not None:
+                    key.sending.append(tracker)
 
     def error(self, ident: bytes, req: dict, message: str) -> None:
         log("server", "refused a request: " + message)

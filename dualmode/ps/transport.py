@@ -4,11 +4,14 @@ A message is ``[header, buf_0, buf_1, ...]``: the header is a JSON object whose
 ``"arrays"`` entry lists ``[dtype, shape]`` of each following frame; the arrays travel as
 their own buffers (``send_multipart(..., copy=False)``: no copy on send, and the
 received frames are wrapped with ``np.frombuffer``, no copy on receive). Nothing is
-pickled. Received arrays are read-only views of the frames; copy before writing.
+pickled. A received array is a view of its frame, which belongs to the receiver (it
+may be written, or kept as a parameter's storage). The header is small: the request's
+fields and the arrays' specs.
 """
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -16,9 +19,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import zmq
 
-__all__ = ["encode", "decode", "send", "recv", "poll_recv", "local_host", "tcp_address",
+__all__ = ["encode", "decode", "send", "send_tracked", "recv", "poll_recv", "local_host", "tcp_address",
            "check_host", "check_port", "PSError"]
 
+#: below this many bytes a frame is copied into the message (ZeroMQ's own threshold)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
            "bool")
 
@@ -27,45 +32,70 @@ class PSError(RuntimeError):
     """A failure of the parameter server cluster (lost peer, timeout, refused request)."""
 
 
+_DTYPE_OF = {name: np.dtype(name) for name in _DTYPES}
+_NAME_OF = {dt: name for name, dt in _DTYPE_OF.items()}
+
+
+def _frames(header: Dict[str, Any], arrays: Sequence[np.ndarray], track: bool):
+    """(frames, array bytes, trackers): the JSON header listing ``[dtype, shape]`` per
+    array, then each array as its own frame. The arrays go as they are (their buffers,
+    no copy; a non-contiguous one is made contiguous first); with `track`, the trackers
+    (one per array) report when ZeroMQ no longer reads an array (None: it was copied,
+    being small or not contiguous)."""
+    bufs, specs, trackers, nbytes = [], [], [], 0
+    for a in arrays:
+        copied = not a.flags.c_contiguous
+        if copied:
+            a = np.ascontiguousarray(a)
+        specs.append((_NAME_OF.get(a.dtype) or a.dtype.name, a.shape))
+        nbytes += a.nbytes
+        if track and not copied and a.nbytes >= _COPY_THRESHOLD:  # smaller: copied
+            frame = zmq.Frame(a, track=True, copy=False)
+            trackers.append(frame.tracker)
+            bufs.append(frame)
+        else:
+            trackers.append(None)
+            bufs.append(a)
+    head = dict(header, arrays=specs)
+    return [json.dumps(head, separators=(",", ":")).encode("utf-8")] + bufs, nbytes, trackers
+
+
 def encode(header: Dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> List[Any]:
     """The frames of a message: the JSON header (with the arrays' dtypes and shapes)
-    followed by the arrays' buffers (C-contiguous; copied only when they are not)."""
-    bufs, specs = [], []
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        specs.append([a.dtype.name, list(a.shape)])
-        bufs.append(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
-    head = dict(header)
-    head["arrays"] = specs
-    return [json.dumps(head).encode("utf-8")] + bufs
+    followed by the arrays' buffers (C-contiguous; copied only when they are not, or
+    when they are smaller than ZeroMQ's copy threshold)."""
+    return _frames(header, arrays, False)[0]
 
 
 def decode(frames: Sequence[Any], where: str) -> Tuple[Dict[str, Any], List[np.ndarray]]:
     """(header, arrays) of a received message; a malformed one raises PSError naming
-    `where` (the peer or socket it came from)."""
+    `where` (the peer or socket it came from). The arrays are views of the received
+    frames (writable: a received frame belongs to its receiver)."""
     if not frames:
         raise PSError(f"{where}: received an empty message")
     first = frames[0]
-    raw = first.bytes if isinstance(first, zmq.Frame) else first
+    raw = first.bytes if isinstance(first, zmq.Frame) else bytes(first)
     try:
-        head = json.loads(bytes(raw).decode("utf-8"))
+        head = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise PSError(f"{where}: the message header is not JSON ({exc})") from None
     if not isinstance(head, dict):
         raise PSError(f"{where}: the message header is a {type(head).__name__}; expected "
                       "a JSON object")
     specs = head.pop("arrays", [])
-    if len(specs) != len(frames) - 1:
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
         raise PSError(f"{where}: the header lists {len(specs)} arrays but "
                       f"{len(frames) - 1} buffers followed")
     arrays = []
-    for (dtype, shape), fr in zip(specs, frames[1:]):
-        if dtype not in _DTYPES:
-            raise PSError(f"{where}: array dtype {dtype!r} is not accepted; expected one of "
-                          + ", ".join(_DTYPES))
-        buf = fr.buffer if isinstance(fr, zmq.Frame) else fr
-        arr = np.frombuffer(buf, dtype=np.dtype(dtype))
-        count = int(np.prod(shape)) if shape else 1
+    for spec, fr in zip(specs, frames[1:]):
+        try:
+            dtype, shape = spec
+            dt = _DTYPE_OF[dtype]
+            count = math.prod(shape)
+        except (KeyError, TypeError, ValueError):
+            raise PSError(f"{where}: array spec {spec!r} is not [dtype, shape] with a dtype "
+                          "among " + ", ".join(_DTYPES)) from None
+        arr = np.frombuffer(fr, dtype=dt) if len(fr) else np.zeros(0, dt)
         if arr.size != count:
             raise PSError(f"{where}: an array of shape {tuple(shape)} ({dtype}) arrived with "
                           f"{arr.size} elements")
@@ -76,12 +106,20 @@ def decode(frames: Sequence[Any], where: str) -> Tuple[Dict[str, Any], List[np.n
 def send(sock: zmq.Socket, header: Dict[str, Any], arrays: Sequence[np.ndarray] = (),
          ident: Optional[bytes] = None) -> int:
     """Send one message (prefixed by the peer identity on a ROUTER); the bytes of its
-    arrays (what a push or pull moves)."""
-    frames = encode(header, arrays)
+    arrays (what a push or pull moves). The arrays are sent without a copy: do not
+    write them before the peer has answered."""
+    return send_tracked(sock, header, arrays, ident, False)[0]
+
+
+def send_tracked(sock: zmq.Socket, header: Dict[str, Any], arrays: Sequence[np.ndarray],
+                 ident: Optional[bytes] = None, track: bool = True) -> Tuple[int, list]:
+    """:func:`send`, also returning a tracker per array (``tracker.done``: ZeroMQ has
+    finished reading that array, it may be written again; None: it was copied)."""
+    frames, nbytes, trackers = _frames(header, arrays, track)
     if ident is not None:
         frames.insert(0, ident)
     sock.send_multipart(frames, copy=False)
-    return int(sum(np.asarray(a).nbytes for a in arrays))
+    return nbytes, trackers
 
 
 def recv(sock: zmq.Socket, where: str, router: bool = False):

@@ -364,10 +364,14 @@ class WorkerClient:
                     continue
                 value = next(it)
                 target = p._value()
-                if sh.rows is None:
-                    np.copyto(target, value.reshape(target.shape))
-                else:
+                if sh.rows is not None:
                     target[sh.rows[0]:sh.rows[1]] = value
+                elif value.dtype == target.dtype and value.flags.writeable \
+                        and value.flags.aligned:
+                    # the received frame becomes the weight's storage: no copy
+                    p._data = value.reshape(target.shape)
+                else:
+                    np.copyto(target, value.reshape(target.shape))
         sess.version = max(versions) if versions else sess.version
 
     def pull_rows(self, p, ids: np.ndarray) -> None:
