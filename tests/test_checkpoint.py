@@ -6,15 +6,18 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
 
 import dualmode as dm
 from dualmode import Parameter, Tensor, nn, ops
+from dualmode._core import _checksum
 from dualmode.parallel.layout import TensorLayout
 from dualmode.train.reshard import SlicedCheckpoint
-from dualmode.train.safetensors_io import CheckpointError, CheckpointFile
+from dualmode.train.safetensors_io import (CheckpointError, CheckpointFile, chunk_crcs,
+                                            chunk_crcs_reference, write_files)
 from dualmode.train.strategy_file import (layout_entry, layout_from_entry, load_strategy_file,
                                           save_strategy_file)
 
@@ -538,3 +541,74 @@ def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"predict_strategy\['w1'\].*tensor_map entry 5"):
         dm.save_checkpoint(net, str(tmp_path / "a"))
         dm.load_distributed_checkpoint(net, [str(tmp_path / "a")], {"w1": [[4], [5, -1]]})
+
+
+# ---------------------------------------------------------------------------------
+# the CRC-32 kernel and the direct reads
+# ---------------------------------------------------------------------------------
+def test_crc32_kernel_matches_zlib():
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 5000, dtype=np.uint8)
+    for n in list(range(0, 200)) + [1023, 1024, 1025, 4096 + 13, 5000]:
+        for start in (0, 1, 7):
+            buf = data[start:start + n]
+            for value in (0, 0x1234567, 0xFFFFFFFF):
+                assert _checksum.crc32(buf, value) == zlib.crc32(buf, value), (n, start, value)
+    assert _checksum.crc32(b"123456789") == 0xCBF43926
+    if _checksum.HAVE_CLMUL:
+        # a chunk's CRC carried on by the next piece is the CRC of both
+        assert _checksum.crc32(data[3000:], _checksum.crc32(data[:3000])) == zlib.crc32(data)
+
+
+def test_chunk_crcs_match_reference():
+    data = np.random.default_rng(6).integers(0, 256, 10_007, dtype=np.uint8)
+    for chunk in (1, 7, 64, 1000, 10_007, 20_000):
+        np.testing.assert_array_equal(chunk_crcs(data, chunk), chunk_crcs_reference(data, chunk))
+    out = np.empty(3, np.uint32)
+    with pytest.raises(ValueError, match=r"chunk_crcs: out has 3 entries, 10007 bytes in chunks "
+                                         r"of 1000 need 11"):
+        _checksum.chunk_crcs(data, 1000, out)
+    with pytest.raises(ValueError, match=r"chunk must be positive, got 0"):
+        _checksum.chunk_crcs(data, 0, out)
+
+
+def test_read_into_fills_the_given_array(tmp_path, monkeypatch):
+    monkeypatch.setattr("dualmode.train.safetensors_io.CHUNK", 1 << 10)
+    w = np.arange(40 * 33, dtype=np.float32).reshape(40, 33)      # 5280 bytes: 5 chunks + 160
+    path = str(tmp_path / "w.safetensors")
+    dm.save_checkpoint({"w": w}, path)
+    stack = np.zeros((2, 40, 33), np.float32)
+    with CheckpointFile(path) as f:
+        assert f.read_into("w", stack[1]) is not None
+        np.testing.assert_array_equal(stack[1], w)
+        assert not stack[0].any()
+        with pytest.raises(ValueError, match=r"read_into: out must be a writable C-contiguous "
+                                             r"array of shape \(40, 33\) and dtype float32 "
+                                             r"\(tensor 'w'"):
+            f.read_into("w", stack[:, :, 0])
+        region = np.zeros((8, 5), np.float32)
+        f.read_region("w", (slice(30, 38), slice(2, 7)), region)
+        np.testing.assert_array_equal(region, w[30:38, 2:7])
+
+
+def test_load_distributed_checkpoint_into_replicated_blocks(tmp_path):
+    """Each device's slot of the new stack is its block of the global value, also where
+    several devices hold the same block (replicas) and blocks straddle source blocks."""
+    files, x, out = _sliced_run(tmp_path)
+    full = dm.load_checkpoint(str(tmp_path / "full.safetensors"))["w1"].asnumpy()
+    with devices(8):
+        net = Net(seed=7)
+        dm.load_distributed_checkpoint(net, files, {"w1": [[2, 4], [-1, 0], [16, 8]]})
+        lay = net.w1.layout
+        assert lay.local_shape == (16, 8)
+        for r, box in enumerate(lay.device_slices()):
+            np.testing.assert_array_equal(net.w1._data[r], full[box])
+        np.testing.assert_allclose(net(Tensor(x)).asnumpy(), out, rtol=1e-5, atol=1e-6)
+
+
+def test_write_files_failure_leaves_no_file(tmp_path):
+    good = str(tmp_path / "a.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"directory .*nodir.* does not exist"):
+        write_files([(good, [("w", np.ones(3, np.float32))], None),
+                     (str(tmp_path / "nodir" / "b.safetensors"), [("w", np.ones(3))], None)])
+    assert os.listdir(tmp_path) == []

@@ -117,16 +117,25 @@ class SlicedCheckpoint:
         return self.files[0].dtype(name)
 
     def read(self, name, box=None) -> np.ndarray:
-        """``global_value[box]`` of `name` from the distinct source blocks it overlaps."""
+        """``global_value[box]`` of `name` (a new array) from the distinct source blocks
+        it overlaps."""
         shape = self.global_shape(name)
         box = _whole(shape) if box is None else tuple(box)
+        out = np.empty(tuple(s.stop - s.start for s in box), self.dtype(name))
+        return self.read_into(name, box, out)
+
+    def read_into(self, name, box, out: np.ndarray) -> np.ndarray:
+        """Fill `out` (an array of the box's shape, e.g. one device's slot of a stack) with
+        ``global_value[box]`` of `name`: from each distinct source block it overlaps, only
+        the bytes spanning the overlap; a source block that is all of `out` is read
+        straight into it (no copy)."""
+        shape = self.global_shape(name)
+        box = tuple(box)
         lay = self.layouts[name]
         if lay is None:
-            f = self.files[0]
-            return f.read(name) if box == _whole(shape) else f.read_region(name, box)
+            return self.files[0].read_region(name, box, out)
         lo = np.array([s.start for s in box], np.int64)
         hi = np.array([s.stop for s in box], np.int64)
-        out = np.empty(tuple(hi - lo), self.dtype(name))
         local = np.asarray(lay.local_shape, np.int64)
         blocks, ranks = np.unique(lay.block_index, axis=0, return_index=True)
         starts = blocks * local
@@ -136,7 +145,7 @@ class SlicedCheckpoint:
         for r, s, a, z in zip(ranks[hit], starts[hit], b_lo[hit], b_hi[hit]):   # one per file
             src = tuple(slice(int(x - o), int(y - o)) for x, y, o in zip(a, z, s))
             dst = tuple(slice(int(x - o), int(y - o)) for x, y, o in zip(a, z, lo))
-            out[dst] = self.files[int(r)].read_region(name, src)
+            self.files[int(r)].read_region(name, src, out[dst])
         return out
 
     @property
@@ -357,18 +366,25 @@ def load_distributed_checkpoint(network, checkpoint_filenames, predict_strategy=
 
 
 def _load_one(src, name, lay):
-    """(local stack or global value, layout) of `name` for this process's devices."""
+    """(local stack or global value, layout) of `name` for this process's devices: each
+    distinct block among them read from the files straight into its device's slot of the
+    new stack, then copied to the devices holding replicas of it (one numpy call)."""
     if lay is None:
         return src.read(name), None
+    if lay.partial:
+        region = src.read(name)
+        return lay.local_blocks_of(region, _local_ranks(lay.device_num)), lay
     ranks = _local_ranks(lay.device_num)
     local = np.asarray(lay.local_shape, np.int64)
-    starts = lay.block_index[ranks] * local
-    lo, hi = starts.min(axis=0), (starts + local).max(axis=0)
-    region = src.read(name, tuple(slice(int(a), int(z)) for a, z in zip(lo, hi)))
-    if tuple(lo) == (0,) * lay.ndim and tuple(hi) == tuple(lay.shape):
-        return lay.local_blocks_of(region, ranks), lay
-    if len(ranks) == 1:                             # one device per process (MPI)
-        return np.ascontiguousarray(region[None]), lay
-    rel = starts - lo                               # some devices of many: not a hot path
-    return np.stack([region[tuple(slice(int(a), int(a + m)) for a, m in zip(row, local))]
-                     for row in rel]), lay
+    blocks = lay.block_index[ranks]
+    _, first, inverse = np.unique(blocks, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    stack = np.empty((len(ranks),) + tuple(lay.local_shape), src.dtype(name))
+    for k in first:                                 # one read per distinct block
+        box = tuple(slice(int(a), int(a + m)) for a, m in zip(blocks[k] * local, local))
+        src.read_into(name, box, stack[k])
+    source = first[inverse]
+    dup = np.flatnonzero(source != np.arange(len(ranks)))
+    if dup.size:
+        stack[dup] = stack[source[dup]]
+    return stack, lay

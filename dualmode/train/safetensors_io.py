@@ -11,10 +11,18 @@ chunk of every tensor, plus a CRC-32 of the header itself (``"dualmode_header_cr
 Reading never loads more than asked: :meth:`CheckpointFile.read_region` reads the byte
 range spanning a box of a tensor (rounded out to whole checksum chunks, which it
 verifies), so a device that needs a quarter of a weight reads about a quarter of it.
+Whole tensors are read straight into their final array (:meth:`CheckpointFile.read_into`
+fills a caller's array, e.g. one device's slot of a stack), a piece at a time, and each
+piece is verified right after it is read, while it is still in the CPU cache. The
+CRC-32 is the PCLMULQDQ kernel of :mod:`dualmode._core._checksum` (``zlib.crc32``,
+its reference, where the CPU lacks the instruction).
 
 Writing goes to a temporary file in the destination directory, is flushed and
 ``fsync``-ed, then renamed over the destination (and the directory synced): a process
-killed in the middle of a save leaves the previous file untouched.
+killed in the middle of a save leaves the previous file untouched. The tensors are
+written from the arrays' own memory (no intermediate bytes); :func:`write_files` writes
+several files (one per rank) before syncing any, so the disk flushes one while the next
+is written.
 """
 from __future__ import annotations
 
@@ -27,11 +35,16 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["CHUNK", "CheckpointError", "CheckpointFile", "write_file", "atomic_write_bytes",
-           "DTYPE_CODES"]
+from .._core import _checksum
+
+__all__ = ["CHUNK", "CheckpointError", "CheckpointFile", "write_file", "write_files",
+           "atomic_write_bytes", "chunk_crcs", "chunk_crcs_reference", "DTYPE_CODES"]
 
 #: bytes covered by one CRC-32 of a tensor's data
 CHUNK = 1 << 22
+
+#: bytes read per call when reading a tensor (a whole number of checksum chunks)
+_PIECE_CHUNKS = 4
 
 _MAX_HEADER = 1 << 28
 
@@ -49,17 +62,30 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, corrupt or does not match."""
 
 
-def _crcs(buf: memoryview) -> list:
-    """CRC-32 of each CHUNK-byte piece of `buf` (zlib releases the GIL on large buffers)."""
-    return [zlib.crc32(buf[i:i + CHUNK]) for i in range(0, len(buf), CHUNK)] or [0]
+def chunk_crcs_reference(buf, chunk: int) -> np.ndarray:
+    """CRC-32 (zlib's) of each `chunk`-byte piece of `buf`, one ``zlib.crc32`` per piece."""
+    view = memoryview(buf).cast("B")
+    return np.array([zlib.crc32(view[i:i + chunk]) for i in range(0, len(view), chunk)],
+                    np.uint32)
 
 
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    """The little-endian bytes of `arr` in C order (no copy when it is already so)."""
+def chunk_crcs(buf: np.ndarray, chunk: int) -> np.ndarray:
+    """CRC-32 of each `chunk`-byte piece of the contiguous uint8 array `buf`, in one
+    kernel call (GIL released); ``chunk_crcs_reference`` where the CPU lacks PCLMULQDQ."""
+    if not _checksum.HAVE_CLMUL:
+        return chunk_crcs_reference(buf, chunk)
+    out = np.empty(-(-buf.size // chunk), np.uint32)
+    _checksum.chunk_crcs(buf, chunk, out)
+    return out
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """The little-endian bytes of `arr` in C order, as a 1-D uint8 array (a view of
+    `arr` when it is already contiguous and little-endian: no copy)."""
     a = np.ascontiguousarray(arr)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return a.reshape(-1).view(np.uint8)
 
 
 def _header_crc(entries: dict, meta_str: str) -> int:
@@ -93,6 +119,19 @@ class _AtomicFile:
                                         suffix=".tmp", dir=directory)
         self.f = os.fdopen(fd, "wb", buffering=0)
 
+    def write(self, data) -> None:
+        """Write all of `data` (bytes or a 1-D uint8 array), from its own memory."""
+        view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else \
+            memoryview(data)
+        step = CHUNK * 16                      # FileIO.write may write less than asked
+        pos, n = 0, len(view)
+        while pos < n:
+            done = self.f.write(view[pos:pos + step])
+            if not done:
+                raise OSError(f"checkpoint: writing {self.tmp!r} (for {self.path!r}) "
+                              f"made no progress at byte {pos} of {n}")
+            pos += done
+
     def commit(self):
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -114,20 +153,16 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write `data` to `path` atomically (temp file, fsync, rename)."""
     out = _AtomicFile(path)
     try:
-        out.f.write(data)
+        out.write(data)
         out.commit()
     except BaseException:
         out.abort()
         raise
 
 
-def write_file(path: str, tensors: Sequence[Tuple[str, np.ndarray]],
-               metadata: Optional[dict] = None) -> None:
-    """Write `tensors` (name, array) to `path` as safetensors, atomically, with checksums.
-
-    `metadata` (JSON-serialisable) is stored as dualmode's metadata; the per-chunk
-    CRC-32 of every tensor is added to it under ``"crc"``.
-    """
+def _encode(tensors: Sequence[Tuple[str, np.ndarray]], metadata: Optional[dict]):
+    """(header bytes, [data of each tensor as a 1-D uint8 array]) of one file."""
+    chunk = CHUNK
     entries, views, crcs, offset = {}, [], {}, 0
     for name, arr in tensors:
         arr = np.asarray(arr)
@@ -139,29 +174,60 @@ def write_file(path: str, tensors: Sequence[Tuple[str, np.ndarray]],
                             f"{', '.join(str(d) for d in DTYPE_CODES)}")
         view = _bytes_of(arr)
         entries[name] = {"dtype": code, "shape": [int(s) for s in arr.shape],
-                         "data_offsets": [offset, offset + len(view)]}
-        crcs[name] = _crcs(view)
+                         "data_offsets": [offset, offset + view.size]}
+        crcs[name] = chunk_crcs(view, chunk).tolist() or [0]
         views.append(view)
-        offset += len(view)
+        offset += view.size
     meta = dict(metadata or {})
     meta["crc"] = crcs
-    meta["chunk"] = CHUNK
+    meta["chunk"] = chunk
     meta_str = json.dumps(meta, sort_keys=True)
     header = dict(entries)
     header["__metadata__"] = {"format": "dualmode", "dualmode": meta_str,
                               "dualmode_header_crc": str(_header_crc(entries, meta_str))}
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)               # safetensors aligns the data to 8 bytes
-    out = _AtomicFile(path)
+    return struct.pack("<Q", len(raw)) + raw, views
+
+
+def write_files(files: Sequence[Tuple[str, Sequence[Tuple[str, np.ndarray]], Optional[dict]]]
+                ) -> None:
+    """Write several checkpoint files ``(path, tensors, metadata)``, each atomically and
+    with checksums (see :func:`write_file`).
+
+    Every file is encoded (checked) before any is created, and every one is written to
+    its temporary file before the first is synced: the disk flushes the earlier files
+    while the later ones are written. Then each is synced and renamed in turn; a failure
+    removes the temporary files not renamed yet.
+    """
+    encoded = [(os.fspath(path), *_encode(tensors, metadata))
+               for path, tensors, metadata in files]
+    pending = []
     try:
-        out.f.write(struct.pack("<Q", len(raw)))
-        out.f.write(raw)
-        for view in views:
-            out.f.write(view)
-        out.commit()
+        for path, head, views in encoded:
+            out = _AtomicFile(path)
+            pending.append(out)
+            out.write(head)
+            for view in views:
+                out.write(view)
+        while pending:
+            pending[0].commit()
+            pending.pop(0)
     except BaseException:
-        out.abort()
+        for out in pending:
+            out.abort()
         raise
+
+
+def write_file(path: str, tensors: Sequence[Tuple[str, np.ndarray]],
+               metadata: Optional[dict] = None) -> None:
+    """Write `tensors` (name, array) to `path` as safetensors, atomically, with checksums.
+
+    `metadata` (JSON-serialisable) is stored as dualmode's metadata; the per-chunk
+    CRC-32 of every tensor is added to it under ``"crc"``. The data is written from the
+    arrays' memory (a view when they are C-contiguous and little-endian).
+    """
+    write_files([(path, tensors, metadata)])
 
 
 class CheckpointFile:
@@ -223,7 +289,9 @@ class CheckpointFile:
         self._data_start = 8 + n
         self._entries = {}
         crcs = meta.pop("crc", {})
-        self.chunk = int(meta.pop("chunk", CHUNK))
+        self.chunk = meta.pop("chunk", CHUNK)
+        if not isinstance(self.chunk, int) or self.chunk <= 0:
+            self._fail(f"corrupt dualmode metadata: checksum chunk {self.chunk!r}")
         end_max, expected = 0, 0
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             dtype = _CODE_DTYPES.get(e.get("dtype"))
@@ -236,7 +304,11 @@ class CheckpointFile:
                            f"{list(shape)} of {dtype} after offset {expected}", name)
             if name not in crcs:
                 self._fail("no checksum recorded", name)
-            self._entries[name] = (dtype, shape, b, end, crcs[name])
+            want = max(1, -(-(end - b) // self.chunk))
+            if not isinstance(crcs[name], list) or len(crcs[name]) != want:
+                self._fail(f"corrupt header: {want} checksums expected for its "
+                           f"{end - b} bytes", name)
+            self._entries[name] = (dtype, shape, b, end, np.asarray(crcs[name], np.int64))
             expected = end_max = end
         if self._data_start + end_max > size:
             missing = next(name for name, (_, _, _, end, _) in self._entries.items()
@@ -268,7 +340,41 @@ class CheckpointFile:
     def dtype(self, name) -> np.dtype:
         return self._entry(name)[0]
 
-    def _read_chunks(self, name, lo, hi) -> np.ndarray:
+    def _verify(self, name, buf: np.ndarray, first: int, start: int) -> None:
+        """Check `buf` (whole checksum chunks from chunk `first`, at byte `start` of the
+        tensor's data) against the recorded CRC-32s."""
+        crcs = self._entry(name)[4]
+        got = chunk_crcs(buf, self.chunk)
+        bad = np.flatnonzero(got != crcs[first:first + got.size])
+        if bad.size:
+            i = start + int(bad[0]) * self.chunk
+            self._fail(f"checksum mismatch in bytes {i}..{i + self.chunk} of its data: the "
+                       f"file is corrupt", name)
+
+    def _read_verified(self, name, buf: np.ndarray, start: int) -> None:
+        """Read bytes ``[start, start + buf.size)`` of tensor `name`'s data (`start` on a
+        chunk boundary, the end on one or at the tensor's end) into the uint8 array `buf`
+        and verify them, a piece of a few chunks at a time (each checked while cached)."""
+        ch = self.chunk
+        piece = ch * _PIECE_CHUNKS
+        b = self._entry(name)[2]
+        self._f.seek(self._data_start + b + start)
+        view = memoryview(buf)
+        for lo in range(0, buf.size, piece):      # one read and one kernel call per piece
+            hi = min(lo + piece, buf.size)
+            got = self._f.readinto(view[lo:hi])
+            while got and got < hi - lo:           # a short read before the end of file
+                more = self._f.readinto(view[lo + got:hi])
+                got += more or 0
+                if not more:
+                    break
+            if got != hi - lo:
+                self._fail(f"truncated while reading (got {lo + (got or 0)} of {buf.size} "
+                           f"bytes)", name)
+            self._verify(name, buf[lo:hi], (start + lo) // ch, start + lo)
+        self.bytes_read += buf.size
+
+    def _read_chunks(self, name, lo, hi):
         """Bytes [lo, hi) of tensor `name`, rounded out to whole checksum chunks and
         verified; returns (uint8 buffer, offset of `lo` in it)."""
         dtype, shape, b, end, crcs = self._entry(name)
@@ -276,30 +382,38 @@ class CheckpointFile:
         c0, c1 = lo // ch, -(-hi // ch) if hi > lo else lo // ch
         start, stop = c0 * ch, min(c1 * ch, end - b)
         buf = np.empty(max(stop - start, 0), np.uint8)
-        self._f.seek(self._data_start + b + start)
-        got = self._f.readinto(buf) if buf.size else 0
-        if got != buf.size:
-            self._fail(f"truncated while reading (got {got} of {buf.size} bytes)", name)
-        self.bytes_read += buf.size
-        view = memoryview(buf)
-        for k, i in enumerate(range(0, buf.size, ch)):
-            if zlib.crc32(view[i:i + ch]) != crcs[c0 + k]:
-                self._fail(f"checksum mismatch in bytes {start + i}..{start + i + ch} of its "
-                           f"data: the file is corrupt", name)
+        if buf.size:
+            self._read_verified(name, buf, start)
         return buf, lo - start
+
+    def read_into(self, name, out: np.ndarray) -> np.ndarray:
+        """Read the whole tensor `name`, verified, straight into `out` (a C-contiguous,
+        writable array of its shape and dtype, e.g. one device's slot of a stack);
+        returns `out`. On a checksum or truncation error `out` holds partial data."""
+        dtype, shape, b, end, _ = self._entry(name)
+        if not isinstance(out, np.ndarray) or tuple(out.shape) != shape or \
+                out.dtype != dtype or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"read_into: out must be a writable C-contiguous array of shape "
+                             f"{shape} and dtype {dtype} (tensor {name!r} in {self.path!r}), "
+                             f"got {type(out).__name__} "
+                             f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}")
+        if end > b:
+            self._read_verified(name, out.reshape(-1).view(np.uint8), 0)
+        return out
 
     def read(self, name) -> np.ndarray:
         """The whole tensor `name` (a new array), verified against its checksums."""
         dtype, shape, b, end, _ = self._entry(name)
         if end == b:
             return np.zeros(shape, dtype)
-        buf, off = self._read_chunks(name, 0, end - b)
-        return buf.view(dtype).reshape(shape)
+        return self.read_into(name, np.empty(shape, dtype))
 
-    def read_region(self, name, box: Sequence[slice]) -> np.ndarray:
-        """``tensor[box]`` (one slice with step 1 per dim) as a new array, reading only the
-        byte range from the box's first to its last element (rounded out to checksum
-        chunks): a block of rows reads just those rows."""
+    def read_region(self, name, box: Sequence[slice], out: Optional[np.ndarray] = None
+                    ) -> np.ndarray:
+        """``tensor[box]`` (one slice with step 1 per dim) as a new array (or copied into
+        `out`, an array of the box's shape), reading only the byte range from the box's
+        first to its last element (rounded out to checksum chunks): a block of rows reads
+        just those rows."""
         dtype, shape, b, end, _ = self._entry(name)
         box = tuple(box)
         if len(box) != len(shape):
@@ -310,18 +424,32 @@ class CheckpointFile:
         if any(not 0 <= a <= z <= n for a, z, n in zip(starts, stops, shape)):
             raise ValueError(f"read_region: box {box} lies outside tensor {name!r} of shape "
                              f"{shape} in {self.path!r}")
-        if any(a == z for a, z in zip(starts, stops)):
-            return np.zeros(tuple(z - a for a, z in zip(starts, stops)), dtype)
-        if not shape or all(a == 0 and z == n for a, z, n in zip(starts, stops, shape)):
-            return self.read(name)                    # the whole tensor: no strided copy
-        strides = np.cumprod((1,) + shape[:0:-1])[::-1].astype(np.int64) * dtype.itemsize
-        first = int(np.dot(starts, strides))
-        last = int(np.dot(np.subtract(stops, 1), strides)) + dtype.itemsize
-        buf, off = self._read_chunks(name, first, last)
-        base = buf[off:off + last - first].view(dtype)
         out_shape = tuple(z - a for a, z in zip(starts, stops))
-        return np.lib.stride_tricks.as_strided(base, out_shape, tuple(int(s) for s in strides),
-                                               writeable=False).copy()
+        if out is not None and (tuple(out.shape) != out_shape or out.dtype != dtype):
+            raise ValueError(f"read_region: out has shape {out.shape} dtype {out.dtype}, the "
+                             f"box {box} of {name!r} in {self.path!r} is {out_shape} {dtype}")
+        whole = not shape or all(a == 0 and z == n for a, z, n in zip(starts, stops, shape))
+        if any(a == z for a, z in zip(starts, stops)):
+            block = np.zeros(out_shape, dtype)
+        elif whole and out is not None and out.flags.c_contiguous and out.flags.writeable:
+            return self.read_into(name, out)          # straight into place: no copy
+        elif whole:
+            block = self.read(name)                   # the whole tensor: no strided copy
+        else:
+            strides = np.cumprod((1,) + shape[:0:-1])[::-1].astype(np.int64) * dtype.itemsize
+            first = int(np.dot(starts, strides))
+            last = int(np.dot(np.subtract(stops, 1), strides)) + dtype.itemsize
+            buf, off = self._read_chunks(name, first, last)
+            base = buf[off:off + last - first].view(dtype)
+            block = np.lib.stride_tricks.as_strided(base, out_shape,
+                                                    tuple(int(s) for s in strides),
+                                                    writeable=False)
+            if out is None:
+                return block.copy()
+        if out is None:
+            return block
+        out[...] = block
+        return out
 
     def close(self):
         self._f.close()

@@ -33,7 +33,7 @@ from ..nn.optim.optimizer import Optimizer
 from ..parallel.devices import live_backend, some_devices
 from ..parallel.tensor_layout import TensorLayout
 from ..tensor import Parameter
-from .safetensors_io import CheckpointFile, write_file
+from .safetensors_io import CheckpointFile, write_file, write_files
 from .strategy_file import layout_from_dict, layout_to_dict, save_strategy_file
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_param_into_net", "checkpoint_entries",
@@ -269,10 +269,12 @@ def _save_sliced(path, entries, meta, n):
                 layouts[name] = lay
         else:
             shared.append((name, _value(name, v, "save_checkpoint")))
-    for k, rank in enumerate(ranks):
+    for rank in ranks:
         os.makedirs(os.path.dirname(sliced_path(path, rank)), exist_ok=True)
-        tensors = [(name, stack[k]) for name, stack in per_device] + shared
-        write_file(sliced_path(path, rank), tensors, dict(meta, rank=int(rank)))
+    # each rank's slices are views of the stacks (written from their memory); every file
+    # is written before the first is synced, so the disk flushes while the next is written
+    write_files([(sliced_path(path, rank), [(name, stack[k]) for name, stack in per_device]
+                  + shared, dict(meta, rank=int(rank))) for k, rank in enumerate(ranks)])
     if 0 in ranks:
         dtypes = {name: entries[name].dtype for name in layouts}
         save_strategy_file(os.path.join(os.path.dirname(os.path.abspath(path)),
