@@ -13,11 +13,14 @@ Steps (all ``nogil``):
 1. ``_adjacency`` / ``_transpose``: incident edges per node (both directions) and a
    transposed copy of every edge matrix, so a node reads one contiguous row whichever
    end of the edge it is.
-2. ``_choose``: each free node in ``order`` takes the candidate minimising its own cost
-   plus the edge costs to the neighbours decided so far (ties: the lower index).
-3. ``_refine``: up to ``rounds`` sweeps in ``order`` re-choose each free node given all
-   its neighbours, taking a new candidate only when strictly cheaper (the total cost
-   never rises); stops early on a sweep without change.
+2. Greedy: each free node in ``order`` takes the candidate minimising its own cost plus,
+   per incident edge, the edge cost to a decided neighbour or the least edge-plus-own
+   cost of an undecided one (one step of lookahead; ties: the lower index) (``_field``).
+3. Refinement: up to ``rounds`` rounds, each a sweep in ``order`` re-choosing every free
+   node given all its neighbours, then a sweep over the edges (by index) re-choosing both
+   free ends of each together given their other neighbours (``_pair``). A change is
+   taken only when strictly cheaper, so the total cost never rises; a round without
+   change stops early.
 """
 import numpy as np
 
@@ -68,46 +71,107 @@ cdef void _transpose(int64_t E, const int64_t* node_ptr, const int64_t* src,
                 t[b * cs + a] = m[a * cd + b]
 
 
-cdef int64_t _best(int64_t v, const int64_t* node_ptr, const double* node_cost,
-                   const int64_t* src, const int64_t* dst, const int64_t* edge_ptr,
-                   const double* edge_cost, const double* edge_cost_t,
-                   const int64_t* adj_ptr, const int64_t* adj_edge,
-                   const int64_t* choice, int64_t current, double* tot) noexcept nogil:
-    """The candidate of node v minimising its own cost plus the edge costs to its decided
-    neighbours, ties to the lower index; `current` (or -1) is kept unless another
-    candidate is strictly cheaper."""
-    cdef int64_t c = node_ptr[v + 1] - node_ptr[v], a, p, e, cu, best
+cdef inline const double* _oriented(int64_t v, int64_t e, const int64_t* src,
+                                    const int64_t* edge_ptr, const double* edge_cost,
+                                    const double* edge_cost_t) noexcept nogil:
+    """Edge e's matrix with v's candidates as rows: the matrix when v is the source,
+    its transpose when v is the destination."""
+    if src[e] == v:
+        return &edge_cost[edge_ptr[e]]
+    return &edge_cost_t[edge_ptr[e]]
+
+
+cdef void _field(int64_t v, int64_t skip, int64_t look, const int64_t* node_ptr,
+                 const double* node_cost, const int64_t* src, const int64_t* dst,
+                 const int64_t* edge_ptr, const double* edge_cost,
+                 const double* edge_cost_t, const int64_t* adj_ptr,
+                 const int64_t* adj_edge, const int64_t* choice, double* tot) noexcept nogil:
+    """tot[a]: node v's own cost of candidate a plus, over its incident edges (by edge
+    index) except those to node `skip`, the edge cost to each decided neighbour, and,
+    when `look`, the least edge-plus-own cost of each undecided one."""
+    cdef int64_t c = node_ptr[v + 1] - node_ptr[v], a, b, p, e, u, cu, n_u
     cdef const double* m
+    cdef const double* own_u
+    cdef double low, val
     for a in range(c):
         tot[a] = node_cost[node_ptr[v] + a]
     for p in range(adj_ptr[v], adj_ptr[v + 1]):
         e = adj_edge[p]
-        if src[e] == v:
-            cu = choice[dst[e]]
-            if cu < 0:
-                continue
-            m = &edge_cost_t[edge_ptr[e] + cu * c]
-        else:
-            cu = choice[src[e]]
-            if cu < 0:
-                continue
-            m = &edge_cost[edge_ptr[e] + cu * c]
-        for a in range(c):
-            tot[a] += m[a]
-    best = 0 if current < 0 else current
+        u = dst[e] if src[e] == v else src[e]
+        if u == skip:
+            continue
+        cu = choice[u]
+        n_u = node_ptr[u + 1] - node_ptr[u]
+        m = _oriented(v, e, src, edge_ptr, edge_cost, edge_cost_t)   # (c, n_u)
+        if cu >= 0:
+            for a in range(c):
+                tot[a] += m[a * n_u + cu]
+        elif look:
+            own_u = &node_cost[node_ptr[u]]
+            for a in range(c):
+                low = m[a * n_u] + own_u[0]
+                for b in range(1, n_u):
+                    val = m[a * n_u + b] + own_u[b]
+                    if val < low:
+                        low = val
+                tot[a] += low
+
+
+cdef int64_t _argmin(int64_t c, const double* tot, int64_t current) noexcept nogil:
+    """The first least entry; `current` (or -1) is kept unless another is strictly less."""
+    cdef int64_t a, best = 0 if current < 0 else current
     for a in range(c):
         if tot[a] < tot[best]:
             best = a
     return best
 
 
+cdef int64_t _pair(int64_t s, int64_t d, const int64_t* node_ptr, const double* node_cost,
+                   const int64_t* src, const int64_t* dst, const int64_t* edge_ptr,
+                   const double* edge_cost, const double* edge_cost_t,
+                   const int64_t* adj_ptr, const int64_t* adj_edge, int64_t* choice,
+                   double* fs, double* fd, double* pt) noexcept nogil:
+    """Re-choose nodes s and d together given all their other neighbours; move only to a
+    strictly cheaper pair (the first in row-major order). Returns 1 when they moved."""
+    cdef int64_t cs = node_ptr[s + 1] - node_ptr[s], cd = node_ptr[d + 1] - node_ptr[d]
+    cdef int64_t a, b, p, e, ba = choice[s], bb = choice[d]
+    cdef const double* m
+    cdef double best
+    _field(s, d, 0, node_ptr, node_cost, src, dst, edge_ptr, edge_cost, edge_cost_t,
+           adj_ptr, adj_edge, choice, fs)
+    _field(d, s, 0, node_ptr, node_cost, src, dst, edge_ptr, edge_cost, edge_cost_t,
+           adj_ptr, adj_edge, choice, fd)
+    for a in range(cs):
+        for b in range(cd):
+            pt[a * cd + b] = fs[a] + fd[b]
+    for p in range(adj_ptr[s], adj_ptr[s + 1]):      # every edge between s and d
+        e = adj_edge[p]
+        if src[e] == d or dst[e] == d:
+            m = _oriented(s, e, src, edge_ptr, edge_cost, edge_cost_t)
+            for a in range(cs * cd):
+                pt[a] += m[a]
+    best = pt[ba * cd + bb]
+    for a in range(cs):
+        for b in range(cd):
+            if pt[a * cd + b] < best:
+                best = pt[a * cd + b]
+                ba = a
+                bb = b
+    if ba == choice[s] and bb == choice[d]:
+        return 0
+    choice[s] = ba
+    choice[d] = bb
+    return 1
+
+
 cdef void _ordered(int64_t N, int64_t E, const int64_t* node_ptr, const double* node_cost,
                    const int64_t* src, const int64_t* dst, const int64_t* edge_ptr,
                    const double* edge_cost, double* edge_cost_t, const int64_t* fixed,
                    const int64_t* order, int64_t rounds, int64_t* choice,
-                   int64_t* adj_ptr, int64_t* adj_edge, double* tot) noexcept nogil:
-    """Fill `choice` (N): greedy in `order`, then refinement sweeps."""
-    cdef int64_t i, k, v, best, r, changed
+                   int64_t* adj_ptr, int64_t* adj_edge, double* tot, double* fd,
+                   double* pt) noexcept nogil:
+    """Fill `choice` (N): greedy with lookahead in `order`, then refinement rounds."""
+    cdef int64_t i, k, v, e, best, r, changed, c
     _adjacency(N, E, src, dst, adj_ptr, adj_edge)
     _transpose(E, node_ptr, src, dst, edge_ptr, edge_cost, edge_cost_t)
     for i in range(N):
@@ -115,19 +179,27 @@ cdef void _ordered(int64_t N, int64_t E, const int64_t* node_ptr, const double* 
     for k in range(N):
         v = order[k]
         if fixed[v] < 0:
-            choice[v] = _best(v, node_ptr, node_cost, src, dst, edge_ptr, edge_cost,
-                              edge_cost_t, adj_ptr, adj_edge, choice, -1, tot)
+            _field(v, -1, 1, node_ptr, node_cost, src, dst, edge_ptr, edge_cost,
+                   edge_cost_t, adj_ptr, adj_edge, choice, tot)
+            choice[v] = _argmin(node_ptr[v + 1] - node_ptr[v], tot, -1)
     for r in range(rounds):
         changed = 0
         for k in range(N):
             v = order[k]
             if fixed[v] >= 0:
                 continue
-            best = _best(v, node_ptr, node_cost, src, dst, edge_ptr, edge_cost,
-                         edge_cost_t, adj_ptr, adj_edge, choice, choice[v], tot)
+            c = node_ptr[v + 1] - node_ptr[v]
+            _field(v, -1, 0, node_ptr, node_cost, src, dst, edge_ptr, edge_cost,
+                   edge_cost_t, adj_ptr, adj_edge, choice, tot)
+            best = _argmin(c, tot, choice[v])
             if best != choice[v]:
                 choice[v] = best
                 changed += 1
+        for e in range(E):
+            if fixed[src[e]] >= 0 or fixed[dst[e]] >= 0:
+                continue
+            changed += _pair(src[e], dst[e], node_ptr, node_cost, src, dst, edge_ptr,
+                             edge_cost, edge_cost_t, adj_ptr, adj_edge, choice, tot, fd, pt)
         if changed == 0:
             break
 
@@ -136,8 +208,8 @@ def ordered_greedy(const int64_t[::1] node_ptr, const double[::1] node_cost,
                    const int64_t[::1] src, const int64_t[::1] dst,
                    const int64_t[::1] edge_ptr, const double[::1] edge_cost,
                    const int64_t[::1] fixed, const int64_t[::1] order, Py_ssize_t rounds):
-    """The chosen candidate per node (int64, length N): greedy in ``order``, then up to
-    ``rounds`` refinement sweeps.
+    """The chosen candidate per node (int64, length N): greedy with lookahead in
+    ``order``, then up to ``rounds`` refinement rounds (node sweep, edge sweep).
 
     The caller (``dualmode.parallel.graph.search``) validates values; this entry checks
     only that the array lengths agree and that ``order`` is a permutation, so the kernel
@@ -169,19 +241,24 @@ def ordered_greedy(const int64_t[::1] node_ptr, const double[::1] node_cost,
     cdef int64_t* adj_ptr = <int64_t*>malloc((N + 1) * sizeof(int64_t))
     cdef int64_t* adj_edge = <int64_t*>malloc((2 * E + 1) * sizeof(int64_t))
     cdef double* tot = <double*>malloc(cmax * sizeof(double))
+    cdef double* fd = <double*>malloc(cmax * sizeof(double))
+    cdef double* pt = <double*>malloc(cmax * cmax * sizeof(double))
     cdef double* edge_cost_t = <double*>malloc((edge_cost.shape[0] + 1) * sizeof(double))
     try:
-        if not (adj_ptr and adj_edge and tot and edge_cost_t):
+        if not (adj_ptr and adj_edge and tot and fd and pt and edge_cost_t):
             raise MemoryError("_search.ordered_greedy: out of memory for the work arrays")
         if N > 0:
             with nogil:
                 _ordered(N, E, &node_ptr[0], &node_cost[0] if node_cost.shape[0] else NULL,
                          &src[0] if E else NULL, &dst[0] if E else NULL, &edge_ptr[0],
                          &edge_cost[0] if edge_cost.shape[0] else NULL, edge_cost_t,
-                         &fixed[0], &order[0], rounds, &choice[0], adj_ptr, adj_edge, tot)
+                         &fixed[0], &order[0], rounds, &choice[0], adj_ptr, adj_edge, tot,
+                         fd, pt)
     finally:
         free(adj_ptr)
         free(adj_edge)
         free(tot)
+        free(fd)
+        free(pt)
         free(edge_cost_t)
     return out

@@ -39,10 +39,13 @@ redistribution costs, fixed (configured) nodes keep their candidate; the objecti
     :func:`recursive_programming`: a fast heuristic in the spirit of MindSpore's
     recursive programming. Ops are ordered by weight (the spread of their own costs plus
     that of the redistribution matrices around them, heaviest first, fixed ops before
-    all); each in turn takes the candidate minimising its own cost plus the edge costs to
-    its already-decided neighbours (ties: lower index); then up to ``rounds`` refinement
-    sweeps in the same order move a node only to a strictly cheaper candidate, so
-    refinement never raises the total. The Cython kernel
+    all); each in turn takes the candidate minimising its own cost plus, per neighbour,
+    the edge cost to its decided candidate or, for an undecided neighbour, its cheapest
+    edge-plus-own cost (one step of lookahead; ties: lower index). Then up to ``rounds``
+    refinement rounds: a sweep in the same order re-choosing each node given all its
+    neighbours, and a sweep over the edges re-choosing both ends of each together; a
+    change is taken only when strictly cheaper, so refinement never raises the total.
+    The Cython kernel
     (:mod:`dualmode._core._search`, GIL released) and the Python reference
     (``impl="python"``) choose identically. Linear in the graph size.
 
@@ -265,18 +268,19 @@ def _dp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, max_table):
     records = []
     alive = [kl[i] < 0 for i in range(n)]
     remaining = sum(alive)
-    heap = [i for i in range(n) if alive[i] and len(nbrs[i]) <= 2]
+
+    def key(i):          # degree <= 2 first, by index; then the smallest table
+        if len(nbrs[i]) <= 2:
+            return (0, i)
+        return (1, math.prod(size[x] for x in nbrs[i]) * size[i], i)
+
+    heap = [key(i) for i in range(n) if alive[i]]
     heapq.heapify(heap)
     while remaining:
-        v = -1
-        while heap:
-            u = heapq.heappop(heap)
-            if alive[u] and len(nbrs[u]) <= 2:
-                v = u
-                break
-        if v < 0:                                 # the core: smallest table first
-            v = min((i for i in range(n) if alive[i]),
-                    key=lambda i: (math.prod(size[x] for x in nbrs[i]) * size[i], i))
+        k = heapq.heappop(heap)
+        v = k[-1]
+        if not alive[v] or key(v) != k:           # stale: a fresher key is queued
+            continue
         scope = sorted(nbrs[v])
         entries = math.prod(size[x] for x in scope) * size[v]
         if entries > max_table:
@@ -289,7 +293,7 @@ def _dp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, max_table):
                 f"search_mode='recursive_programming' or 'sharding_propagation' for this "
                 f"graph")
         full = scope + [v]
-        where = {x: k for k, x in enumerate(full)}
+        where = {x: j for j, x in enumerate(full)}
         shape = [1] * len(full)
         shape[-1] = size[v]
         total = unary[v].reshape(shape)
@@ -301,10 +305,13 @@ def _dp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, max_table):
             shp = [1] * len(full)
             for x in sc:
                 shp[where[x]] = size[x]
-            total = total + table.transpose(np.argsort(pos)).reshape(shp)
-        total = np.broadcast_to(total, [size[x] for x in full])
+            if pos != sorted(pos):
+                table = table.transpose(sorted(range(len(pos)), key=pos.__getitem__))
+            total = total + table.reshape(shp)
+        if total.ndim != len(full) or total.shape[-1] != size[v] or 1 in total.shape[:-1]:
+            total = np.broadcast_to(total, [size[x] for x in full])
         best = total.argmin(axis=-1)
-        low = np.take_along_axis(total, best[..., None], axis=-1)[..., 0]
+        low = total.min(axis=-1)
         records.append((v, scope, best))
         alive[v] = False
         remaining -= 1
@@ -315,8 +322,7 @@ def _dp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, max_table):
         elif len(scope) > 1:
             add(tuple(scope), np.ascontiguousarray(low))
         for x in scope:
-            if len(nbrs[x]) <= 2:
-                heapq.heappush(heap, x)
+            heapq.heappush(heap, key(x))
         nbrs[v].clear()
 
     choice = known.copy()
@@ -333,12 +339,14 @@ def _rp_order(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed):
     if n == 0:
         return np.zeros(0, np.int64)
     starts = node_ptr[:-1]
-    weight = np.maximum.reduceat(node_flat, starts) - np.minimum.reduceat(node_flat, starts)
-    if edges.shape[0]:
-        spread = (np.maximum.reduceat(edge_flat, edge_ptr[:-1])
-                  - np.minimum.reduceat(edge_flat, edge_ptr[:-1]))
-        weight = weight + np.bincount(edges[:, 0], spread, n) + \
-            np.bincount(edges[:, 1], spread, n)
+    with np.errstate(invalid="ignore"):            # inf - inf: an op as heavy as it gets
+        weight = np.maximum.reduceat(node_flat, starts) - np.minimum.reduceat(node_flat,
+                                                                              starts)
+        if edges.shape[0]:
+            spread = (np.maximum.reduceat(edge_flat, edge_ptr[:-1])
+                      - np.minimum.reduceat(edge_flat, edge_ptr[:-1]))
+            weight = weight + np.bincount(edges[:, 0], spread, n) + \
+                np.bincount(edges[:, 1], spread, n)
     weight = np.where(np.isfinite(weight), weight, np.finfo(np.float64).max)
     key = np.where(fixed >= 0, np.inf, weight)
     return np.argsort(-key, kind="stable").astype(np.int64)
@@ -355,44 +363,66 @@ def _rp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, rounds, impl):
 
 
 def _rp_reference(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, order, rounds):
-    """The kernel's rules written plainly (one node at a time)."""
+    """The kernel's rules written plainly (one node, one edge at a time)."""
     n = node_ptr.shape[0] - 1
     counts = np.diff(node_ptr).tolist()
     own = [node_flat[node_ptr[i]:node_ptr[i + 1]] for i in range(n)]
     src, dst = edges[:, 0].tolist(), edges[:, 1].tolist()
     mats = [edge_flat[edge_ptr[e]:edge_ptr[e + 1]].reshape(counts[src[e]], counts[dst[e]])
             for e in range(len(src))]
-    incident = [[] for _ in range(n)]
+    incident = [[] for _ in range(n)]           # by increasing edge index, both ends
     for e in range(len(src)):
         incident[src[e]].append(e)
         incident[dst[e]].append(e)
     choice = fixed.tolist()
 
-    def best(v, current):
+    def oriented(v, e):                          # rows: v's candidates
+        return mats[e] if src[e] == v else mats[e].T
+
+    def field(v, skip, look):
         tot = own[v].copy()
         for e in incident[v]:
-            if src[e] == v:
-                if choice[dst[e]] >= 0:
-                    tot += mats[e][:, choice[dst[e]]]
-            elif choice[src[e]] >= 0:
-                tot += mats[e][choice[src[e]], :]
-        b = int(np.argmin(tot))
+            u = dst[e] if src[e] == v else src[e]
+            if u == skip:
+                continue
+            if choice[u] >= 0:
+                tot += oriented(v, e)[:, choice[u]]
+            elif look:
+                tot += (oriented(v, e) + own[u][None, :]).min(axis=1)
+        return tot
+
+    def argmin(tot, current):
+        b = int(np.argmin(tot))                  # first minimum: the lower index
         if current >= 0 and not tot[b] < tot[current]:
             return current
         return b
 
+    def pair(s, d):
+        table = field(s, d, False)[:, None] + field(d, s, False)[None, :]
+        for e in incident[s]:
+            if src[e] == d or dst[e] == d:
+                table = table + oriented(s, e)
+        a, b = np.unravel_index(int(np.argmin(table)), table.shape)
+        if table[a, b] < table[choice[s], choice[d]]:
+            choice[s], choice[d] = int(a), int(b)
+            return 1
+        return 0
+
     order = order.tolist()
     for v in order:
         if fixed[v] < 0:
-            choice[v] = best(v, -1)
+            choice[v] = argmin(field(v, -1, True), -1)
     for _ in range(rounds):
-        changed = False
+        changed = 0
         for v in order:
             if fixed[v] < 0:
-                b = best(v, choice[v])
+                b = argmin(field(v, -1, False), choice[v])
                 if b != choice[v]:
                     choice[v] = b
-                    changed = True
+                    changed += 1
+        for e in range(len(src)):
+            if fixed[src[e]] < 0 and fixed[dst[e]] < 0:
+                changed += pair(src[e], dst[e])
         if not changed:
             break
     return np.asarray(choice, dtype=np.int64).reshape(n)
