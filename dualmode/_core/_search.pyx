@@ -20,7 +20,8 @@ Steps (all ``nogil``):
    node given all its neighbours, then a sweep over the edges (by index) re-choosing both
    free ends of each together given their other neighbours (``_pair``). A change is
    taken only when strictly cheaper, so the total cost never rises; a round without
-   change stops early.
+   change stops early. A node or edge none of whose nodes or neighbours changed since
+   its last evaluation is skipped (it would keep its choice).
 """
 import numpy as np
 
@@ -164,18 +165,40 @@ cdef int64_t _pair(int64_t s, int64_t d, const int64_t* node_ptr, const double* 
     return 1
 
 
+cdef int64_t _recent(int64_t v, const int64_t* src, const int64_t* dst,
+                     const int64_t* adj_ptr, const int64_t* adj_edge,
+                     const int64_t* changed_at) noexcept nogil:
+    """The last time node v or one of its neighbours changed."""
+    cdef int64_t p, e, u, t = changed_at[v]
+    for p in range(adj_ptr[v], adj_ptr[v + 1]):
+        e = adj_edge[p]
+        u = dst[e] if src[e] == v else src[e]
+        if changed_at[u] > t:
+            t = changed_at[u]
+    return t
+
+
 cdef void _ordered(int64_t N, int64_t E, const int64_t* node_ptr, const double* node_cost,
                    const int64_t* src, const int64_t* dst, const int64_t* edge_ptr,
                    const double* edge_cost, double* edge_cost_t, const int64_t* fixed,
                    const int64_t* order, int64_t rounds, int64_t* choice,
                    int64_t* adj_ptr, int64_t* adj_edge, double* tot, double* fd,
-                   double* pt) noexcept nogil:
-    """Fill `choice` (N): greedy with lookahead in `order`, then refinement rounds."""
-    cdef int64_t i, k, v, e, best, r, changed, c
+                   double* pt, int64_t* changed_at, int64_t* node_seen,
+                   int64_t* edge_seen) noexcept nogil:
+    """Fill `choice` (N): greedy with lookahead in `order`, then refinement rounds.
+
+    A node (an edge) is re-evaluated only when it or a neighbour (of either end) changed
+    since its last evaluation: otherwise the evaluation would keep the current choice, so
+    skipping it changes nothing (the reference evaluates everything)."""
+    cdef int64_t i, k, v, e, s, d, t, best, r, changed, c, clock = 0
     _adjacency(N, E, src, dst, adj_ptr, adj_edge)
     _transpose(E, node_ptr, src, dst, edge_ptr, edge_cost, edge_cost_t)
     for i in range(N):
         choice[i] = fixed[i]
+        changed_at[i] = 0
+        node_seen[i] = -1
+    for e in range(E):
+        edge_seen[e] = -1
     for k in range(N):
         v = order[k]
         if fixed[v] < 0:
@@ -186,7 +209,8 @@ cdef void _ordered(int64_t N, int64_t E, const int64_t* node_ptr, const double* 
         changed = 0
         for k in range(N):
             v = order[k]
-            if fixed[v] >= 0:
+            if fixed[v] >= 0 or _recent(v, src, dst, adj_ptr, adj_edge,
+                                        changed_at) <= node_seen[v]:
                 continue
             c = node_ptr[v + 1] - node_ptr[v]
             _field(v, -1, 0, node_ptr, node_cost, src, dst, edge_ptr, edge_cost,
@@ -195,11 +219,25 @@ cdef void _ordered(int64_t N, int64_t E, const int64_t* node_ptr, const double* 
             if best != choice[v]:
                 choice[v] = best
                 changed += 1
+                clock += 1
+                changed_at[v] = clock
+            node_seen[v] = clock
         for e in range(E):
-            if fixed[src[e]] >= 0 or fixed[dst[e]] >= 0:
+            s = src[e]
+            d = dst[e]
+            if fixed[s] >= 0 or fixed[d] >= 0:
                 continue
-            changed += _pair(src[e], dst[e], node_ptr, node_cost, src, dst, edge_ptr,
-                             edge_cost, edge_cost_t, adj_ptr, adj_edge, choice, tot, fd, pt)
+            t = _recent(s, src, dst, adj_ptr, adj_edge, changed_at)
+            t = max(t, _recent(d, src, dst, adj_ptr, adj_edge, changed_at))
+            if t <= edge_seen[e]:
+                continue
+            if _pair(s, d, node_ptr, node_cost, src, dst, edge_ptr, edge_cost, edge_cost_t,
+                     adj_ptr, adj_edge, choice, tot, fd, pt):
+                changed += 1
+                clock += 1
+                changed_at[s] = clock
+                changed_at[d] = clock
+            edge_seen[e] = clock
         if changed == 0:
             break
 
@@ -244,8 +282,12 @@ def ordered_greedy(const int64_t[::1] node_ptr, const double[::1] node_cost,
     cdef double* fd = <double*>malloc(cmax * sizeof(double))
     cdef double* pt = <double*>malloc(cmax * cmax * sizeof(double))
     cdef double* edge_cost_t = <double*>malloc((edge_cost.shape[0] + 1) * sizeof(double))
+    cdef int64_t* changed_at = <int64_t*>malloc((N + 1) * sizeof(int64_t))
+    cdef int64_t* node_seen = <int64_t*>malloc((N + 1) * sizeof(int64_t))
+    cdef int64_t* edge_seen = <int64_t*>malloc((E + 1) * sizeof(int64_t))
     try:
-        if not (adj_ptr and adj_edge and tot and fd and pt and edge_cost_t):
+        if not (adj_ptr and adj_edge and tot and fd and pt and edge_cost_t and changed_at
+                and node_seen and edge_seen):
             raise MemoryError("_search.ordered_greedy: out of memory for the work arrays")
         if N > 0:
             with nogil:
@@ -253,7 +295,7 @@ def ordered_greedy(const int64_t[::1] node_ptr, const double[::1] node_cost,
                          &src[0] if E else NULL, &dst[0] if E else NULL, &edge_ptr[0],
                          &edge_cost[0] if edge_cost.shape[0] else NULL, edge_cost_t,
                          &fixed[0], &order[0], rounds, &choice[0], adj_ptr, adj_edge, tot,
-                         fd, pt)
+                         fd, pt, changed_at, node_seen, edge_seen)
     finally:
         free(adj_ptr)
         free(adj_edge)
@@ -261,4 +303,7 @@ def ordered_greedy(const int64_t[::1] node_ptr, const double[::1] node_cost,
         free(fd)
         free(pt)
         free(edge_cost_t)
+        free(changed_at)
+        free(node_seen)
+        free(edge_seen)
     return out

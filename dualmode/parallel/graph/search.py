@@ -39,13 +39,13 @@ redistribution costs, fixed (configured) nodes keep their candidate; the objecti
     :func:`recursive_programming`: a fast heuristic in the spirit of MindSpore's
     recursive programming. Ops are ordered by weight (the spread of their own costs plus
     that of the redistribution matrices around them, heaviest first, fixed ops before
-    all); each in turn takes the candidate minimising its own cost plus, per neighbour,
+    all) and, in a second pass, in graph order; each in turn takes the candidate minimising its own cost plus, per neighbour,
     the edge cost to its decided candidate or, for an undecided neighbour, its cheapest
     edge-plus-own cost (one step of lookahead; ties: lower index). Then up to ``rounds``
     refinement rounds: a sweep in the same order re-choosing each node given all its
     neighbours, and a sweep over the edges re-choosing both ends of each together; a
     change is taken only when strictly cheaper, so refinement never raises the total.
-    The Cython kernel
+    The cheaper pass's choice is kept (the weight order's on a tie). The Cython kernel
     (:mod:`dualmode._core._search`, GIL released) and the Python reference
     (``impl="python"``) choose identically. Linear in the graph size.
 
@@ -212,8 +212,9 @@ def dynamic_programming(node_costs: Sequence[np.ndarray], edges,
 def recursive_programming(node_costs: Sequence[np.ndarray], edges,
                           edge_costs: Sequence[np.ndarray], fixed, *, impl: str = "cython",
                           rounds: int = RP_ROUNDS) -> np.ndarray:
-    """A fast heuristic choice: heaviest ops first, each given its decided neighbours,
-    then ``rounds`` refinement sweeps (see the module docstring).
+    """A fast heuristic choice: heaviest ops first (and, in a second pass, in graph
+    order), each given its decided neighbours, then ``rounds`` refinement rounds; the
+    cheaper pass wins (see the module docstring).
 
     Returns
     -------
@@ -333,11 +334,12 @@ def _dp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, max_table):
 
 # ============================================================================ recursive programming
 
-def _rp_order(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed):
-    """Fixed nodes (by index), then free nodes by decreasing weight (ties by index)."""
+def _rp_orders(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed):
+    """The two visit orders, each with the fixed nodes first (by index): free nodes by
+    decreasing weight (ties by index), and free nodes by index (the graph's order)."""
     n = node_ptr.shape[0] - 1
     if n == 0:
-        return np.zeros(0, np.int64)
+        return [np.zeros(0, np.int64)]
     starts = node_ptr[:-1]
     with np.errstate(invalid="ignore"):            # inf - inf: an op as heavy as it gets
         weight = np.maximum.reduceat(node_flat, starts) - np.minimum.reduceat(node_flat,
@@ -348,18 +350,27 @@ def _rp_order(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed):
             weight = weight + np.bincount(edges[:, 0], spread, n) + \
                 np.bincount(edges[:, 1], spread, n)
     weight = np.where(np.isfinite(weight), weight, np.finfo(np.float64).max)
-    key = np.where(fixed >= 0, np.inf, weight)
-    return np.argsort(-key, kind="stable").astype(np.int64)
+    by_weight = np.argsort(-np.where(fixed >= 0, np.inf, weight), kind="stable")
+    by_index = np.argsort(fixed < 0, kind="stable")
+    return [by_weight.astype(np.int64), by_index.astype(np.int64)]
 
 
 def _rp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, rounds, impl):
-    order = _rp_order(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed)
-    if impl == "python":
-        return _rp_reference(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, order,
-                             rounds)
-    return _search.ordered_greedy(node_ptr, node_flat, np.ascontiguousarray(edges[:, 0]),
-                                  np.ascontiguousarray(edges[:, 1]), edge_ptr, edge_flat,
-                                  fixed, order, rounds)
+    """The cheaper of the two orders' choices (the weight order on a tie)."""
+    flat = (node_ptr, node_flat, edges, edge_ptr, edge_flat)
+    best, best_cost = None, np.inf
+    for order in _rp_orders(*flat, fixed):
+        if impl == "python":
+            choice = _rp_reference(*flat, fixed, order, rounds)
+        else:
+            choice = _search.ordered_greedy(node_ptr, node_flat,
+                                            np.ascontiguousarray(edges[:, 0]),
+                                            np.ascontiguousarray(edges[:, 1]), edge_ptr,
+                                            edge_flat, fixed, order, rounds)
+        cost = flat_total_cost(choice, *flat)
+        if best is None or cost < best_cost:
+            best, best_cost = choice, cost
+    return best
 
 
 def _rp_reference(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, order, rounds):
