@@ -7,6 +7,7 @@ import pytest
 
 import dualmode as dm
 from dualmode import Parameter, Tensor, ops
+from dualmode._core import _conv as _K
 from dualmode.ops import _conv
 
 from _opcheck import check_op
@@ -166,6 +167,86 @@ def test_bad_attributes_are_named(make, match):
 def test_bad_shapes_are_named(x, w, prim, match):
     with pytest.raises(ValueError, match=match):
         prim(Tensor(np.zeros(x, np.float32)), Tensor(np.zeros(w, np.float32)))
+
+
+# ---------------------------------------------------------------------------
+# channels-last kernels (dualmode/_core/_conv.pyx) against their numpy references
+# ---------------------------------------------------------------------------
+GEOMETRIES = [   # (C, H, W, kernel, stride, dilation, pads, group)
+    (3, 7, 6, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1),
+    (4, 7, 6, (3, 2), (2, 1), (1, 1), (1, 0, 2, 1), 1),
+    (4, 9, 8, (3, 3), (2, 2), (2, 2), (0, 0, 0, 0), 1),
+    (6, 6, 7, (3, 3), (1, 2), (1, 2), (1, 1, 0, 2), 2),
+    (8, 5, 5, (1, 1), (1, 1), (1, 1), (0, 0, 0, 0), 4),
+]
+
+
+def _geometry_out(h, w, kernel, stride, dilation, pads):
+    return (_conv.conv_out_size(h, kernel[0], stride[0], dilation[0], pads[0], pads[1]),
+            _conv.conv_out_size(w, kernel[1], stride[1], dilation[1], pads[2], pads[3]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=str)
+def test_conv_kernels_match_numpy_references(dtype, geom):
+    c, h, w, kernel, stride, dilation, pads, group = geom
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(3, c, h, w)).astype(dtype)
+    xh = _K.to_channels_last(x, pads)
+    np.testing.assert_array_equal(xh, _conv.to_channels_last_numpy(x, pads))
+    assert xh.dtype == dtype and xh.flags.c_contiguous
+    np.testing.assert_array_equal(_K.to_channels_first(xh, (pads[0], pads[2]), (h, w)), x)
+    np.testing.assert_array_equal(_K.to_channels_first(xh, (1, 0)),
+                                  _conv.to_channels_first_numpy(xh, (1, 0)))
+    out_hw = _geometry_out(h, w, kernel, stride, dilation, pads)
+    cols = _K.im2col(xh, kernel, stride, dilation, out_hw, group)
+    np.testing.assert_array_equal(cols, _conv.im2col_numpy(xh, kernel, stride, dilation,
+                                                           out_hw, group))
+    # integer values: the sums are exact whatever order the kernel adds in
+    dcols = rng.integers(-8, 8, size=cols.shape).astype(dtype)
+    grid = xh.shape[1:3]
+    got = _K.col2im(dcols, 3, grid, kernel, stride, dilation, out_hw, group)
+    np.testing.assert_array_equal(got, _conv.col2im_numpy(dcols, 3, grid, kernel, stride,
+                                                          dilation, out_hw, group))
+    # col2im is im2col's adjoint: <im2col(x), d> == <x, col2im(d)>
+    np.testing.assert_allclose((cols.astype(np.float64) * dcols).sum(),
+                               (xh.astype(np.float64) * got).sum(), rtol=1e-5)
+
+
+def test_conv_kernels_take_strided_inputs_and_float16_takes_the_references():
+    x = np.random.default_rng(8).normal(size=(2, 3, 5, 4, 2))[..., 0]     # not contiguous
+    np.testing.assert_array_equal(_K.to_channels_last(x, (1, 2, 0, 1)),
+                                  _conv.to_channels_last_numpy(x, (1, 2, 0, 1)))
+    xh = _conv._channels_last(x.astype(np.float16), (1, 1, 1, 1))
+    assert xh.dtype == np.float16
+    np.testing.assert_array_equal(xh, _K.to_channels_last(x, (1, 1, 1, 1)).astype(np.float16))
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda: _K.to_channels_last(np.zeros((1, 2, 3, 3), np.float16)), TypeError,
+     r"conv to_channels_last: x has dtype float16; expected float32 or float64"),
+    (lambda: _K.to_channels_last(np.zeros((2, 3, 3), np.float32)), ValueError,
+     r"conv to_channels_last: x has shape \(2, 3, 3\); expected 4 dims"),
+    (lambda: _K.to_channels_last(np.zeros((1, 2, 3, 3), np.float32), (1, -1, 0, 0)),
+     ValueError, r"conv to_channels_last: pads=\(1, -1, 0, 0\) is not valid"),
+    (lambda: _K.im2col(np.zeros((1, 4, 4, 2), np.float32), (3, 3), (1, 1), (1, 1), (3, 2)),
+     ValueError, r"conv im2col: 3 windows of kernel 3 \(stride 1, dilation 1\) reach 5 "
+                 r"pixels along spatial dim 0; the grid has 4"),
+    (lambda: _K.im2col(np.zeros((1, 4, 4, 3), np.float32), (3, 3), (1, 1), (1, 1), (2, 2),
+                       2),
+     ValueError, r"conv im2col: group=2 does not divide the 3 channels"),
+    (lambda: _K.col2im(np.zeros((5, 18), np.float32), 1, (4, 4), (3, 3), (1, 1), (1, 1),
+                       (2, 2)),
+     ValueError, r"conv col2im: cols has shape \(5, 18\); expected \(4, a multiple of 9\)"),
+    (lambda: _K.to_channels_first(np.zeros((1, 4, 4, 2), np.float32), (2, 0), (3, 4)),
+     ValueError, r"conv to_channels_first: the block of hw=\(3, 4\) at origin=\(2, 0\) "
+                 r"does not fit the grid \(4, 4\)"),
+    (lambda: _K.im2col([[1.0]], (1, 1), (1, 1), (1, 1), (1, 1)), TypeError,
+     r"conv im2col: xh is a list; expected a numpy array"),
+])
+def test_conv_kernels_refuse_bad_input_by_name(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
 
 
 # ---------------------------------------------------------------------------

@@ -6,9 +6,12 @@ Every kernel here is written over a *stack*: a leading device axis ``D`` in fron
 NCHW dims (one device: ``D = 1``), so the sharding rules in
 :mod:`dualmode.parallel.rules_conv` run each op's local computation with the same
 functions, in one numpy call over every device. Convolution is im2col + one GEMM per
-stack (windows are a strided view of the padded input, copied once into columns); the
-loops that remain run over the kernel's offsets (``kh * kw`` numpy calls), never over
-pixels or devices.
+stack in a channels-last layout: the images are copied once, zero-bordered, into (B, Hp,
+Wp, C), whose windows are runs of whole channels; the Cython kernels of
+:mod:`dualmode._core._conv` (GIL released) copy them into columns, add gradient columns
+back (col2im) and bring results back to NCHW, with numpy references here for float16
+and the tests. Pooling's loops run over the kernel's offsets (``kh * kw`` numpy calls),
+never over pixels or devices.
 
 Padding is resolved at call time into explicit ``pads = (top, bottom, left, right)``
 (MindSpore's rules: "same" gives ``ceil(H / stride)`` outputs and puts the odd pixel of
@@ -21,6 +24,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from .._core import _conv as _K
 from . import _array as A
 from . import _math as M
 from ._registry import apply, check_float, check_same_dtype, const, register
@@ -127,15 +131,88 @@ def window_view(xp, kernel, stride, dilation, out_hw):
     return as_strided(xp, shape, strides, writeable=False)
 
 
-def _columns(x, kernel, stride, dilation, pads, out_hw, group):
-    """im2col of a stack (D, N, C, H, W) -> (D, group, N*Ho*Wo, C/group*kh*kw)."""
-    xp = _pad_stack(x, pads)
-    win = window_view(xp, kernel, stride, dilation, out_hw)    # D N C Ho Wo kh kw
-    d, n, c = x.shape[:3]
-    p = n * out_hw[0] * out_hw[1]
-    cols = np.ascontiguousarray(win.transpose(0, 1, 3, 4, 2, 5, 6))  # D N Ho Wo C kh kw
-    cols = cols.reshape(d, p, group, (c // group) * kernel[0] * kernel[1])
-    return cols.transpose(0, 2, 1, 3)                               # D g P K
+# channels-last data movement: Cython kernels for float32/float64 (dualmode/_core/_conv.pyx),
+# these numpy references for float16 and for the tests to compare the kernels against
+def to_channels_last_numpy(x, pads=(0, 0, 0, 0)):
+    """Reference of ``_core._conv.to_channels_last``: (B, C, H, W) -> (B, Hp, Wp, C) with
+    a zero border of pads = (top, bottom, left, right)."""
+    t, b, l, r = pads
+    n, c, h, w = x.shape
+    out = np.zeros((n, h + t + b, w + l + r, c), x.dtype)
+    out[:, t:t + h, l:l + w, :] = x.transpose(0, 2, 3, 1)
+    return out
+
+
+def to_channels_first_numpy(xh, origin=(0, 0), hw=None):
+    """Reference of ``_core._conv.to_channels_first``: the (H, W) block of xh (B, Hp, Wp,
+    C) at origin (top, left) -> (B, C, H, W)."""
+    t, l = origin
+    h, w = (xh.shape[1] - t, xh.shape[2] - l) if hw is None else hw
+    return np.ascontiguousarray(xh[:, t:t + h, l:l + w, :].transpose(0, 3, 1, 2))
+
+
+def _window_columns_view(xh, kernel, stride, dilation, out_hw, group):
+    """Strided view (B, Ho, Wo, group, kh, kw, C/group) of the windows of xh (B, Hp, Wp,
+    C)."""
+    b, _, _, c = xh.shape
+    s0, s1, s2, s3 = xh.strides
+    cg = c // group
+    shape = (b,) + tuple(out_hw) + (group,) + tuple(kernel) + (cg,)
+    strides = (s0, s1 * stride[0], s2 * stride[1], s3 * cg, s1 * dilation[0],
+               s2 * dilation[1], s3)
+    return as_strided(xh, shape, strides, writeable=False)
+
+
+def im2col_numpy(xh, kernel, stride, dilation, out_hw, group=1):
+    """Reference of ``_core._conv.im2col``: the windows of xh (B, Hp, Wp, C) as rows
+    (B * Ho * Wo, kh * kw * C) ordered (group, kh, kw, C / group)."""
+    win = _window_columns_view(xh, kernel, stride, dilation, out_hw, group)
+    return np.ascontiguousarray(win).reshape(win.shape[0] * out_hw[0] * out_hw[1], -1)
+
+
+def col2im_numpy(cols, batch, grid_hw, kernel, stride, dilation, out_hw, group=1):
+    """Reference of ``_core._conv.col2im``: window columns (B * Ho * Wo, kh * kw * C)
+    added back onto a zero grid (B, Hp, Wp, C), one numpy call per kernel tap."""
+    kh, kw = kernel
+    ho, wo = out_hw
+    c = cols.shape[1] // (kh * kw)
+    v = cols.reshape(batch, ho, wo, group, kh, kw, c // group)
+    out = np.zeros((batch,) + tuple(grid_hw) + (c,), cols.dtype)
+    o = out.reshape(out.shape[:3] + (group, c // group))
+    for i in range(kh):
+        r0 = i * dilation[0]
+        for j in range(kw):
+            c0 = j * dilation[1]
+            o[:, r0:r0 + (ho - 1) * stride[0] + 1:stride[0],
+              c0:c0 + (wo - 1) * stride[1] + 1:stride[1]] += v[:, :, :, :, i, j]
+    return out
+
+
+def _fast(a):
+    return a.dtype in _K.DTYPES
+
+
+def _channels_last(x, pads=(0, 0, 0, 0)):
+    return (_K.to_channels_last if _fast(x) else to_channels_last_numpy)(x, pads)
+
+
+def _channels_first(xh, origin=(0, 0), hw=None):
+    return (_K.to_channels_first if _fast(xh) else to_channels_first_numpy)(xh, origin, hw)
+
+
+def _im2col(xh, kernel, stride, dilation, out_hw, group):
+    return (_K.im2col if _fast(xh) else im2col_numpy)(xh, kernel, stride, dilation, out_hw,
+                                                     group)
+
+
+def _col2im(cols, batch, grid_hw, kernel, stride, dilation, out_hw, group):
+    return (_K.col2im if _fast(cols) else col2im_numpy)(cols, batch, grid_hw, kernel, stride,
+                                                       dilation, out_hw, group)
+
+
+def _images(stack):
+    """(D, N, C, H, W) -> (D * N, C, H, W) (a copy only when the stack is not contiguous)."""
+    return np.ascontiguousarray(stack).reshape((-1,) + stack.shape[2:])
 
 
 def _mm(a, b):
@@ -152,33 +229,90 @@ def _same_on_every_device(w):
     return w.shape[0] == 1 or w.strides[0] == 0
 
 
+def _weight_matrix(w, group):
+    """w (D, Co, C/g, kh, kw) -> (D', g, Co/g, kh * kw * C/g) in the columns' order (D' =
+    1 for one weight on every device)."""
+    if _same_on_every_device(w):
+        w = w[:1]
+    d, co, cg, kh, kw = w.shape
+    wm = np.ascontiguousarray(w.transpose(0, 1, 3, 4, 2))
+    return wm.reshape(d, group, co // group, kh * kw * cg)
+
+
+def _grid_hw(in_hw, kernel, stride, dilation, pads, out_hw):
+    """The padded grid col2im adds onto: the padded input, or as far as the windows reach
+    (a cropped block's windows may run past it into rows nobody reads)."""
+    return tuple(max(in_hw[a] + pads[2 * a] + pads[2 * a + 1],
+                     (out_hw[a] - 1) * stride[a] + (kernel[a] - 1) * dilation[a] + 1)
+                 for a in range(2))
+
+
 def conv_stack(x, w, stride, dilation, pads, group):
     """Per-device 2-D convolution: x (D, N, C, H, W), w (D, Co, C/g, kh, kw) -> (D, N, Co,
-    Ho, Wo), as im2col + one (batched) GEMM."""
+    Ho, Wo), as channels-last im2col + one GEMM (one per device and group when the
+    devices hold different weights or group > 1)."""
     d, n = x.shape[:2]
     co, kernel = w.shape[1], w.shape[3:]
     out_hw = (conv_out_size(x.shape[3], kernel[0], stride[0], dilation[0], pads[0], pads[1]),
               conv_out_size(x.shape[4], kernel[1], stride[1], dilation[1], pads[2], pads[3]))
-    cols = _columns(x, kernel, stride, dilation, pads, out_hw, group)    # D g P K
-    wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
-    if _same_on_every_device(w) and group == 1:
-        p = cols.shape[2]
-        out = _mm(cols.reshape(d * p, -1), wm[0, 0].T).reshape(d, 1, p, co)
+    cols = _im2col(_channels_last(_images(x), pads), kernel, stride, dilation, out_hw,
+                   group)                                           # D*P, g*K
+    wm = _weight_matrix(w, group)                                   # D' g Cog K
+    if wm.shape[0] == 1 and group == 1:
+        out = _mm(cols, wm[0, 0].T)                                 # D*P, Co
     else:
-        out = _mm(cols, np.swapaxes(wm, -1, -2))                   # D g P Cog
-    out = out.transpose(0, 2, 1, 3).reshape(d, n, out_hw[0], out_hw[1], co)
-    return np.ascontiguousarray(out.transpose(0, 1, 4, 2, 3))
+        p = cols.shape[0] // d
+        cols = cols.reshape(d, p, group, -1).transpose(0, 2, 1, 3)  # D g P K
+        out = _mm(cols, np.swapaxes(wm, -1, -2))                    # D g P Cog
+        out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))       # D P g Cog
+    y = _channels_first(out.reshape((d * n,) + out_hw + (co,)))
+    return y.reshape((d, n, co) + out_hw)
+
+
+def conv_input_grad_stack(dy, w, in_hw, stride, dilation, pads, group):
+    """Gradient of conv_stack with respect to x: dy (D, N, Co, Ho, Wo), w (D, Co, C/g, kh,
+    kw) -> (D, N, C, H, W) (one GEMM, then col2im onto the padded channels-last grid)."""
+    d, n, co, ho, wo = dy.shape
+    cg, kernel = w.shape[2], tuple(w.shape[3:])
+    dyh = _channels_last(_images(dy))                               # D*N Ho Wo Co
+    wm = _weight_matrix(w, group)                                   # D' g Cog K
+    if wm.shape[0] == 1 and group == 1:
+        dcols = _mm(dyh.reshape(-1, co), wm[0, 0])                  # D*P, K
+    else:
+        dyg = dyh.reshape(d, n * ho * wo, group, co // group).transpose(0, 2, 1, 3)
+        dcols = _mm(dyg, wm)                                        # D g P K
+        dcols = np.ascontiguousarray(dcols.transpose(0, 2, 1, 3)).reshape(d * n * ho * wo,
+                                                                          -1)
+    grid = _grid_hw(in_hw, kernel, stride, dilation, pads, (ho, wo))
+    dxh = _col2im(dcols, d * n, grid, kernel, stride, dilation, (ho, wo), group)
+    dx = _channels_first(dxh, (pads[0], pads[2]), tuple(in_hw))
+    return dx.reshape((d, n, cg * group) + tuple(in_hw))
+
+
+def conv_filter_grad_stack(dy, x, kernel, stride, dilation, pads, group):
+    """Per-device gradient of conv_stack with respect to w: dy (D, N, Co, Ho, Wo), x (D, N,
+    C, H, W) -> (D, Co, C/g, kh, kw): channels-last im2col of x, one GEMM with dy."""
+    d, n, co, ho, wo = dy.shape
+    c = x.shape[2]
+    kernel = tuple(kernel)
+    cols = _im2col(_channels_last(_images(x), pads), kernel, stride, dilation, (ho, wo),
+                   group)                                           # D*P, g*K
+    dyh = _channels_last(_images(dy)).reshape(d, n * ho * wo, group, co // group)
+    if d == 1 and group == 1:
+        dw = _mm(dyh[0, :, 0].T, cols)[None, None]                  # one GEMM
+    else:
+        cols = cols.reshape(d, n * ho * wo, group, -1).transpose(0, 2, 1, 3)   # D g P K
+        dw = _mm(dyh.transpose(0, 2, 3, 1), cols)                   # D g Cog K
+    dw = dw.reshape((d, co) + kernel + (c // group,))
+    return np.ascontiguousarray(dw.transpose(0, 1, 4, 2, 3))
 
 
 def _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dtype):
-    """col2im: add the window values dwin (..., Ho, Wo, kh, kw) back onto the padded input
-    grid and crop the padding -> (..., H, W)."""
+    """col2im of pooling: add the window values dwin (..., Ho, Wo, kh, kw) back onto the
+    padded input grid and crop the padding -> (..., H, W)."""
     lead = dwin.shape[:-4]
     ho, wo = dwin.shape[-4:-2]
-    hp, wp = in_hw[0] + pads[0] + pads[1], in_hw[1] + pads[2] + pads[3]
-    # rows/cols the windows reach can exceed the padded size only by never-read tails
-    hp = max(hp, (ho - 1) * stride[0] + (kernel[0] - 1) * dilation[0] + 1)
-    wp = max(wp, (wo - 1) * stride[1] + (kernel[1] - 1) * dilation[1] + 1)
+    hp, wp = _grid_hw(in_hw, kernel, stride, dilation, pads, (ho, wo))
     out = np.zeros(lead + (hp, wp), dtype)
     for i in range(kernel[0]):
         r0 = i * dilation[0]
@@ -187,42 +321,6 @@ def _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dtype):
             out[..., r0:r0 + (ho - 1) * stride[0] + 1:stride[0],
                 c0:c0 + (wo - 1) * stride[1] + 1:stride[1]] += dwin[..., i, j]
     return out[..., pads[0]:pads[0] + in_hw[0], pads[2]:pads[2] + in_hw[1]]
-
-
-def conv_input_grad_stack(dy, w, in_hw, stride, dilation, pads, group):
-    """Gradient of conv_stack with respect to x: dy (D, N, Co, Ho, Wo), w (D, Co, C/g, kh,
-    kw) -> (D, N, C, H, W) (one GEMM, then col2im)."""
-    d, n, co, ho, wo = dy.shape
-    cg, kernel = w.shape[2], w.shape[3:]
-    dym = np.ascontiguousarray(dy.transpose(0, 1, 3, 4, 2)).reshape(d, n * ho * wo, group,
-                                                                    co // group)
-    dym = dym.transpose(0, 2, 1, 3)                                      # D g P Cog
-    wm = w.reshape(w.shape[0], group, co // group, -1)                   # D g Cog K
-    if _same_on_every_device(w) and group == 1:
-        p = dym.shape[2]
-        dcols = _mm(dym.reshape(d * p, co), wm[0, 0]).reshape(d, 1, p, -1)
-    else:
-        dcols = _mm(dym, wm)                                       # D g P K
-    dcols = dcols.transpose(0, 2, 1, 3).reshape(d, n, ho, wo, group * cg, kernel[0],
-                                                kernel[1])
-    dwin = dcols.transpose(0, 1, 4, 2, 3, 5, 6)                          # D N C Ho Wo kh kw
-    return _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dy.dtype)
-
-
-def conv_filter_grad_stack(dy, x, kernel, stride, dilation, pads, group):
-    """Per-device gradient of conv_stack with respect to w: dy (D, N, Co, Ho, Wo), x (D, N,
-    C, H, W) -> (D, Co, C/g, kh, kw): im2col of x, one GEMM with dy."""
-    d, n, co, ho, wo = dy.shape
-    c = x.shape[2]
-    cols = _columns(x, kernel, stride, dilation, pads, (ho, wo), group)  # D g P K
-    dym = np.ascontiguousarray(dy.transpose(0, 1, 3, 4, 2)).reshape(d, n * ho * wo, group,
-                                                                    co // group)
-    dym = dym.transpose(0, 2, 3, 1)                                      # D g Cog P
-    if d == 1 and group == 1:
-        dw = _mm(dym[0, 0], cols[0, 0])[None, None]                     # one GEMM
-    else:
-        dw = _mm(dym, cols)                                            # D g Cog K
-    return dw.reshape(d, co, c // group, kernel[0], kernel[1])
 
 
 def pool_stack(x, mode, kernel, stride, pads):

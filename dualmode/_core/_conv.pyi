@@ -1,0 +1,35 @@
+"""Type stub for the convolution data-movement kernels (`_conv.pyx`); numpy references
+(``*_numpy``) in `dualmode/ops/_conv.py`.
+
+Dtypes: float32 and float64 (float16 arrays take the numpy references). Inputs of any
+strides are copied to C order first; outputs are new C-contiguous arrays. Errors name
+the kernel, the parameter and what is valid.
+"""
+from typing import Sequence
+
+import numpy as np
+
+DTYPES: tuple[np.dtype, ...]
+
+def to_channels_last(x: np.ndarray, pads: Sequence[int] = (0, 0, 0, 0)) -> np.ndarray:
+    """(B, C, H, W) -> (B, H + top + bottom, W + left + right, C) with a zero border;
+    pads = (top, bottom, left, right)."""
+    ...
+
+def to_channels_first(xh: np.ndarray, origin: Sequence[int] = (0, 0),
+                      hw: Sequence[int] | None = None) -> np.ndarray:
+    """The (H, W) block of xh (B, Hp, Wp, C) at origin (top, left) -> (B, C, H, W)."""
+    ...
+
+def im2col(xh: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
+           dilation: Sequence[int], out_hw: Sequence[int], group: int = 1) -> np.ndarray:
+    """The Ho x Wo windows of xh (B, Hp, Wp, C) as rows (B * Ho * Wo, kh * kw * C),
+    ordered (group, kh, kw, C / group). Raises ValueError if a window leaves the grid."""
+    ...
+
+def col2im(cols: np.ndarray, batch: int, grid_hw: Sequence[int], kernel: Sequence[int],
+           stride: Sequence[int], dilation: Sequence[int], out_hw: Sequence[int],
+           group: int = 1) -> np.ndarray:
+    """The adjoint of im2col: window rows `cols` added onto a zero grid (batch, Hp, Wp,
+    C)."""
+    ...
