@@ -239,7 +239,9 @@ class ShardFunction:
 
     def strategies(self, **network) -> dict:
         """The chosen strategy per op of the last compiled graph, and its cost (and its
-        predicted communication time given ``link=`` or ``alpha_s``/``beta_s_per_byte``)."""
+        predicted communication time given ``link=`` or ``alpha_s``/``beta_s_per_byte``),
+        as a :class:`~dualmode.parallel.graph.search.PlanTable`: a dict whose
+        ``total_cost``, ``plan_cost`` and ``search_mode`` give the plan's totals."""
         return self._last().strategies(**network)
 
     def dump(self, path=None, backward=False) -> str:
