@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import dualmode as dm
 from dualmode import Parameter, Tensor, communication, context, nn, ops
+from dualmode.parallel import compile_count
 from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.parallel.graph import compile as graph_compile
 from dualmode.parallel.graph.propagate import propagate, total_cost
@@ -425,3 +426,20 @@ def test_fully_use_devices_filters_candidates_for_every_mode(mode, monkeypatch):
         if fully:
             assert set(used) <= {1, 8}
     assert offered[True] < offered[False]
+
+
+def test_changing_search_mode_recompiles_with_the_new_search():
+    _setup(8)
+    w = Parameter(Tensor(np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)),
+                  name="w")
+    mm, relu = ops.MatMul(), ops.ReLU()
+    fn = ops.shard(lambda x: relu(mm(x, w)), in_strategy=((8, 1),))
+    x = Tensor(np.random.default_rng(1).standard_normal((32, 16)).astype(np.float32))
+    ref = np.maximum(x.asnumpy() @ w.asnumpy(), 0)
+    seen = []
+    for mode in MODES + MODES[:1]:
+        dm.set_auto_parallel_context(search_mode=mode)
+        before = compile_count()
+        np.testing.assert_allclose(fn(x).asnumpy(), ref, rtol=1e-5, atol=1e-6)
+        seen.append((fn.strategies().search_mode, compile_count() - before))
+    assert seen == [(m, 1) for m in MODES] + [(MODES[0], 0)]     # the first plan is cached

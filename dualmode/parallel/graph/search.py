@@ -45,7 +45,12 @@ redistribution costs, fixed (configured) nodes keep their candidate; the objecti
     refinement rounds: a sweep in the same order re-choosing each node given all its
     neighbours, and a sweep over the edges re-choosing both ends of each together; a
     change is taken only when strictly cheaper, so refinement never raises the total.
-    The cheaper pass's choice is kept (the weight order's on a tie). The Cython kernel
+    The cheaper pass's choice is kept (the weight order's on a tie). MindSpore builds
+    each op's strategy by cutting the device count recursively in factors of 2, each
+    cut on the dim its symbolic cost favours; here every split of the device count into
+    factors (powers of two for the usual device counts) is already an enumerated
+    candidate with its exact cost (candidates.py), so an op's recursive choice of cuts
+    given its decided neighbours is the choice of its cheapest candidate. The Cython kernel
     (:mod:`dualmode._core._search`, GIL released) and the Python reference
     (``impl="python"``) choose identically. Linear in the graph size.
 
