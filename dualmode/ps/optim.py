@@ -9,7 +9,7 @@ counter) lives on the server.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -58,45 +58,51 @@ def optimizer_spec(opt, index: int) -> Dict[str, Any]:
             "weight_decay": opt._decay[index]}
 
 
-def build_optimizer(spec: Dict[str, Any], param: Parameter):
-    """The optimizer `spec` describes, over the one server-held `param`."""
+def build_optimizer(spec: Dict[str, Any], params: Sequence[Parameter]):
+    """The optimizer `spec` describes, over server-held `params` (shards that share the
+    spec: one optimizer call updates them all)."""
     cls = _CLASSES.get(spec.get("cls"))
     if cls is None:
         raise ValueError(f"optimizer class {spec.get('cls')!r} is not known on this server; "
                          "expected one of " + ", ".join(sorted(_HYPER)))
-    group = {"params": [param], "lr": spec["lr"], "weight_decay": spec["weight_decay"]}
+    group = {"params": list(params), "lr": spec["lr"], "weight_decay": spec["weight_decay"]}
     return cls([group], learning_rate=spec["lr"], loss_scale=spec["loss_scale"],
                **spec["hyper"])
 
 
-def state_arrays(opt) -> Dict[str, np.ndarray]:
-    """The optimizer's state arrays (momentum, moments), by state name."""
+def state_arrays(opt, index: int) -> Dict[str, np.ndarray]:
+    """The state arrays (momentum, moments) of `opt`'s parameter `index`, by state
+    name."""
     out = {}
     for name in opt.__dict__.get("_state_names", ()):
-        out[name] = getattr(opt, name)[0]._data
+        out[name] = getattr(opt, name)[index]._data
     return out
 
 
-def optimizer_meta(opt) -> Dict[str, Any]:
-    """What besides the state arrays a restarted server needs: the step counter and
-    SGD's first-step flags."""
-    return {"global_step": opt.global_step, "fresh": list(opt.__dict__.get("_fresh", []))}
+def optimizer_meta(opt, index: int) -> Dict[str, Any]:
+    """What besides its state arrays a restarted server needs for `opt`'s parameter
+    `index`: the step counter and SGD's first-step flag."""
+    fresh = opt.__dict__.get("_fresh")
+    return {"global_step": opt.global_step, "fresh": [] if fresh is None else [fresh[index]]}
 
 
-def restore_optimizer(opt, meta: Dict[str, Any], states: Dict[str, np.ndarray]) -> None:
-    """Put a checkpointed state back into `opt`."""
+def restore_optimizer(opt, index: int, meta: Dict[str, Any],
+                      states: Dict[str, np.ndarray]) -> None:
+    """Put the checkpointed state of `opt`'s parameter `index` back."""
     opt.global_step = int(meta["global_step"])
-    if "_fresh" in opt.__dict__:
-        opt._fresh = list(meta["fresh"])
+    if "_fresh" in opt.__dict__ and meta["fresh"]:
+        opt._fresh[index] = bool(meta["fresh"][0])
     for name, arr in states.items():
-        getattr(opt, name)[0]._data = np.array(arr)
+        getattr(opt, name)[index]._data = np.array(arr)
 
 
-def swap_rows(opt, param: Parameter, rows: np.ndarray) -> List[Tuple[Any, np.ndarray]]:
-    """Point `param` and the optimizer's states at copies of their `rows` (a sparse
-    update runs on those rows only); returns what :func:`unswap_rows` writes back."""
+def swap_rows(opt, index: int, rows: np.ndarray) -> List[Tuple[Any, np.ndarray]]:
+    """Point `opt`'s parameter `index` and its states at copies of their `rows` (a
+    sparse update runs on those rows only); returns what :func:`unswap_rows` writes
+    back."""
     saved = []
-    for t in [param] + [getattr(opt, name)[0] for name in opt.__dict__.get("_state_names", ())]:
+    states = opt.__dict__.get("_state_names", ())
+    for t in [opt.parameters[index]] + [getattr(opt, name)[index] for name in states]:
         saved.append((t, t._data))
         t._data = t._data[rows]
         t._shape = t._data.shape

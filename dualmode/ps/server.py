@@ -55,7 +55,8 @@ def checkpoint_path(root: str, server_id: int) -> str:
 class _Key:
     spec: Dict[str, Any]
     param: Parameter
-    opt: Any
+    opt: Any                          # the optimizer updating this shard
+    slot: int                         # the shard's index in opt.parameters
     changed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     sending: list = field(default_factory=list)      # trackers of replies of param._data
 
@@ -68,6 +69,7 @@ class _Key:
 class _Group:
     gid: str
     keys: List[_Key]
+    opts: List[Tuple[Any, List[int]]]   # each optimizer, with the indices of its keys
     version: int = 0
     pending: Dict[int, Dict[int, List[np.ndarray]]] = field(default_factory=dict)
     owed: Dict[int, List[Tuple[bytes, dict]]] = field(default_factory=dict)
@@ -77,6 +79,26 @@ class _Group:
 
 def _public_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
     return {k: spec[k] for k in ("name", "shape", "dtype", "rows", "sparse")}
+
+
+def _make_keys(specs: List[Dict[str, Any]], values: List[np.ndarray]):
+    """The shards `specs` with their initial `values`, and their optimizers: the dense
+    shards that share an optimizer spec share one optimizer (one call per step updates
+    them all); a sparse table has its own (its update runs on the rows a step touched)."""
+    params = [Parameter(Tensor._from_array(np.array(v, dtype=spec["dtype"])), name=spec["name"])
+              for spec, v in zip(specs, values)]
+    buckets: Dict[Any, List[int]] = {}
+    for k, spec in enumerate(specs):
+        tag = ("sparse", k) if spec.get("sparse") else json.dumps(spec["opt"], sort_keys=True)
+        buckets.setdefault(tag, []).append(k)
+    keys: List[Optional[_Key]] = [None] * len(specs)
+    opts = []
+    for idx in buckets.values():
+        opt = build_optimizer(specs[idx[0]]["opt"], [params[k] for k in idx])
+        opts.append((opt, idx))
+        for slot, k in enumerate(idx):
+            keys[k] = _Key(specs[k], params[k], opt, slot)
+    return keys, opts
 
 
 class _Server:
@@ -148,9 +170,9 @@ class _Server:
             for k, key in enumerate(g.keys):
                 tensors[f"{gid}/{k}/value"] = key.param._data
                 tensors[f"{gid}/{k}/changed"] = key.changed
-                for name, arr in state_arrays(key.opt).items():
+                for name, arr in state_arrays(key.opt, key.slot).items():
                     tensors[f"{gid}/{k}/state/{name}"] = arr
-                keys.append({"spec": key.spec, "opt": optimizer_meta(key.opt)})
+                keys.append({"spec": key.spec, "opt": optimizer_meta(key.opt, key.slot)})
             meta[gid] = {"version": g.version, "keys": keys}
         os.makedirs(root, exist_ok=True)
         path = checkpoint_path(root, self.id)
@@ -174,24 +196,18 @@ class _Server:
             meta = json.loads(fh.metadata()["dualmode_ps"])
             arrays = {k: fh.get_tensor(k) for k in fh.keys()}
         for gid, gm in meta.items():
-            keys = []
-            for k, km in enumerate(gm["keys"]):
-                key = self._make_key(km["spec"], arrays[f"{gid}/{k}/value"])
+            keys, opts = _make_keys([km["spec"] for km in gm["keys"]],
+                                    [arrays[f"{gid}/{k}/value"] for k in range(len(gm["keys"]))])
+            for k, (key, km) in enumerate(zip(keys, gm["keys"])):
                 states = {name.rsplit("/", 1)[1]: arr for name, arr in arrays.items()
                           if name.startswith(f"{gid}/{k}/state/")}
-                restore_optimizer(key.opt, km["opt"], states)
+                restore_optimizer(key.opt, key.slot, km["opt"], states)
                 key.changed = arrays[f"{gid}/{k}/changed"]
-                keys.append(key)
-            self.groups[gid] = _Group(gid, keys, version=gm["version"])
+            self.groups[gid] = _Group(gid, keys, opts, version=gm["version"])
         log("server", f"server {self.id} resumed from {path}: " + ", ".join(
             f"{gid} at step {g.version}" for gid, g in self.groups.items()))
 
     # ------------------------------------------------------------ requests
-    def _make_key(self, spec: Dict[str, Any], value: np.ndarray) -> _Key:
-        param = Parameter(Tensor._from_array(np.array(value, dtype=spec["dtype"])),
-                          name=spec["name"])
-        return _Key(spec, param, build_optimizer(spec["opt"], param))
-
     def on_init(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
         gid, worker, specs = head["group"], head["worker"], head["keys"]
         g = self.groups.get(gid)
@@ -201,8 +217,8 @@ class _Server:
                                   f"at step {head['step']}: it was restarted without a "
                                   "recovery checkpoint (set DM_RECOVERY_PATH on the servers "
                                   "to resume after a server fails)")
-            keys = [self._make_key(spec, a) for spec, a in zip(specs, arrays)]
-            g = self.groups[gid] = _Group(gid, keys)
+            keys, opts = _make_keys(specs, arrays)
+            g = self.groups[gid] = _Group(gid, keys, opts)
             log("server", f"{gid}: {len(keys)} shard(s) from worker {worker}: "
                 + ", ".join(f"{k.spec['name']}{tuple(k.spec['shape'])}" for k in keys))
             self.checkpoint()
@@ -274,9 +290,11 @@ class _Server:
     def apply(self, g: _Group, pushes: list, mean: bool) -> None:
         """One step of `g`'s optimizers with the sum (`mean`: the mean) of `pushes`
         (each the split arrays of one push, in worker order). A dense gradient is summed
-        into the first push's received buffer, and the optimizer updates the shard in
-        place; a shard still being sent to a worker is first given a copy to update."""
+        into the first push's received buffer, and each optimizer updates its shards in
+        place (one call for all of them); a shard still being sent to a worker is first
+        given a copy to update."""
         n = len(pushes)
+        grads = []
         for k, key in enumerate(g.keys):
             self._writable(key)
             if key.sparse:
@@ -287,13 +305,7 @@ class _Server:
                 np.add.at(grad, inv, rows)
                 if mean and n > 1:
                     grad /= n
-                local = uniq - key.spec["rows"][0]
-                saved = swap_rows(key.opt, key.param, local)
-                try:
-                    key.opt((Tensor._from_array(grad),))
-                finally:
-                    unswap_rows(saved, local)
-                key.changed = uniq
+                grads.append((uniq, grad))
             else:
                 grad = np.asarray(pushes[0][k], key.param._data.dtype)
                 if n > 1:
@@ -303,7 +315,20 @@ class _Server:
                         np.add(grad, p[k], out=grad)
                     if mean:
                         np.divide(grad, n, out=grad)
-                key.opt((Tensor._from_array(grad),))
+                grads.append(grad)
+        for opt, idx in g.opts:
+            key = g.keys[idx[0]]
+            if key.sparse:
+                uniq, grad = grads[idx[0]]
+                local = uniq - key.spec["rows"][0]
+                saved = swap_rows(opt, key.slot, local)
+                try:
+                    opt((Tensor._from_array(grad),))
+                finally:
+                    unswap_rows(saved, local)
+                key.changed = uniq
+            else:
+                opt(tuple(Tensor._from_array(grads[k]) for k in idx))
         g.version += 1
         g.since_checkpoint += 1
         if g.since_checkpoint >= self.cfg.recovery_interval:
