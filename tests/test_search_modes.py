@@ -157,9 +157,10 @@ def test_dp_large_core_raises_naming_it():
     nodes = [rng.random(16) for _ in range(n)]
     ecosts = [rng.random((16, 16)) for _ in edges]
     with pytest.raises(SearchError, match=r"dynamic_programming: the graph does not reduce "
-                                          r"to a small core: 8 ops remain.*more than "
-                                          r"max_table=4194304; use search_mode="
-                                          r"'recursive_programming'"):
+                                          r"to a core small enough to solve exactly: with 8 "
+                                          r"ops left.*7 neighbours\) needs a table of "
+                                          r"4294967296 entries, more than max_table=4194304; "
+                                          r"use search_mode='recursive_programming'"):
         dynamic_programming(nodes, edges, ecosts, np.full(n, -1))
     with pytest.raises(SearchError, match=r"more than max_table=10"):
         dynamic_programming(nodes[:3], edges[:1], ecosts[:1], np.full(3, -1), max_table=10)

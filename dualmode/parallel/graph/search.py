@@ -32,8 +32,8 @@ redistribution costs, fixed (configured) nodes keep their candidate; the objecti
        size (never a silently inexact answer).
 
     Each elimination records, per assignment of the eliminated node's neighbours, its best
-    candidate; replaying the records backwards gives the optimal choice. Ties go to the
-    lower candidate index.
+    candidate (ties: the lower index); replaying the records backwards gives an optimal
+    choice.
 
 ``"recursive_programming"``
     :func:`recursive_programming`: a fast heuristic in the spirit of MindSpore's
@@ -292,10 +292,10 @@ def _dp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, max_table):
         if entries > max_table:
             core = [i for i in range(n) if alive[i]]
             raise SearchError(
-                f"dynamic_programming: the graph does not reduce to a small core: "
-                f"{len(core)} ops remain, each with >= 3 neighbours, and eliminating op "
-                f"{v} ({size[v]} candidates, {len(scope)} neighbours) needs a table of "
-                f"{entries} entries, more than max_table={max_table}; use "
+                f"dynamic_programming: the graph does not reduce to a core small enough "
+                f"to solve exactly: with {len(core)} ops left, the cheapest elimination "
+                f"(op {v}: {size[v]} candidates, {len(scope)} neighbours) needs a table "
+                f"of {entries} entries, more than max_table={max_table}; use "
                 f"search_mode='recursive_programming' or 'sharding_propagation' for this "
                 f"graph")
         full = scope + [v]
