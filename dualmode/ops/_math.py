@@ -360,7 +360,16 @@ def _bw_matmul(node, g):
     return ga, gb
 
 
-MATMUL = register("MatMul", infer=_infer_matmul, kernel=_mm_kernel, backward=_bw_matmul)
+def _mm_subscripts(attrs, ranks):
+    """Einsum subscripts of op(a) @ op(b) for 2-D inputs (the contraction family)."""
+    if ranks != (2, 2):
+        return None
+    return (("km" if attrs.get("transpose_a") else "mk",
+             "nk" if attrs.get("transpose_b") else "kn"), "mn")
+
+
+MATMUL = register("MatMul", infer=_infer_matmul, kernel=_mm_kernel, backward=_bw_matmul,
+                  family=("contract", _mm_subscripts))
 
 
 def mat_mul(a, b, transpose_a=False, transpose_b=False):
@@ -446,7 +455,21 @@ def _bw_bmm(node, g):
     return ga, gb
 
 
-BATCH_MATMUL = register("BatchMatMul", infer=_infer_bmm, kernel=_bmm_kernel, backward=_bw_bmm)
+_BATCH_LETTERS = "pqrstuvwxyz"
+
+
+def _bmm_subscripts(attrs, ranks):
+    """Einsum subscripts of batched op(a) @ op(b), batch dims broadcast from the right."""
+    if len(ranks) != 2 or min(ranks) < 2 or max(ranks) - 2 > len(_BATCH_LETTERS):
+        return None
+    batch = _BATCH_LETTERS[:max(ranks) - 2]
+    a, b = _mm_subscripts(attrs, (2, 2))[0]
+    return ((batch[len(batch) - ranks[0] + 2:] + a, batch[len(batch) - ranks[1] + 2:] + b),
+            batch + "mn")
+
+
+BATCH_MATMUL = register("BatchMatMul", infer=_infer_bmm, kernel=_bmm_kernel, backward=_bw_bmm,
+                        family=("contract", _bmm_subscripts))
 
 
 def batch_matmul(a, b, transpose_a=False, transpose_b=False):
@@ -640,8 +663,16 @@ def _bw_bias_add(node, g):
     return (g if _needs(node, 0) else None), gb
 
 
+def _bias_add_subscripts(attrs, ranks):
+    """Einsum subscripts of x + bias along dim 1 (a broadcast sum)."""
+    if len(ranks) != 2 or ranks[0] < 2 or ranks[1] != 1:
+        return None
+    x = "nc" + _BATCH_LETTERS[:ranks[0] - 2]
+    return (x, "c"), x, {"c": "channel dim"}
+
+
 BIAS_ADD = register("BiasAdd", infer=_infer_bias_add, kernel=_bias_add_kernel,
-                    backward=_bw_bias_add)
+                    backward=_bw_bias_add, family=("contract", _bias_add_subscripts, "add"))
 
 
 def bias_add(x, bias):

@@ -7,14 +7,15 @@ inputs, which is always correct; rules only make them cheaper.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import numpy as np
 
 from ..ops._registry import REGISTRY, linearity
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
-from .shared_dims import (bias_add_pairs, elementwise_pairs, matmul_pairs,
-                          sparse_xent_pairs)
+from .shared_dims import elementwise_pairs, sparse_xent_pairs
 from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
                        register_rule, run_kernel)
 
@@ -89,49 +90,151 @@ def _elementwise_rule(op):
 
 
 # ---------------------------------------------------------------------------
-# MatMul / BatchMatMul: contracted splits become pending sums
+# contraction family (einsum-style): MatMul, BatchMatMul, BiasAdd
 # ---------------------------------------------------------------------------
-def _swap(x, flag):
-    return np.swapaxes(x, -1, -2) if flag else x
+# An op of this family declares ``family=("contract", subscripts[, combine])``:
+# ``subscripts(attrs, ranks)`` gives its einsum subscripts for inputs of those ranks --
+# ``(inputs, output[, labels])``, e.g. ``(("mk", "kn"), "mn")`` -- or None when the ranks
+# do not fit (the op's own shape check then names the error). A letter is one dim shared
+# by every input and output naming it; an input dim of size 1 under a letter of larger
+# size broadcasts. ``combine`` is "mul" (a product summed over the letters missing from
+# the output: matmul form) or "add" (every input letter is an output letter; a broadcast
+# sum). ``labels`` names letters in strategy errors (default: "contracted dim" for a
+# summed letter, "batch dim <d>" for the others).
+# From the subscripts alone the rule derives which dims a strategy must split alike,
+# the output layout, and pending sums: a split of a summed letter leaves the output a
+# pending sum over its device axes.
 
-
-@register_rule("MatMul", shared=matmul_pairs)
-def _matmul(attrs, lays, dtypes):
-    a, b = lays
-    if a is None or b is None or a.partial or b.partial:
+def _subscripts(spec, attrs, ranks):
+    found = spec(attrs, tuple(ranks))
+    if found is None:
         return None
-    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    dm = a.device_matrix
-    am, ak = (1, 0) if ta else (0, 1)
-    bk, bn = (1, 0) if tb else (0, 1)
-    M = a.tensor_map[am]
-    K = a.tensor_map[ak]
-    if not K and b.tensor_map[bk] and not set(b.tensor_map[bk]) & set(M):
-        K = b.tensor_map[bk]
-    N = b.tensor_map[bn]
-    if set(N) & (set(M) | set(K)):
-        N = ()
-    a_map = [None, None]
-    a_map[am], a_map[ak] = M, K
-    b_map = [None, None]
-    b_map[bk], b_map[bn] = K, N
-    m, n = a.shape[am], b.shape[bn]
-    out = layout(dm, (M, N), (m, n), K)
+    ins, out = found[0], found[1]
+    return tuple(ins), out, (found[2] if len(found) > 2 else {})
+
+
+def contract_pairs(spec):
+    """The `shared` function of an op with einsum subscripts `spec`: every pair of input
+    dims under one letter with equal sizes, summed letters first."""
+    def pairs(prim, xs):
+        found = _subscripts(spec, vars(prim), [len(x.shape) for x in xs])
+        if found is None:
+            return []
+        ins, out, labels = found
+        return [(i, di, j, dj, what)
+                for i, di, j, dj, what in _letter_pairs(ins, out, tuple(labels.items()))
+                if xs[i].shape[di] == xs[j].shape[dj]]
+    return pairs
+
+
+@functools.lru_cache(maxsize=256)
+def _letter_pairs(ins, out, labels):
+    """Every pair of input dims under one letter, summed letters first (before sizes)."""
+    labels = dict(labels)
+    summed, kept = [], []
+    for i, j in itertools.combinations(range(len(ins)), 2):
+        for di, letter in enumerate(ins[i]):
+            dj = ins[j].find(letter)
+            if dj >= 0:
+                default = "contracted dim" if letter not in out else "batch dim {d}"
+                pair = (i, di, j, dj, labels.get(letter, default).format(d=di))
+                (summed if letter not in out else kept).append(pair)
+    return tuple(summed + kept)
+
+
+def _matmul_form(op, ins, out):
+    """``(transpose_a, transpose_b)`` when subscripts ``ins -> out`` are a batched matrix
+    product with numpy's broadcasting of the leading letters."""
+    if len(ins) == 2 and len(out) >= 2:
+        a, b = ins
+        batch, m, n = out[:-2], out[-2], out[-1]
+        k = a[-1] if a[-2] == m else a[-2]
+        if len(a) >= 2 and len(b) >= 2 and set(a[-2:]) == {m, k} and \
+                set(b[-2:]) == {k, n} and k not in out and batch.endswith(a[:-2]) and \
+                batch.endswith(b[:-2]) and len({m, n, k}) == 3:
+            return a[-2:] == k + m, b[-2:] == n + k
+    raise ValueError(f"{op.name}: contraction subscripts {','.join(ins)}->{out} are not a "
+                     f"(batched) matrix product; the contraction family runs only that form")
+
+
+def _contract_plan(op, spec, combine, attrs, lays):
+    if any(lay is None for lay in lays):
+        return None
+    found = _subscripts(spec, attrs, [lay.ndim for lay in lays])
+    pend = pending_sums(op, attrs, lays)
+    if found is None or pend is None:
+        return None
+    ins, out_sub, _ = found
+    pending, carriers = pend
+    dm = lays[0].device_matrix
+    size = {}
+    for sub, lay in zip(ins, lays):
+        for letter, s in zip(sub, lay.shape):
+            size[letter] = max(size.get(letter, 1), s)
+    # the first input splitting a letter decides its axes (as in the elementwise family);
+    # nothing is split along the axes of a pending sum
+    ref, used = {}, set(pending)
+    for sub, lay in zip(ins, lays):
+        for letter, axes, s in zip(sub, lay.tensor_map, lay.shape):
+            if axes and letter not in ref and s == size[letter] and not set(axes) & used:
+                ref[letter] = axes
+                used |= set(axes)
+    need = tuple(layout(dm, [ref.get(c, ()) if lay.shape[d] == size[c] else ()
+                             for d, c in enumerate(sub)], lay.shape,
+                        pending if i in carriers else ())
+                 for i, (sub, lay) in enumerate(zip(ins, lays)))
+    summed = {a for c, axes in ref.items() if c not in out_sub for a in axes}
+    out = layout(dm, [ref.get(c, ()) for c in out_sub], [size[c] for c in out_sub],
+                 set(pending) | summed)
+    if combine == "add":
+        local = _broadcast_add(ins, out_sub)
+    else:
+        local = _matmul_local(op, ins, out_sub, dm, len(summed) == len(dm))
+    return ShardPlan(need, (out,), local)
+
+
+def _broadcast_add(ins, out_sub):
+    """Stacks aligned to the output's letters (unit dims where an input lacks one),
+    added."""
+    perms = [(0,) + tuple(1 + d for d in sorted(range(len(sub)),
+                                                 key=lambda d: out_sub.index(sub[d])))
+             for sub in ins]
+
+    def local(attrs, stacks):
+        aligned = []
+        for s, sub, perm in zip(stacks, ins, perms):
+            s = np.transpose(s, perm)
+            dims = iter(s.shape[1:])
+            aligned.append(s.reshape((s.shape[0],) + tuple(
+                next(dims) if c in sub else 1 for c in out_sub)))
+        return functools.reduce(np.add, aligned)
+    return local
+
+
+def _matmul_local(op, ins, out_sub, dm, every_axis_summed):
+    ta, tb = _matmul_form(op, ins, out_sub)
+    rank = len(out_sub)
     devices = math.prod(dm)
-    every_axis_contracted = devices > 1 and len(K) == len(dm)
+    every_axis_summed = every_axis_summed and devices > 1
     grid_ndim = len(dm) + 2
 
-    @accepts_grids
     def local(attrs, stacks):
-        sa, sb = _swap(stacks[0], ta), _swap(stacks[1], tb)
+        sa = _swap(expand_stack(stacks[0], rank), ta)
+        sb = _swap(expand_stack(stacks[1], rank), tb)
+        if rank > 2:
+            return np.matmul(sa, sb)
         if sa.ndim == grid_ndim and sb.ndim == grid_ndim and grid_ndim > 3:
             # device grids: the per-device products broadcast over repeated blocks
             return grid_to_stack(np.matmul(sa, sb), dm)
-        if every_axis_contracted and sa.shape[0] == devices:
+        if every_axis_summed and sa.shape[0] == devices:
             return contract_all(sa, sb)
         return stack_matmul(sa, sb)
 
-    return ShardPlan((layout(dm, a_map, a.shape), layout(dm, b_map, b.shape)), (out,), local)
+    return accepts_grids(local) if rank == 2 else local
+
+
+def _swap(x, flag):
+    return np.swapaxes(x, -1, -2) if flag else x
 
 
 def stack_matmul(a, b):
@@ -156,68 +259,14 @@ def contract_all(a, b):
     return np.broadcast_to(total[None], (n,) + total.shape)
 
 
-@register_rule("BatchMatMul", shared=matmul_pairs)
-def _batch_matmul(attrs, lays, dtypes):
-    a, b = lays
-    if a is None or b is None or a.partial or b.partial:
-        return None
-    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
-    dm = a.device_matrix
-    ra, rb = a.ndim, b.ndim
-    batch = broadcast_shapes("BatchMatMul", a.shape[:-2], b.shape[:-2])
-    nb = len(batch)
-    ref, used = [()] * nb, set()
-    for lay in (a, b):
-        off = nb - (lay.ndim - 2)
-        for d in range(lay.ndim - 2):
-            axes = lay.tensor_map[d]
-            if axes and not ref[d + off] and lay.shape[d] == batch[d + off] and \
-                    not set(axes) & used:
-                ref[d + off] = axes
-                used |= set(axes)
-    am, ak = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
-    bk, bn = (rb - 1, rb - 2) if tb else (rb - 2, rb - 1)
-    M = a.tensor_map[am] if not set(a.tensor_map[am]) & used else ()
-    K = a.tensor_map[ak] if not set(a.tensor_map[ak]) & (used | set(M)) else ()
-    N = b.tensor_map[bn] if not set(b.tensor_map[bn]) & (used | set(M) | set(K)) else ()
-
-    def req(lay, d_row, d_col, row, col):
-        off = nb - (lay.ndim - 2)
-        tm = [ref[d + off] if lay.shape[d] == batch[d + off] else () for d in range(lay.ndim - 2)]
-        tm += [(), ()]
-        tm[d_row], tm[d_col] = row, col
-        return layout(dm, tm, lay.shape)
-
-    need_a = req(a, am, ak, M, K)
-    need_b = req(b, bk, bn, K, N)
-    out_shape = batch + (a.shape[am], b.shape[bn])
-    out = layout(dm, list(ref) + [M, N], out_shape, K)
-    rank = len(out_shape)
-
-    def local(attrs, stacks):
-        return np.matmul(_swap(expand_stack(stacks[0], rank), ta),
-                         _swap(expand_stack(stacks[1], rank), tb))
-
-    return ShardPlan((need_a, need_b), (out,), local)
-
-
-# ---------------------------------------------------------------------------
-# BiasAdd: the bias follows the channel split
-# ---------------------------------------------------------------------------
-@register_rule("BiasAdd", per_device=True, shared=bias_add_pairs)
-def _bias_add(attrs, lays, dtypes):
-    x, b = lays
-    if x is None or b is None or x.partial or b.partial:
-        return None
-    dm = x.device_matrix
-    need_b = layout(dm, (x.tensor_map[1],), b.shape)
-
-    def local(attrs, stacks):
-        xs, bs = stacks
-        shape = (bs.shape[0], 1, bs.shape[1]) + (1,) * (xs.ndim - 3)
-        return xs + bs.reshape(shape)
-
-    return ShardPlan((x, need_b), (x,), local)
+def _contract_rule(op):
+    fam = op.extras["family"]
+    spec, combine = fam[1], (fam[2] if len(fam) > 2 else "mul")
+    if combine not in ("mul", "add"):
+        raise ValueError(f"register: op {op.name} declares contraction combine {combine!r}; "
+                         f"valid: 'mul', 'add'")
+    return register_rule(op.name, per_device=combine == "add", shared=contract_pairs(spec))(
+        lambda attrs, lays, dtypes: _contract_plan(op, spec, combine, attrs, lays))
 
 
 # ---------------------------------------------------------------------------
@@ -461,7 +510,7 @@ def _one_hot(attrs, lays, dtypes):
 # families: every registered op declaring one (or unary/binary by its kind) gets its rule
 # ---------------------------------------------------------------------------
 FAMILIES = {"elementwise": _elementwise_rule, "reduce": _reduce_rule,
-            "along_axis": _along_axis_rule}
+            "along_axis": _along_axis_rule, "contract": _contract_rule}
 
 
 def family_of(op):

@@ -1,33 +1,14 @@
 """The dims an op's inputs share, per op family: ``(i, di, j, dj, what)`` says dim ``di``
 of input ``i`` and dim ``dj`` of input ``j`` are one dim (contracted, batch, broadcast,
-channel...). A rule declares its op's function at registration
-(``register_rule(..., shared=...)``); strategy checks and the op's device matrix read it
-through :func:`dualmode.parallel.sharding.shared_dims`."""
+channel...). A rule declares its op's function at registration (``register_rule(...,
+shared=...)``); the contraction family derives it from the op's einsum subscripts
+(:func:`dualmode.parallel.rules.contract_pairs`). Strategy checks and the op's device
+matrix read it through :func:`dualmode.parallel.sharding.shared_dims`."""
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["matmul_pairs", "elementwise_pairs", "bias_add_pairs", "concat_pairs",
-           "sparse_xent_pairs"]
-
-
-def matmul_pairs(prim, xs):
-    if len(xs) != 2:
-        return []
-    a, b = xs
-    batch = prim.name == "BatchMatMul"
-    if (a.ndim != 2 or b.ndim != 2) if not batch else (a.ndim < 2 or b.ndim < 2):
-        return []
-    ta, tb = bool(getattr(prim, "transpose_a", False)), bool(getattr(prim, "transpose_b", False))
-    ka = a.ndim - 2 if ta else a.ndim - 1
-    kb = b.ndim - 1 if tb else b.ndim - 2
-    if a.shape[ka] != b.shape[kb]:
-        return []                           # the op's own check names the shape error
-    pairs = [(0, ka, 1, kb, "contracted dim")]
-    if batch:
-        pairs += [(0, da, 1, db, f"batch dim {da}")
-                  for da, db in _aligned(a.shape[:-2], b.shape[:-2])]
-    return pairs
+__all__ = ["elementwise_pairs", "concat_pairs", "sparse_xent_pairs"]
 
 
 def _aligned(s0, s1):
@@ -45,12 +26,6 @@ def elementwise_pairs(prim, xs):
         return []
     return [(0, d0, 1, d1, "broadcast dim")
             for d0, d1 in _aligned(tuple(xs[0].shape), tuple(xs[1].shape))]
-
-
-def bias_add_pairs(prim, xs):
-    if len(xs) != 2 or xs[0].ndim < 2 or xs[1].ndim != 1 or xs[0].shape[1] != xs[1].shape[0]:
-        return []
-    return [(0, 1, 1, 0, "channel dim")]
 
 
 def concat_pairs(prim, xs):
