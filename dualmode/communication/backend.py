@@ -22,14 +22,15 @@ from __future__ import annotations
 import abc
 import math
 import numbers
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._core import _comm
 from . import trace
 from .groups import GroupPlan, resolve
 
-__all__ = ["Backend", "OPS", "register_backend", "backend_factory", "registered_backends"]
+__all__ = ["Backend", "OPS", "fusion_offsets", "register_backend", "backend_factory", "registered_backends"]
 
 OPS = ("sum", "mean", "max", "min", "prod")
 
@@ -117,6 +118,15 @@ def registered_backends() -> Tuple[str, ...]:
 
 
 # -------------------------------------------------------------------- Backend
+
+
+def fusion_offsets(stacks: Sequence[np.ndarray]) -> Tuple[List[int], int]:
+    """Per-device element offsets of each stack in a fusion buffer, and its row length."""
+    offsets, total = [], 0
+    for s in stacks:
+        offsets.append(total)
+        total += math.prod(s.shape[1:])
+    return offsets, total
 
 
 class Backend(abc.ABC):
@@ -215,6 +225,47 @@ class Backend(abc.ABC):
         out = self._all_reduce(stack, plan, op, algorithm)
         self._record("AllReduce", plan, stack, out)
         return out
+
+    def all_reduce_fused(self, stacks: Sequence[np.ndarray], members=None,
+                         op: str = "sum") -> list:
+        """AllReduce many stacks of one dtype as ONE collective (a fusion buffer).
+
+        Returns the reduced stacks, views into one result (do not write into them).
+        Recorded as one AllReduce of the summed bytes. The base implementation packs the
+        stacks into a buffer and runs one ``_all_reduce``; a backend may override
+        ``_all_reduce_fused`` to reach the same result without the packing copy."""
+        f = "fused_all_reduce"
+        stacks = list(stacks)
+        if not stacks:
+            return []
+        rows = len(self._local_ranks)
+        for i, s in enumerate(stacks):
+            if not isinstance(s, np.ndarray):
+                raise TypeError(f"{f}: stacks[{i}] must be a numpy array, got "
+                                f"{type(s).__name__}")
+            if s.dtype != stacks[0].dtype:
+                raise TypeError(f"{f}: stacks[{i}] has dtype {s.dtype} but stacks[0] has "
+                                f"{stacks[0].dtype}; fuse buffers of one dtype per call")
+            if s.ndim < 1 or s.shape[0] != rows:
+                raise ValueError(f"{f}: stacks[{i}] has shape {s.shape}; every stack needs "
+                                 f"the leading (device) dim {rows} (the devices this "
+                                 f"process holds)")
+        plan = self.plan(f, members)
+        op = _check_op(f, op, stacks[0].dtype)
+        outs = self._all_reduce_fused(stacks, plan, op)
+        if trace._STATE.reports:
+            nbytes = sum(self._device_bytes(s) for s in stacks)
+            trace.record("AllReduce", plan.group_size, plan.num_groups, nbytes, None)
+            trace.note_memory(2 * nbytes)
+        return outs
+
+    def _all_reduce_fused(self, stacks, plan: GroupPlan, op: str) -> list:
+        offsets, total = fusion_offsets(stacks)
+        buf = np.empty((stacks[0].shape[0], total), dtype=stacks[0].dtype)
+        _comm.pack([np.ascontiguousarray(s) for s in stacks], buf, offsets)
+        red = self._all_reduce(buf, plan, op, "direct")
+        return [red[:, o:o + math.prod(s.shape[1:])].reshape(s.shape)
+                for s, o in zip(stacks, offsets)]
 
     def all_gather(self, stack: np.ndarray, members=None, axis: int = 0) -> np.ndarray:
         """Every member gets the members' buffers concatenated (member order) along ``axis``

@@ -31,13 +31,16 @@ import numbers
 import numpy as np
 
 from .._core import _comm
-from .backend import Backend, register_backend
+from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
 
 __all__ = ["SimBackend"]
 
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
           "prod": np.multiply}
+#: a fused AllReduce packs runs of stacks of at most this many bytes per device (the
+#: copy is cheaper than a reduction call each) and reduces larger ones in place
+_PACK_BYTES = 64 * 1024
 _KERNEL_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64))
 
 
@@ -149,24 +152,66 @@ class SimBackend(Backend):
         return red
 
     @staticmethod
-    def _reduce_all(stack: np.ndarray, op: str) -> np.ndarray:
-        """(*local): the reduction over the whole stack (Cython kernel when it applies)."""
+    def _reduce_all(stack: np.ndarray, op: str, out=None) -> np.ndarray:
+        """(*local): the reduction over the whole stack (Cython kernel when it applies),
+        written into `out` (a C-contiguous (*local) buffer) when given."""
         n = stack.shape[0]
+        if out is None:
+            out = np.empty(stack.shape[1:], dtype=stack.dtype)
         if n > 1 and stack.strides[0] == 0:
             # every device holds the same buffer (a stride-0 view): no need to read it n times
             one = stack[0]
             if op in ("sum", "mean"):          # the caller divides a mean's sum by n
-                return np.multiply(one, n, dtype=stack.dtype)
+                return np.multiply(one, n, out=out, dtype=stack.dtype)
             if op == "prod":
-                return np.power(one, n, dtype=stack.dtype)
-            return np.array(one)               # max, min of identical values
+                return np.power(one, n, out=out, dtype=stack.dtype)
+            np.copyto(out, one)                # max, min of identical values
+            return out
         if stack.dtype in _KERNEL_DTYPES and stack.flags.c_contiguous:
             m = math.prod(stack.shape[1:])
-            out = np.empty(m, dtype=stack.dtype)
-            _comm.reduce_rows(stack.reshape(stack.shape[0], m), out,
+            _comm.reduce_rows(stack.reshape(n, m), out.reshape(m),
                               "sum" if op == "mean" else op)
-            return out.reshape(stack.shape[1:])
-        return _UFUNC[op].reduce(stack, axis=0, dtype=stack.dtype)
+            return out
+        return _UFUNC[op].reduce(stack, axis=0, dtype=stack.dtype, out=out)
+
+    def _all_reduce_fused(self, stacks, plan, op):
+        """Over the whole world, the result is one row that every device sees as a
+        stride-0 view. A large stack is reduced straight into its slice of that row (no
+        packing copy: the bytes touched are those of unfused AllReduces); runs of small
+        stacks are packed first, so they cost one reduction call per run, not per stack."""
+        if not (plan.num_groups == 1 and plan.full) or plan.group_size == 1:
+            return super()._all_reduce_fused(stacks, plan, op)
+        n = stacks[0].shape[0]
+        offsets, total = fusion_offsets(stacks)
+        row = np.empty(total, dtype=stacks[0].dtype)
+        run = []                                   # positions of small stacks, in order
+
+        def flush():
+            if run:
+                lo, hi = offsets[run[0]], offsets[run[-1]] + stacks[run[-1]][0].size
+                buf = np.empty((n, hi - lo), dtype=row.dtype)
+                _comm.pack([np.ascontiguousarray(stacks[i]) for i in run], buf,
+                           [offsets[i] - lo for i in run])
+                self._reduce_all(buf, op, row[lo:hi])
+                if op == "mean":
+                    np.divide(row[lo:hi], n, out=row[lo:hi])
+                run.clear()
+
+        for i, s in enumerate(stacks):
+            if s.strides[0] != 0 and s[0].nbytes <= _PACK_BYTES:
+                run.append(i)
+                continue
+            flush()
+            piece = row[offsets[i]:offsets[i] + s[0].size].reshape(s.shape[1:])
+            if op == "mean" and s.strides[0] == 0:
+                np.copyto(piece, s[0])          # the mean of identical buffers is one of them
+            else:
+                self._reduce_all(s, op, piece)
+                if op == "mean":
+                    np.divide(piece, n, out=piece)
+        flush()
+        full = self._replicated(row, (n, total))
+        return [full[:, o:o + s[0].size].reshape(s.shape) for s, o in zip(stacks, offsets)]
 
     @staticmethod
     def _replicated(value: np.ndarray, shape) -> np.ndarray:

@@ -84,56 +84,28 @@ def reduce_gradients(grads, params=None):
     mean = context.get_auto_parallel_context("gradients_mean")
     for bucket in fusion_buckets([grads[i]._data[0].nbytes for i in todo]):
         members = [todo[k] for k in bucket]
-        if len(members) == 1:
-            grads[members[0]] = _reduce_one(backend, grads[members[0]], n, mean,
-                                            params[members[0]].name if params is not None
-                                            else "gradient")
-            continue
         stacks = [grads[i]._data for i in members]
-        dtype = np.result_type(*[s.dtype for s in stacks])
-        widths = [s[0].size for s in stacks]
-        shared = all(s.strides[0] == 0 for s in stacks)   # equal shares stored once
-        local = stacks[0].shape[0]                        # devices this process holds
-        buf = np.empty((1 if shared else local, sum(widths)), dtype=dtype)
-        off = 0
-        for s, w in zip(stacks, widths):
-            # device d's own gradient is n * p_d (the gradient of its local-mean loss)
-            np.multiply(s[:buf.shape[0]].reshape(buf.shape[0], w), n, out=buf[:, off:off + w])
-            off += w
-        if shared:
-            buf = np.broadcast_to(buf, (local, buf.shape[1]))
+        dtype = np.result_type(*[st.dtype for st in stacks])
+        # the AllReduce(sum) of the shares p_d is the mean of the devices' own gradients
+        # n * p_d; the sum of those is n times it. One collective per bucket (no packing
+        # copy on simulated devices), each result a view into it
         with comm_cause(_bucket_name(params, members), "gradient"):
-            out = backend.all_reduce(buf, members=None, op="mean" if mean else "sum")
-        row = np.asarray(out[0])
-        off = 0
-        for i, s, w in zip(members, stacks, widths):
-            shape = s.shape[1:]
-            grads[i] = _core.wrap_dist(row[off:off + w].reshape(shape).astype(s.dtype,
-                                                                             copy=False), None)
-            off += w
+            outs = backend.all_reduce_fused([st.astype(dtype, copy=False) for st in stacks],
+                                            None, "sum")
+        for i, st, out in zip(members, stacks, outs):
+            total = out[0] if mean else np.multiply(out[0], n, dtype=out.dtype)
+            grads[i] = _core.wrap_dist(total.astype(st.dtype, copy=False), None)
     return grads
 
 
 def _bucket_name(params, members):
     """What a fused AllReduce carries, for reports: 'a, b, c' or 'a .. z (k gradients)'."""
     if params is None:
-        return f"{len(members)} gradients"
+        return f"{len(members)} gradients" if len(members) > 1 else "gradient"
     names = [str(params[i].name) for i in members]
     if len(names) <= 3:
         return ", ".join(names)
     return f"{names[0]} .. {names[-1]} ({len(names)} gradients)"
-
-
-def _reduce_one(backend, g, n, mean, name):
-    """One unfused gradient: AllReduce(sum) of the shares p_d is the mean of the devices'
-    own gradients n * p_d; the sum of those is n times it."""
-    stack = g._data
-    with comm_cause(name, "gradient"):
-        out = backend.all_reduce(stack, members=None, op="sum")
-    total = np.asarray(out[0])
-    if not mean:
-        total = np.multiply(total, n, dtype=total.dtype)
-    return _core.wrap_dist(total, None)
 
 
 def broadcast_parameters(params, root=0):
