@@ -547,17 +547,29 @@ def test_bad_arguments_are_named(tmp_path):
 # the CRC-32 kernel and the direct reads
 # ---------------------------------------------------------------------------------
 def test_crc32_kernel_matches_zlib():
+    """Every folding width the CPU has (256-bit, 128-bit, bytewise), every length class
+    (below one fold, around the 64/128-byte steps, a 16-byte tail), unaligned starts and
+    a carried-on value, against zlib."""
     rng = np.random.default_rng(5)
     data = rng.integers(0, 256, 5000, dtype=np.uint8)
-    for n in list(range(0, 200)) + [1023, 1024, 1025, 4096 + 13, 5000]:
-        for start in (0, 1, 7):
-            buf = data[start:start + n]
-            for value in (0, 0x1234567, 0xFFFFFFFF):
-                assert _checksum.crc32(buf, value) == zlib.crc32(buf, value), (n, start, value)
-    assert _checksum.crc32(b"123456789") == 0xCBF43926
-    if _checksum.HAVE_CLMUL:
-        # a chunk's CRC carried on by the next piece is the CRC of both
-        assert _checksum.crc32(data[3000:], _checksum.crc32(data[:3000])) == zlib.crc32(data)
+    widths = [w for w in (256, 128, 0) if w <= _checksum.FOLD_BITS]
+    best = _checksum.FOLD_BITS
+    try:
+        for bits in widths:
+            _checksum._set_fold_bits(bits)
+            for n in list(range(0, 300)) + [1023, 1024, 1025, 4096 + 13, 5000]:
+                for start in (0, 1, 7):
+                    buf = data[start:start + n]
+                    for value in (0, 0x1234567, 0xFFFFFFFF):
+                        assert _checksum.crc32(buf, value) == zlib.crc32(buf, value), \
+                            (bits, n, start, value)
+            assert _checksum.crc32(b"123456789") == 0xCBF43926
+            assert _checksum.crc32(data[3000:], _checksum.crc32(data[:3000])) == \
+                zlib.crc32(data)
+    finally:
+        _checksum._set_fold_bits(best)
+    with pytest.raises(ValueError, match=r"_set_fold_bits: bits must be 0, 128 or 256, got 64"):
+        _checksum._set_fold_bits(64)
 
 
 def test_chunk_crcs_match_reference():

@@ -16,3 +16,10 @@ def chunk_crcs(buf: "np.ndarray | bytes | memoryview", chunk: int, out: np.ndarr
     """``out[k] = crc32(buf[k*chunk:(k+1)*chunk])`` (the last chunk may be shorter);
     `out` is a uint32 array of ``ceil(len(buf) / chunk)`` entries."""
     ...
+
+#: The folding width in bits: 256 (VPCLMULQDQ + AVX2), 128 (PCLMULQDQ) or 0 (bytewise).
+FOLD_BITS: int
+
+def _set_fold_bits(bits: int) -> int:
+    """Fold `bits` wide (256, 128 or 0) if the CPU can; returns the previous width."""
+    ...

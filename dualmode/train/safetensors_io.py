@@ -12,8 +12,8 @@ Reading never loads more than asked: :meth:`CheckpointFile.read_region` reads th
 range spanning a box of a tensor (rounded out to whole checksum chunks, which it
 verifies), so a device that needs a quarter of a weight reads about a quarter of it.
 Whole tensors are read straight into their final array (:meth:`CheckpointFile.read_into`
-fills a caller's array, e.g. one device's slot of a stack), a piece at a time, and each
-piece is verified right after it is read, while it is still in the CPU cache. The
+fills a caller's array, e.g. one device's slot of a stack), a chunk at a time, and each
+chunk is verified right after it is read, while it is still in the CPU cache. The
 CRC-32 is the PCLMULQDQ kernel of :mod:`dualmode._core._checksum` (``zlib.crc32``,
 its reference, where the CPU lacks the instruction).
 
@@ -43,8 +43,8 @@ __all__ = ["CHUNK", "CheckpointError", "CheckpointFile", "write_file", "write_fi
 #: bytes covered by one CRC-32 of a tensor's data
 CHUNK = 1 << 22
 
-#: bytes read per call when reading a tensor (a whole number of checksum chunks)
-_PIECE_CHUNKS = 4
+#: zlib's CRC-32 of a contiguous buffer: the PCLMULQDQ kernel where the CPU has it
+_crc32 = _checksum.crc32 if _checksum.HAVE_CLMUL else zlib.crc32
 
 _MAX_HEADER = 1 << 28
 
@@ -340,39 +340,46 @@ class CheckpointFile:
     def dtype(self, name) -> np.dtype:
         return self._entry(name)[0]
 
-    def _verify(self, name, buf: np.ndarray, first: int, start: int) -> None:
-        """Check `buf` (whole checksum chunks from chunk `first`, at byte `start` of the
-        tensor's data) against the recorded CRC-32s."""
+    def _check(self, name, got: np.ndarray, first: int, start: int) -> None:
+        """Compare the CRC-32s `got` of chunks `first`.. with the recorded ones."""
         crcs = self._entry(name)[4]
-        got = chunk_crcs(buf, self.chunk)
         bad = np.flatnonzero(got != crcs[first:first + got.size])
         if bad.size:
             i = start + int(bad[0]) * self.chunk
             self._fail(f"checksum mismatch in bytes {i}..{i + self.chunk} of its data: the "
                        f"file is corrupt", name)
 
+    def _read_piece(self, name, view: memoryview, lo: int, total: int) -> None:
+        """Fill `view` from the file's current position (bytes `lo`.. of a `total`-byte
+        read of tensor `name`), or fail naming the truncation."""
+        want = len(view)
+        got = self._f.readinto(view) or 0
+        while 0 < got < want:                      # a short read before the end of file
+            more = self._f.readinto(view[got:]) or 0
+            if not more:
+                break
+            got += more
+        if got != want:
+            self._fail(f"truncated while reading (got {lo + got} of {total} bytes)", name)
+
     def _read_verified(self, name, buf: np.ndarray, start: int) -> None:
         """Read bytes ``[start, start + buf.size)`` of tensor `name`'s data (`start` on a
         chunk boundary, the end on one or at the tensor's end) into the uint8 array `buf`
-        and verify them, a piece of a few chunks at a time (each checked while cached)."""
+        and verify them: one checksum chunk per read, its CRC-32 computed right after,
+        while the chunk is still in the CPU cache (a second pass over a whole tensor
+        would stream it from memory again)."""
         ch = self.chunk
-        piece = ch * _PIECE_CHUNKS
         b = self._entry(name)[2]
         self._f.seek(self._data_start + b + start)
         view = memoryview(buf)
-        for lo in range(0, buf.size, piece):      # one read and one kernel call per piece
-            hi = min(lo + piece, buf.size)
-            got = self._f.readinto(view[lo:hi])
-            while got and got < hi - lo:           # a short read before the end of file
-                more = self._f.readinto(view[lo + got:hi])
-                got += more or 0
-                if not more:
-                    break
-            if got != hi - lo:
-                self._fail(f"truncated while reading (got {lo + (got or 0)} of {buf.size} "
-                           f"bytes)", name)
-            self._verify(name, buf[lo:hi], (start + lo) // ch, start + lo)
-        self.bytes_read += buf.size
+        n = buf.size
+        crcs = np.empty(-(-n // ch), np.uint32)
+        for k, lo in enumerate(range(0, n, ch)):       # one read and one kernel per chunk
+            hi = min(lo + ch, n)
+            self._read_piece(name, view[lo:hi], lo, n)
+            crcs[k] = _crc32(view[lo:hi])
+        self._check(name, crcs, start // ch, start)
+        self.bytes_read += n
 
     def _read_chunks(self, name, lo, hi):
         """Bytes [lo, hi) of tensor `name`, rounded out to whole checksum chunks and
