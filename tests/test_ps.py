@@ -43,6 +43,22 @@ def test_ps_sync_equals_single_device(opt, tmp_path):
         assert "Start the scheduler node is successful!" in c.log("scheduler")
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ps_large_frames_equal_single_device(mode, tmp_path):
+    """fc1's weights are 128 KiB: sent without copies both ways (tracked on the
+    servers, the pulled frames kept as the workers' weights). sync equals one device;
+    async, with one worker, too (its pushes apply in order)."""
+    workers = 2 if mode == "sync" else 1
+    cfg = {"opt": "momentum", "steps": 4, "hidden": 4096, "mode": mode}
+    with Cluster(tmp_path, cfg, workers=workers) as c:
+        c.start_all()
+        codes = c.wait()
+        assert set(codes.values()) == {0}, c.all_logs()
+        _, ref_weights = program().reference(cfg, workers=workers)
+        for rank in range(workers):
+            _assert_weights(c.result(rank)[2], ref_weights)
+
+
 def test_ps_ms_shell_scripts(tmp_path):
     """The seed's Scheduler.sh / Server.sh / Worker.sh (MS_* variables, one background
     process per role, logs scheduler.log, server_<i>.log, worker_<i>.log) unchanged."""
@@ -167,3 +183,68 @@ def test_ps_dead_scheduler_ends_job(tmp_path):
         for name in ("server_0", "worker_0"):
             assert "the scheduler at 127.0.0.1:" in c.log(name), c.all_logs()
             assert "is lost" in c.log(name)
+
+
+# ------------------------------------------------------------------ transport
+
+
+@pytest.fixture
+def zmq_pair():
+    """A DEALER connected to a ROUTER over TCP loopback (closed afterwards)."""
+    import zmq
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    yield dealer, router
+    dealer.close(linger=0)
+    router.close(linger=0)
+    ctx.term()
+
+
+def test_ps_transport_round_trip(zmq_pair):
+    """Every dtype and shape (0-d, empty, non-contiguous, above ZeroMQ's copy threshold)
+    arrives equal and writable; the header comes back as sent; a tracker per array
+    (None for the ones copied into the message) reports when the frame was sent."""
+    from dualmode.ps import transport
+    dealer, router = zmq_pair
+    big = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)
+    arrays = [big, np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2], np.array(2.5),
+              np.zeros((0, 5), np.float16), np.array([True, False]), np.arange(3, dtype=np.uint8)]
+    n = transport.send(dealer, {"op": "push", "step": 3}, arrays)
+    assert n == sum(a.nbytes for a in arrays)
+    ident, head, got = transport.recv(router, "test", router=True)
+    assert head == {"op": "push", "step": 3}
+    for a, b in zip(arrays, got):
+        assert (b.dtype, b.shape) == (a.dtype, a.shape)
+        np.testing.assert_array_equal(a, b)
+        assert b.flags.writeable
+    n, trackers = transport.send_tracked(router, {"op": "pulled"}, [big, arrays[1]], ident)
+    assert [t is None for t in trackers] == [False, True]      # copied: small, strided
+    head, (back, small) = transport.recv(dealer, "test")
+    np.testing.assert_array_equal(back, big)
+    trackers[0].wait(timeout=10)
+    assert trackers[0].done
+
+
+def test_ps_make_writable_copies_a_shard_still_being_sent():
+    """The optimizer never writes a buffer ZeroMQ may still be reading: a shard with an
+    unfinished send is replaced by a copy (the buffer in flight keeps the old values);
+    a finished one is updated in place."""
+    from types import SimpleNamespace
+
+    from dualmode.ps.server import make_writable
+    from dualmode.tensor import Parameter, Tensor
+    value = np.arange(6, dtype=np.float32)
+    key = SimpleNamespace(param=Parameter(Tensor._from_array(value), name="w"),
+                          sending=[SimpleNamespace(done=True), SimpleNamespace(done=False)])
+    make_writable(key)
+    assert key.param._data is not value and key.sending == []
+    np.testing.assert_array_equal(key.param._data, value)
+    key.param._data += 1
+    np.testing.assert_array_equal(value, np.arange(6))            # the frame in flight
+    kept = key.param._data
+    key.sending = [SimpleNamespace(done=True)]
+    make_writable(key)
+    assert key.param._data is kept

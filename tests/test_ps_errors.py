@@ -198,3 +198,55 @@ def test_embedding_lookup_arguments_and_plain_lookup():
     ids = np.array([[1, 9], [9, 0]], np.int32)
     out = lookup(dm.Tensor(ids)).asnumpy()
     np.testing.assert_array_equal(out, lookup.embedding_table.asnumpy()[ids])
+
+
+# ------------------------------------------------------------------ messages
+
+
+def test_ps_malformed_messages_named():
+    """A message that is not ours raises PSError naming where it came from."""
+    from dualmode.ps.transport import PSError, decode, encode
+    where = "server 0 (tcp://127.0.0.1:1)"
+    with pytest.raises(PSError, match=r"server 0 \(tcp://127.0.0.1:1\): the message header "
+                                      r"is not JSON"):
+        decode([b"\x80not json"], where)
+    with pytest.raises(PSError, match=r"server 0 .*: the message header is a list; expected "
+                                      r"a JSON object"):
+        decode([b"[1, 2]"], where)
+    frames = encode({"op": "push"}, [np.zeros(3, np.float32)])
+    with pytest.raises(PSError, match=r"the header lists 1 arrays but 2 buffers followed"):
+        decode(frames + [b"x"], where)
+    with pytest.raises(PSError, match=r"array spec \['complex64', \[3\]\] is not \[dtype, "
+                                      r"shape\] with a dtype among float16, float32"):
+        decode([b'{"arrays": [["complex64", [3]]]}', bytes(24)], where)
+    with pytest.raises(PSError, match=r"an array of shape \(4,\) \(float32\) arrived with 3 "
+                                      r"elements"):
+        decode([b'{"arrays": [["float32", [4]]]}', bytes(12)], where)
+
+
+def test_ps_push_of_wrong_shapes_refused():
+    """A push whose arrays do not match the server's shards is refused naming the
+    shard, before any gradient is summed or applied."""
+    from dualmode.ps.server import _Group, _make_keys, split_push
+    from dualmode.ps.transport import PSError
+    spec = {"cls": "SGD", "hyper": {"momentum": 0.0, "dampening": 0.0, "nesterov": False},
+            "loss_scale": 1.0, "lr": 0.1, "weight_decay": 0.0}
+    specs = [{"name": "fc.weight", "shape": [4, 3], "dtype": "float32", "rows": None,
+              "sparse": False, "opt": spec},
+             {"name": "table", "shape": [10, 2], "dtype": "float32", "rows": [0, 10],
+              "sparse": True, "opt": spec}]
+    keys, opts = _make_keys(specs, [np.zeros((4, 3), np.float32), np.zeros((10, 2), np.float32)])
+    g = _Group("opt0", keys, opts)
+    assert len(opts) == 2                           # the sparse table has its own optimizer
+    ids, rows = np.array([1, 4]), np.zeros((2, 2), np.float32)
+    grad = np.ones((4, 3), np.float32)
+    assert split_push(g, [grad, ids, rows], "w")[0] is grad
+    with pytest.raises(PSError, match=r"push from worker 1: 2 arrays for 2 shard\(s\) of opt0; "
+                                      r"expected 3"):
+        split_push(g, [grad, ids], "push from worker 1")
+    with pytest.raises(PSError, match=r"push from worker 1: the gradient of 'fc.weight' has "
+                                      r"shape \(3, 4\); the shard has shape \(4, 3\)"):
+        split_push(g, [grad.T.copy(), ids, rows], "push from worker 1")
+    with pytest.raises(PSError, match=r"the rows of 'table' have shape \(2, 3\) for \(2,\) "
+                                      r"ids; expected rows of shape \(2,\)"):
+        split_push(g, [grad, ids, np.zeros((2, 3), np.float32)], "push from worker 1")

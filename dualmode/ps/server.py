@@ -101,6 +101,42 @@ def _make_keys(specs: List[Dict[str, Any]], values: List[np.ndarray]):
     return keys, opts
 
 
+def split_push(g: _Group, arrays: List[np.ndarray], where: str) -> list:
+    """The pushed arrays per key (a sparse key: its ids and rows), checked against
+    the shards' shapes before anything changes (PSError naming the shard)."""
+    need = sum(2 if key.sparse else 1 for key in g.keys)
+    if need != len(arrays):
+        raise PSError(f"{where}: {len(arrays)} arrays for {len(g.keys)} shard(s) of "
+                      f"{g.gid}; expected {need}")
+    out, i = [], 0
+    for key in g.keys:
+        shape = key.param._data.shape
+        if key.sparse:
+            ids, rows = arrays[i], arrays[i + 1]
+            if ids.ndim != 1 or rows.shape != ids.shape + shape[1:]:
+                raise PSError(f"{where}: the rows of {key.spec['name']!r} have shape "
+                              f"{rows.shape} for {ids.shape} ids; expected rows of "
+                              f"shape {shape[1:]}")
+            out.append((ids, rows))
+            i += 2
+        else:
+            if arrays[i].shape != shape:
+                raise PSError(f"{where}: the gradient of {key.spec['name']!r} has shape "
+                              f"{arrays[i].shape}; the shard has shape {shape}")
+            out.append(arrays[i])
+            i += 1
+    return out
+
+
+def make_writable(key: _Key) -> None:
+    """Let the optimizer write `key`'s shard: a shard ZeroMQ is still sending to a
+    worker (sent without a copy) is replaced by a copy first."""
+    if key.sending:
+        if not all(t.done for t in key.sending):
+            key.param._data = key.param._data.copy()
+        key.sending = []
+
+
 class _Server:
     def __init__(self, env: ClusterEnv, cfg: context.PSConfig):
         self.env, self.cfg = env, cfg
@@ -247,7 +283,7 @@ class _Server:
                               "was restarted without a recovery checkpoint (set "
                               "DM_RECOVERY_PATH on the servers to resume after a failure)")
         self.push_bytes += sum(a.nbytes for a in arrays)
-        grads = self._split(g, arrays, f"push from worker {worker}")
+        grads = split_push(g, arrays, f"push from worker {worker}")
         if self.cfg.mode == "async":
             if self.cfg.staleness is not None and g.version - head["base"] > self.cfg.staleness:
                 g.dropped += 1
@@ -263,19 +299,6 @@ class _Server:
         g.pending.setdefault(step, {})[worker] = grads
         g.owed.setdefault(step, []).append((ident, head))
         self.maybe_apply(g)
-
-    def _split(self, g: _Group, arrays: List[np.ndarray], where: str) -> list:
-        out, i = [], 0
-        for key in g.keys:
-            if key.sparse:
-                out.append((arrays[i], arrays[i + 1]))
-                i += 2
-            else:
-                out.append(arrays[i])
-                i += 1
-        if i != len(arrays):
-            raise PSError(f"{where}: {len(arrays)} arrays for {len(g.keys)} shard(s)")
-        return out
 
     def maybe_apply(self, g: _Group) -> None:
         step = g.version
@@ -296,7 +319,7 @@ class _Server:
         n = len(pushes)
         grads = []
         for k, key in enumerate(g.keys):
-            self._writable(key)
+            make_writable(key)
             if key.sparse:
                 ids = np.concatenate([p[k][0] for p in pushes])
                 rows = np.concatenate([p[k][1] for p in pushes])
@@ -334,15 +357,6 @@ class _Server:
         if g.since_checkpoint >= self.cfg.recovery_interval:
             self.checkpoint()
             g.since_checkpoint = 0
-
-    @staticmethod
-    def _writable(key: _Key) -> None:
-        """Let the optimizer write `key`'s shard: a shard ZeroMQ is still sending to a
-        worker (sent without a copy) is replaced by a copy first."""
-        if key.sending:
-            if not all(t.done for t in key.sending):
-                key.param._data = key.param._data.copy()
-            key.sending = []
 
     def answer(self, ident: bytes, head: dict, g: _Group, want_rows) -> None:
         arrays, sent = [], []
@@ -422,17 +436,22 @@ class _Server:
         while True:
             events = dict(poller.poll(tick))
             if self.sched in events:
-                while self.sched.poll(0):
-                    head, _ = recv(self.sched, "scheduler")
+                while True:
+                    try:
+                        head, _ = recv(self.sched, "scheduler", flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
                     last_ack = time.monotonic()
                     status = self.on_scheduler(head)
                     if status is not None:
                         return status
             if self.data in events:
                 for _ in range(64):
-                    if not self.data.poll(0):
+                    try:
+                        ident, head, arrays = recv(self.data, f"server {self.id}", router=True,
+                                                   flags=zmq.NOBLOCK)
+                    except zmq.Again:
                         break
-                    ident, head, arrays = recv(self.data, f"server {self.id}", router=True)
                     handler = handlers.get(head.get("op"))
                     if handler is None:
                         self.error(ident, head, f"unknown request op={head.get('op')!r}")

@@ -122,10 +122,10 @@ def send_tracked(sock: zmq.Socket, header: Dict[str, Any], arrays: Sequence[np.n
     return nbytes, trackers
 
 
-def recv(sock: zmq.Socket, where: str, router: bool = False):
+def recv(sock: zmq.Socket, where: str, router: bool = False, flags: int = 0):
     """Receive one message: ``(header, arrays)``, or ``(ident, header, arrays)`` on a
-    ROUTER."""
-    frames = sock.recv_multipart(copy=False)
+    ROUTER (``flags=zmq.NOBLOCK``: raises zmq.Again when none is waiting)."""
+    frames = sock.recv_multipart(flags, copy=False)
     if router:
         ident = frames[0].bytes
         head, arrays = decode(frames[1:], where)

@@ -182,8 +182,11 @@ class WorkerClient:
             events = dict(poller.poll(100))
             for k in list(pending):
                 sock = self.socks[k]
-                while sock in events and sock.poll(0):
-                    frames = sock.recv_multipart(copy=False)
+                while sock in events:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
                     head, arrays = decode(frames, f"server {k} ({self.servers[k]})")
                     if head.get("req") != pending[k][0]["req"]:
                         continue                       # the answer to an earlier resend
@@ -307,11 +310,13 @@ class WorkerClient:
         """Push `opt`'s server-held gradients, pull the new values into the parameters;
         the indices handled (the optimizer updates the others)."""
         self._check_alive()
-        held = self.held_indices(opt)
+        sess = self.sessions.get(id(opt))
+        held = sess.held if sess is not None else self.held_indices(opt)
         self._check_hybrid(opt, held)
         if not held:
             return set()
-        sess = self._session(opt, held)
+        if sess is None:
+            sess = self._session(opt, held)
         params = opt.parameters
         requests = {}
         for k, lst in sess.shards.items():

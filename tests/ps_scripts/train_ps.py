@@ -2,7 +2,8 @@
 
     train_ps.py CONFIG_JSON OUT_DIR
 
-CONFIG keys: opt ("sgd" | "momentum" | "adam"), steps, batch (per worker), embed (use an
+CONFIG keys: opt ("sgd" | "momentum" | "adam"), steps, batch (per worker), hidden (the
+hidden width, 16; 4096 makes fc1's weights frames ZeroMQ sends without a copy), embed (use an
 EmbeddingLookup), cache (its vocab_cache_size), mode ("sync" | "async"), hybrid (keep
 fc2 on the workers), sleep (seconds per step, to give a test time to kill a process),
 stop_after (this worker exits after that many steps, with its rank given as
@@ -24,16 +25,16 @@ VOCAB, EMB, IN, HID, OUT = 40, 6, 8, 16, 4
 
 
 class Net(nn.Cell):
-    def __init__(self, embed, cache):
+    def __init__(self, embed, cache, hidden=HID):
         super().__init__()
         self.embed = embed
         if embed:
             self.lookup = nn.EmbeddingLookup(VOCAB, EMB, sparse=True, vocab_cache_size=cache)
-            self.fc1 = nn.Dense(EMB + IN, HID)
+            self.fc1 = nn.Dense(EMB + IN, hidden)
         else:
-            self.fc1 = nn.Dense(IN, HID)
+            self.fc1 = nn.Dense(IN, hidden)
         self.relu = nn.ReLU()
-        self.fc2 = nn.Dense(HID, OUT)
+        self.fc2 = nn.Dense(hidden, OUT)
 
     def construct(self, x, ids):
         if self.embed:
@@ -44,7 +45,7 @@ class Net(nn.Cell):
 
 def build(cfg, rank=0):
     dm.set_seed(1 + (rank if cfg.get("seed_by_rank") else 0))
-    net = Net(cfg.get("embed", False), cfg.get("cache", 0))
+    net = Net(cfg.get("embed", False), cfg.get("cache", 0), cfg.get("hidden", HID))
     params = net.trainable_params()
     name = cfg.get("opt", "sgd")
     if name == "sgd":
