@@ -222,6 +222,39 @@ def test_conv_kernels_take_strided_inputs_and_float16_takes_the_references():
     np.testing.assert_array_equal(xh, _K.to_channels_last(x, (1, 1, 1, 1)).astype(np.float16))
 
 
+POOL_GEOMETRIES = [   # (H, W, kernel, stride, pads)
+    (7, 6, (3, 3), (2, 2), (1, 1, 1, 1)),
+    (7, 6, (3, 3), (1, 1), (1, 1, 1, 1)),
+    (8, 8, (2, 2), (2, 2), (0, 0, 0, 0)),
+    (7, 5, (3, 2), (2, 1), (1, 0, 0, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("geom", POOL_GEOMETRIES, ids=str)
+def test_max_pool_kernels_match_numpy_references(dtype, geom):
+    h, w, kernel, stride, pads = geom
+    rng = np.random.default_rng(9)
+    # small integers: many ties, where the first maximum of each window must win
+    x = rng.integers(-3, 3, size=(2, 3, h, w)).astype(dtype)
+    x[0, 0, 0, :2] = -np.inf         # -inf pixels beside -inf padding
+    x[1, 2, 3, 1] = np.nan           # NaN propagates and takes the gradient
+    y = _K.max_pool(x.reshape(-1, h, w), kernel, stride, pads)
+    want = _conv.max_pool_numpy(x, kernel, stride, pads)
+    np.testing.assert_array_equal(y.reshape(want.shape), want)
+    dy = rng.integers(-4, 4, size=want.shape).astype(dtype)
+    got = _K.max_pool_grad(x.reshape(-1, h, w), dy.reshape(-1, *want.shape[2:]), kernel,
+                           stride, pads)
+    np.testing.assert_array_equal(got.reshape(x.shape),
+                                  _conv.max_pool_grad_numpy(x, dy, kernel, stride, pads))
+    # windows of dy past the padded grid meet more padding
+    big = rng.integers(-4, 4, size=(6,) + tuple(n + 1 for n in want.shape[2:])).astype(dtype)
+    np.testing.assert_array_equal(
+        _K.max_pool_grad(x.reshape(-1, h, w), big, kernel, stride, pads).reshape(x.shape),
+        _conv.max_pool_grad_numpy(x, big.reshape(x.shape[:2] + big.shape[1:]), kernel,
+                                  stride, pads))
+
+
 @pytest.mark.parametrize("call, err, match", [
     (lambda: _K.to_channels_last(np.zeros((1, 2, 3, 3), np.float16)), TypeError,
      r"conv to_channels_last: x has dtype float16; expected float32 or float64"),
@@ -243,6 +276,13 @@ def test_conv_kernels_take_strided_inputs_and_float16_takes_the_references():
                  r"does not fit the grid \(4, 4\)"),
     (lambda: _K.im2col([[1.0]], (1, 1), (1, 1), (1, 1), (1, 1)), TypeError,
      r"conv im2col: xh is a list; expected a numpy array"),
+    (lambda: _K.max_pool(np.zeros((1, 2, 2), np.float32), (3, 3), (1, 1)), ValueError,
+     r"conv max_pool: the grid \(2, 2\) with pads \(0, 0, 0, 0\) is smaller than the "
+     r"kernel \(3, 3\)"),
+    (lambda: _K.max_pool_grad(np.zeros((1, 4, 4), np.float32), np.zeros((1, 2, 2)),
+                              (2, 2), (2, 2)),
+     ValueError, r"conv max_pool_grad: dy has shape \(1, 2, 2\) and dtype float64; "
+                 r"expected batch 1 and float32 \(x's\)"),
 ])
 def test_conv_kernels_refuse_bad_input_by_name(call, err, match):
     with pytest.raises(err, match=match):

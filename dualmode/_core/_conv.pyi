@@ -33,3 +33,15 @@ def col2im(cols: np.ndarray, batch: int, grid_hw: Sequence[int], kernel: Sequenc
     """The adjoint of im2col: window rows `cols` added onto a zero grid (batch, Hp, Wp,
     C)."""
     ...
+
+def max_pool(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
+             pads: Sequence[int] = (0, 0, 0, 0)) -> np.ndarray:
+    """Max over the windows of the planes x (B, H, W) -> (B, Ho, Wo); padding (top,
+    bottom, left, right) never wins, NaN propagates."""
+    ...
+
+def max_pool_grad(x: np.ndarray, dy: np.ndarray, kernel: Sequence[int],
+                  stride: Sequence[int], pads: Sequence[int] = (0, 0, 0, 0)) -> np.ndarray:
+    """dy (B, Ho, Wo) added into a zero (B, H, W) at each window's first maximum
+    (numpy's argmax order; NaN wins)."""
+    ...

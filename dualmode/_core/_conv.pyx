@@ -5,7 +5,8 @@ The convolutions run their GEMMs in a channels-last layout: an image batch (B, C
 is first copied, zero-bordered, into (B, Hp, Wp, C); im2col then copies whole
 channel runs (one ``memcpy`` per kernel tap) into columns ordered
 ``(group, kh, kw, C/group)``; col2im adds such columns back onto a channels-last grid;
-and the result comes back to (B, C, H, W) in one more pass. Each kernel has a numpy
+and the result comes back to (B, C, H, W) in one more pass. Max pooling and its gradient
+run over (B, H, W) planes, one window maximum per output pixel. Each kernel has a numpy
 reference in :mod:`dualmode.ops._conv` (``*_numpy``) that the tests compare it against
 and that float16 arrays take.
 
@@ -15,6 +16,7 @@ noexcept nogil`` kernels trust them.
 """
 import numpy as np
 
+from libc.math cimport INFINITY
 from libc.string cimport memcpy, memset
 
 ctypedef fused real_t:
@@ -294,3 +296,140 @@ def col2im(cols, batch, grid_hw, kernel, stride, dilation, out_hw, group=1):
     else:
         _run_col2im[double](cols, out, *args)
     return out
+
+
+# ---------------------------------------------------------------------------
+# max pooling over (B, H, W) planes
+# ---------------------------------------------------------------------------
+cdef inline Py_ssize_t _window_argmax(const real_t* plane, Py_ssize_t h, Py_ssize_t w,
+                                      Py_ssize_t r0, Py_ssize_t c0, Py_ssize_t kh,
+                                      Py_ssize_t kw, real_t* best) noexcept nogil:
+    """Flat index r * w + c of the first maximum of the window at (r0, c0) (padding,
+    outside the plane, never wins; the first NaN does), or -1 if the window holds no
+    pixel (or only -inf ones behind a padding tap); the maximum goes to best."""
+    cdef Py_ssize_t i, j, r, c, at = -1
+    cdef real_t v, m = 0
+    cdef bint seen = False, nan = False
+    for i in range(kh):
+        r = r0 + i
+        for j in range(kw):
+            c = c0 + j
+            if r < 0 or r >= h or c < 0 or c >= w:
+                if not seen:          # numpy's argmax: a leading -inf padding tap
+                    seen = True
+                    m = -INFINITY
+                    at = -1
+                continue
+            v = plane[r * w + c]
+            if not seen or v > m or (v != v and not nan):
+                seen = True
+                m = v
+                at = r * w + c
+                if v != v:
+                    nan = True
+                    best[0] = m
+                    return at
+    best[0] = m if seen else -INFINITY
+    return at
+
+
+cdef void _max_pool(const real_t[:, :, ::1] x, real_t[:, :, ::1] out, Py_ssize_t kh,
+                    Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t top,
+                    Py_ssize_t left) noexcept nogil:
+    """out[b, oh, ow] = max of x[b] over the window at (oh*sh - top, ow*sw - left)."""
+    cdef Py_ssize_t nb = x.shape[0], h = x.shape[1], w = x.shape[2]
+    cdef Py_ssize_t ho = out.shape[1], wo = out.shape[2], b, oh, ow
+    cdef real_t m
+    for b in range(nb):
+        for oh in range(ho):
+            for ow in range(wo):
+                _window_argmax(&x[b, 0, 0], h, w, oh * sh - top, ow * sw - left, kh, kw,
+                               &m)
+                out[b, oh, ow] = m
+
+
+cdef void _max_pool_grad(const real_t[:, :, ::1] x, const real_t[:, :, ::1] dy,
+                         real_t[:, :, ::1] dx, Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t sh,
+                         Py_ssize_t sw, Py_ssize_t top, Py_ssize_t left) noexcept nogil:
+    """dx[b] = sum over windows of dy[b, oh, ow] at the window's first maximum."""
+    cdef Py_ssize_t nb = x.shape[0], h = x.shape[1], w = x.shape[2]
+    cdef Py_ssize_t ho = dy.shape[1], wo = dy.shape[2], b, oh, ow, at
+    cdef real_t m
+    memset(&dx[0, 0, 0], 0, nb * h * w * sizeof(real_t))
+    for b in range(nb):
+        for oh in range(ho):
+            for ow in range(wo):
+                at = _window_argmax(&x[b, 0, 0], h, w, oh * sh - top, ow * sw - left, kh,
+                                    kw, &m)
+                if at >= 0:
+                    (&dx[b, 0, 0])[at] += dy[b, oh, ow]
+
+
+cdef int _run_max_pool(const real_t[:, :, ::1] x, real_t[:, :, ::1] out, Py_ssize_t kh,
+                       Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t top,
+                       Py_ssize_t left) except -1:
+    with nogil:
+        _max_pool(x, out, kh, kw, sh, sw, top, left)
+    return 0
+
+
+cdef int _run_max_pool_grad(const real_t[:, :, ::1] x, const real_t[:, :, ::1] dy,
+                            real_t[:, :, ::1] dx, Py_ssize_t kh, Py_ssize_t kw,
+                            Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t top,
+                            Py_ssize_t left) except -1:
+    with nogil:
+        _max_pool_grad(x, dy, dx, kh, kw, sh, sw, top, left)
+    return 0
+
+
+def _pool_args(name, x, kernel, stride, pads):
+    """Checked (x, kernel, stride, (top, left), out_hw: every window of the padded
+    grid)."""
+    x = _array(name, "x", x, 3)
+    kernel = _ints(name, "kernel", kernel, 2, 1)
+    stride = _ints(name, "stride", stride, 2, 1)
+    t, b, l, r = _ints(name, "pads", pads, 4, 0)
+    out_hw = tuple((x.shape[1 + a] + (t, l)[a] + (b, r)[a] - kernel[a]) // stride[a] + 1
+                   for a in range(2))
+    return x, kernel, stride, (t, l), out_hw
+
+
+def max_pool(x, kernel, stride, pads=(0, 0, 0, 0)):
+    """Max over the windows of the planes x (B, H, W) -> (B, Ho, Wo); pads = (top,
+    bottom, left, right) of padding that never wins (NaN propagates)."""
+    name = "conv max_pool"
+    x, kernel, stride, origin, out_hw = _pool_args(name, x, kernel, stride, pads)
+    if min(out_hw) < 1:
+        raise ValueError(f"{name}: the grid {x.shape[1:]} with pads {tuple(pads)} is "
+                         f"smaller than the kernel {kernel}")
+    out = np.empty((x.shape[0],) + out_hw, x.dtype)
+    if out.size == 0:
+        return out
+    if x.dtype == np.float32:
+        _run_max_pool[float](x, out, *(kernel + stride + origin))
+    else:
+        _run_max_pool[double](x, out, *(kernel + stride + origin))
+    return out
+
+
+def max_pool_grad(x, dy, kernel, stride, pads=(0, 0, 0, 0)):
+    """Gradient of :func:`max_pool`: dy (B, Ho, Wo) added into a zero (B, H, W) at each
+    window's first maximum (row-major within the window, as numpy's argmax); dy's Ho x Wo
+    windows may reach past the padded grid, where they meet more padding."""
+    name = "conv max_pool_grad"
+    dy = _array(name, "dy", dy, 3)
+    x, kernel, stride, origin, _ = _pool_args(name, x, kernel, stride, pads)
+    if dy.dtype != x.dtype or dy.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: dy has shape {dy.shape} and dtype {dy.dtype}; expected "
+                         f"batch {x.shape[0]} and {x.dtype} (x's)")
+    dx = np.empty(x.shape, x.dtype)
+    if dx.size == 0:
+        return dx
+    if dy.size == 0:
+        dx[...] = 0
+        return dx
+    if x.dtype == np.float32:
+        _run_max_pool_grad[float](x, dy, dx, *(kernel + stride + origin))
+    else:
+        _run_max_pool_grad[double](x, dy, dx, *(kernel + stride + origin))
+    return dx

@@ -10,8 +10,9 @@ stack in a channels-last layout: the images are copied once, zero-bordered, into
 Wp, C), whose windows are runs of whole channels; the Cython kernels of
 :mod:`dualmode._core._conv` (GIL released) copy them into columns, add gradient columns
 back (col2im) and bring results back to NCHW, with numpy references here for float16
-and the tests. Pooling's loops run over the kernel's offsets (``kh * kw`` numpy calls),
-never over pixels or devices.
+and the tests. Max pooling and its gradient are Cython kernels over the (H, W) planes too;
+average pooling's loops run over the kernel's offsets (``kh * kw`` numpy calls), never
+over pixels or devices.
 
 Padding is resolved at call time into explicit ``pads = (top, bottom, left, right)``
 (MindSpore's rules: "same" gives ``ceil(H / stride)`` outputs and puts the odd pixel of
@@ -323,15 +324,49 @@ def _scatter_windows(dwin, in_hw, kernel, stride, dilation, pads, dtype):
     return out[..., pads[0]:pads[0] + in_hw[0], pads[2]:pads[2] + in_hw[1]]
 
 
+def _pool_out_hw(hw, kernel, stride, pads):
+    return (conv_out_size(hw[0], kernel[0], stride[0], 1, pads[0], pads[1]),
+            conv_out_size(hw[1], kernel[1], stride[1], 1, pads[2], pads[3]))
+
+
+def max_pool_numpy(x, kernel, stride, pads):
+    """Reference of ``_core._conv.max_pool``: the max over each window of x (..., H, W)
+    padded with -inf."""
+    out_hw = _pool_out_hw(x.shape[-2:], kernel, stride, pads)
+    xp = _pad_stack(x, pads, -np.inf)
+    return window_view(xp, kernel, stride, (1, 1), out_hw).max(axis=(-2, -1))
+
+
+def max_pool_grad_numpy(x, dy, kernel, stride, pads):
+    """Reference of ``_core._conv.max_pool_grad``: dy (..., Ho, Wo) scattered to each
+    window's first maximum (numpy's argmax over the -inf padded window; windows reaching
+    past the padded grid meet more padding)."""
+    hw = x.shape[-2:]
+    grid = _grid_hw(hw, kernel, stride, (1, 1), pads, dy.shape[-2:])
+    xp = _pad_stack(x, pads[:1] + (grid[0] - hw[0] - pads[0],) + pads[2:3]
+                    + (grid[1] - hw[1] - pads[2],), -np.inf)
+    win = window_view(xp, kernel, stride, (1, 1), dy.shape[-2:])
+    arg = win.reshape(win.shape[:-2] + (-1,)).argmax(axis=-1)
+    taps = np.arange(kernel[0] * kernel[1]).reshape(kernel)
+    dwin = np.where(arg[..., None, None] == taps, dy[..., None, None], 0).astype(dy.dtype)
+    return _scatter_windows(dwin, x.shape[-2:], kernel, stride, (1, 1), pads, dy.dtype)
+
+
+def _planes(x):
+    """(..., H, W) -> (B, H, W)."""
+    return np.reshape(x, (-1,) + x.shape[-2:])
+
+
 def pool_stack(x, mode, kernel, stride, pads):
     """Per-device pooling of (..., H, W): "max" (padding never wins) or "avg" (the mean
     over the window's pixels inside the input: padding is not counted)."""
     hw = x.shape[-2:]
-    out_hw = (conv_out_size(hw[0], kernel[0], stride[0], 1, pads[0], pads[1]),
-              conv_out_size(hw[1], kernel[1], stride[1], 1, pads[2], pads[3]))
+    out_hw = _pool_out_hw(hw, kernel, stride, pads)
     if mode == "max":
-        xp = _pad_stack(x, pads, -np.inf)
-        return window_view(xp, kernel, stride, (1, 1), out_hw).max(axis=(-2, -1))
+        if _fast(x):
+            return _K.max_pool(_planes(x), kernel, stride, pads).reshape(x.shape[:-2]
+                                                                          + out_hw)
+        return max_pool_numpy(x, kernel, stride, pads)
     xp = _pad_stack(x, pads)
     s = window_view(xp, kernel, stride, (1, 1), out_hw).sum(axis=(-2, -1))
     return s / _avg_counts(hw, kernel, stride, pads, out_hw).astype(x.dtype)
@@ -352,14 +387,12 @@ def pool_grad_stack(x, dy, mode, kernel, stride, pads):
     hw = x.shape[-2:]
     out_hw = dy.shape[-2:]
     if mode == "max":
-        xp = _pad_stack(x, pads, -np.inf)
-        win = window_view(xp, kernel, stride, (1, 1), out_hw)
-        arg = win.reshape(win.shape[:-2] + (-1,)).argmax(axis=-1)
-        taps = np.arange(kernel[0] * kernel[1]).reshape(kernel)
-        dwin = np.where(arg[..., None, None] == taps, dy[..., None, None], 0).astype(dy.dtype)
-    else:
-        g = dy / _avg_counts(hw, kernel, stride, pads, out_hw).astype(dy.dtype)
-        dwin = np.broadcast_to(g[..., None, None], g.shape + tuple(kernel))
+        if _fast(x) and dy.dtype == x.dtype:
+            return _K.max_pool_grad(_planes(x), _planes(dy), kernel, stride,
+                                    pads).reshape(x.shape)
+        return max_pool_grad_numpy(x, dy, kernel, stride, pads)
+    g = dy / _avg_counts(hw, kernel, stride, pads, out_hw).astype(dy.dtype)
+    dwin = np.broadcast_to(g[..., None, None], g.shape + tuple(kernel))
     return _scatter_windows(dwin, hw, kernel, stride, (1, 1), pads, dy.dtype)
 
 
