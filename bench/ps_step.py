@@ -3,18 +3,63 @@
     ps_step.py allreduce STEPS   # under mpiexec -n W: data parallel, AllReduce
     ps_step.py ps STEPS          # under dualmode.run --ps: every weight on the servers
     ps_step.py pushpull STEPS    # under dualmode.run --ps (1 server, 1 worker): only the
-                                 # optimizer call (push the gradients, pull the weights)
+                                 # optimizer call (push the gradients, pull the weights),
+                                 # alternating with raw ZeroMQ round trips of the same
+                                 # frames to an echo process (the baseline, timed in the
+                                 # same process and the same seconds)
+
+The JSON line has ``times`` (each timed step after two warm-up steps) and ``median_s``;
+pushpull adds ``raw_times`` and ``raw_median_s``.
 """
 import json
+import socket
+import subprocess
 import sys
 import time
 
 import numpy as np
+import zmq
 
 import dualmode as dm
 from dualmode import Tensor, communication, nn
 
 IN, HID, OUT, BATCH = 256, 512, 10, 64          # BATCH rows per worker
+WARMUP = 2
+
+#: the raw baseline's peer: a ROUTER that sends every message straight back (what a
+#: server does, minus the optimizer), zero-copy both ways, in its own process
+ECHO = ("import zmq,sys\nctx=zmq.Context();s=ctx.socket(zmq.ROUTER);s.bind(sys.argv[1])\n"
+        "print('ready',flush=True)\n"
+        "while True:\n    f=s.recv_multipart(copy=False);s.send_multipart(f,copy=False)\n")
+
+
+class RawEcho:
+    """A DEALER talking to an echo process: ``round_trip(frames)`` sends a message of
+    numpy frames and waits for it to come back (as a push and its pull would)."""
+
+    def __init__(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        self.proc = subprocess.Popen([sys.executable, "-c", ECHO, addr],
+                                     stdout=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()                     # bound
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.header = json.dumps({"op": "push"}).encode()
+
+    def round_trip(self, arrays):
+        self.sock.send_multipart([self.header, *arrays], copy=False)
+        frames = self.sock.recv_multipart(copy=False)
+        return [np.frombuffer(f, a.dtype) for f, a in zip(frames[1:], arrays)]
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+        self.proc.kill()
+        self.proc.wait(timeout=10)
 
 
 def main():
@@ -40,19 +85,33 @@ def main():
     x = Tensor(rng.standard_normal((rows, IN)).astype(np.float32))
     y = Tensor(rng.integers(0, OUT, rows).astype(np.int32))
     grads = tuple(Tensor(np.zeros(p.shape, np.float32)) for p in opt.parameters)
-    times = []
-    for _ in range(steps + 2):
-        t = time.perf_counter()
-        if mode == "pushpull":
-            opt(grads)
-        else:
-            _, g = grad_fn(x, y)
-            opt(g)
-        times.append(time.perf_counter() - t)
+    raw = RawEcho() if mode == "pushpull" and rank == 0 else None
+    payload = [np.zeros(p.shape, np.float32) for p in opt.parameters]
+    times, raw_times = [], []
+    try:
+        for _ in range(steps + WARMUP):
+            if raw is not None:
+                t = time.perf_counter()
+                raw.round_trip(payload)
+                raw_times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            if mode == "pushpull":
+                opt(grads)
+            else:
+                _, g = grad_fn(x, y)
+                opt(g)
+            times.append(time.perf_counter() - t)
+    finally:
+        if raw is not None:
+            raw.close()
     nbytes = sum(p.asnumpy().nbytes for p in opt.parameters)
     if rank == 0:
-        print(json.dumps({"median_s": float(np.median(times[2:])), "bytes": nbytes}),
-              flush=True)
+        out = {"median_s": float(np.median(times[WARMUP:])), "times": times[WARMUP:],
+               "bytes": nbytes}
+        if raw is not None:
+            out.update(raw_median_s=float(np.median(raw_times[WARMUP:])),
+                       raw_times=raw_times[WARMUP:])
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,13 @@ A **group** is the set of shards one optimizer of the workers owns on this serve
                values (for a sparse table: the rows the step changed).
 ``pull_rows``  rows of a sparse table by id.
 
+No copies on the way: a push's arrays are views of the received frames; a sync step's
+gradients are summed into the first worker's buffer (in worker order); the shards that
+share an optimizer spec share one optimizer, which updates them in place; the answer
+sends the shards' own buffers, tracked until ZeroMQ has sent them, and a shard still
+being sent when the next update comes (a slow or lost worker, an async push) is given a
+copy to update instead.
+
 With DM_RECOVERY_PATH set, the shards, optimizer states and versions are written to
 ``<path>/server_<id>.safetensors`` (atomically) after every ``recovery_interval``
 applied steps; a server restarted by hand loads it and goes on from there.

@@ -8,8 +8,9 @@ An optimizer call (``Optimizer.construct``) hands the gradients of its server-he
 parameters to :meth:`WorkerClient.step`: the first call places the parameters over the
 servers (:mod:`.placement`) and sends each server its shards and the optimizer spec
 (``init``); every call sends each server one ``push`` with the gradients of its shards
-and returns once every server has answered with the new values, which are written
-into the parameters. A server that does not answer is asked again every
+and returns once every server has answered with the new values (a message per server
+per step; the gradients are sent without copies, and a pulled weight held whole by one
+server keeps the received frame as its storage). A server that does not answer is asked again every
 ``heartbeat_timeout`` seconds (a restarted server resumes from its checkpoint and
 answers; with ``recovery_interval > 1`` it asks for the steps since that checkpoint,
 which the worker keeps); after ``connect_timeout`` seconds without an answer the call
