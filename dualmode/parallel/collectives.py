@@ -66,6 +66,7 @@ from . import device_local as dl
 from .moves import gather_global
 from .stacks import is_batch_layout
 from .devices import device_num, parallel_active
+from .grad_reduce import is_dp_partial
 from .graph.trace import is_abstract
 
 _WORLD_ALIASES = frozenset({"hccl_world_group", "nccl_world_group", "mccl_world_group"})
@@ -238,9 +239,7 @@ def _fw_all_gather(attrs, stack, n):
 
 def _is_dp_partial(g):
     lay = g._layout if isinstance(g, TensorBase) else None
-    return (lay is not None and not isinstance(lay, dl.DeviceLocalLayout)
-            and lay.partial == (0,) and len(lay.device_matrix) == 1
-            and all(m == () for m in lay.tensor_map))
+    return not isinstance(lay, dl.DeviceLocalLayout) and is_dp_partial(lay)
 
 
 def _bw_all_gather(node, g):

@@ -23,7 +23,8 @@ from .._core._tensor import TensorBase
 from ..communication.trace import comm_cause
 from .devices import backend as _backend
 
-__all__ = ["reduce_gradients", "fusion_buckets", "broadcast_parameters"]
+__all__ = ["reduce_gradients", "fusion_buckets", "broadcast_parameters", "is_dp_partial",
+           "bucket_name"]
 
 _AUTO_MB = 64
 
@@ -56,8 +57,9 @@ def fusion_buckets(sizes_bytes):
     return [[i] for i in range(n)]
 
 
-def _is_dp_partial(g):
-    lay = g._layout
+def is_dp_partial(lay) -> bool:
+    """Is `lay` a data-parallel gradient: pending over the one axis of all devices, not
+    split (its AllReduce is the one ``gradients_mean`` and fusion apply to)?"""
     return lay is not None and lay.partial == (0,) and len(lay.device_matrix) == 1 and \
         all(m == () for m in lay.tensor_map)
 
@@ -73,7 +75,7 @@ def reduce_gradients(grads, params=None):
         if params is not None and (getattr(params[i], "layerwise_parallel", False)
                                    or getattr(params[i], "_layout", None) is not None):
             continue          # per-device and sharded weights: reduced by the optimizer
-        if not _is_dp_partial(g):
+        if not is_dp_partial(g._layout):
             grads[i] = _core.wrap_dist(g._value(), None)     # other layouts: gather
             continue
         todo.append(i)
@@ -89,7 +91,9 @@ def reduce_gradients(grads, params=None):
         # the AllReduce(sum) of the shares p_d is the mean of the devices' own gradients
         # n * p_d; the sum of those is n times it. One collective per bucket (no packing
         # copy on simulated devices), each result a view into it
-        with comm_cause(_bucket_name(params, members), "gradient"):
+        name = bucket_name(params[i].name for i in members) if params is not None else \
+            f"{len(members)} gradients" if len(members) > 1 else "gradient"
+        with comm_cause(name, "gradient"):
             outs = backend.all_reduce_fused([st.astype(dtype, copy=False) for st in stacks],
                                             None, "sum")
         for i, st, out in zip(members, stacks, outs):
@@ -98,11 +102,9 @@ def reduce_gradients(grads, params=None):
     return grads
 
 
-def _bucket_name(params, members):
+def bucket_name(names) -> str:
     """What a fused AllReduce carries, for reports: 'a, b, c' or 'a .. z (k gradients)'."""
-    if params is None:
-        return f"{len(members)} gradients" if len(members) > 1 else "gradient"
-    names = [str(params[i].name) for i in members]
+    names = [str(x) for x in names]
     if len(names) <= 3:
         return ", ".join(names)
     return f"{names[0]} .. {names[-1]} ({len(names)} gradients)"

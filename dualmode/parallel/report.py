@@ -233,8 +233,9 @@ class CommReport:
 
 # ------------------------------------------------------- compiled graphs: time per op
 
-#: lowered-graph node ops that communicate (dualmode.parallel.graph.ir MOVE / REDUCE)
-_MOVE, _REDUCE = "Move", "AllReduce"
+#: lowered-graph node ops that communicate (dualmode.parallel.graph.ir MOVE / REDUCE /
+#: FUSED)
+_MOVE, _REDUCE, _FUSED = "Move", "AllReduce", "FusedAllReduce"
 _STEP_KIND = {"AllGather": "AllGather", "AllToAll": "AlltoAll", "AlltoAll": "AlltoAll",
               "ReduceScatter": "ReduceScatter", "AllReduce": "AllReduce"}
 
@@ -254,6 +255,11 @@ def _node_collectives(node) -> list:
     if node.op == _REDUCE:
         lay = node.attrs["layout"]
         return [("AllReduce", _axes_size(lay, node.attrs["axes"]), _local_bytes(lay, itemsize))]
+    if node.op == _FUSED:                 # one AllReduce of the whole bucket
+        src = node.attrs["src"]
+        return [("AllReduce", _axes_size(src, src.partial),
+                 sum(_local_bytes(s, v.dtype.itemsize)
+                     for s, v in zip(node.attrs["srcs"], node.outputs)))]
     plan, src, kind = node.attrs.get("plan"), node.attrs.get("src"), node.attrs.get("kind")
     out = []
     if plan is not None:
@@ -317,12 +323,13 @@ def compiled_comm_times(compiled, alpha_s: Optional[float] = None,
     alpha, beta = model
     out: dict = {}
     for node in graph.nodes:
-        if node.op not in (_MOVE, _REDUCE):
+        if node.op not in (_MOVE, _REDUCE, _FUSED):
             continue
         coll = _node_collectives(node)
         if not coll:
             continue
-        owner = node.attrs.get("for") if node.op == _MOVE else node.name.split("/")[0]
+        owner = node.attrs.get("for") if node.op in (_MOVE, _FUSED) else \
+            node.name.split("/")[0]
         owner = owner or node.attrs.get("cause") or node.name
         entry = out.setdefault(owner, {"time": 0.0, "collectives": [],
                                        "backward": bool(node.backward)})

@@ -223,7 +223,8 @@ class Optimizer(Cell):
         if tr is not None and isinstance(gradients, (tuple, list)):
             # graph mode: the update is one opaque node, run eagerly on the gradients
             tr.call_opaque(lambda *g: type(self).construct(self, g), f"{owner}.update",
-                           tuple(gradients))
+                           tuple(gradients),
+                           params=params if len(gradients) == len(params) else None)
             return True
         if not isinstance(gradients, (tuple, list)):
             raise TypeError(f"{owner}: gradients must be a tuple of Tensors aligned with "

@@ -81,8 +81,10 @@ def _arg_key(a):
 def _context_key():
     st = context._STATE
     ap = st.auto_parallel
+    # gradients_mean and the fusion settings shape the gradient nodes of a train step
     return (ap.parallel_mode, device_num(), ap.search_mode, ap.dataset_strategy,
-            st.algo.fully_use_devices, st.run.mode, _primitive.STRATEGY_EPOCH[0])
+            st.algo.fully_use_devices, st.run.mode, _primitive.STRATEGY_EPOCH[0],
+            ap.gradients_mean, repr(ap.comm_fusion), repr(ap.all_reduce_fusion_config))
 
 
 class _ModeOverride:
@@ -226,7 +228,8 @@ class ShardFunction:
                                  name=self.owner, in_strategy=in_strategy,
                                  out_strategy=self.out_strategy,
                                  parameter_plan=self.parameter_plan, arg_sources=sources,
-                                 fully_use_devices=fully)
+                                 fully_use_devices=fully,
+                                 gradients_mean=context._STATE.auto_parallel.gradients_mean)
         _COMPILES[0] += 1
         return compiled
 

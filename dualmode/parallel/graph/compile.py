@@ -16,10 +16,10 @@ Passes (each returns a new, verified Graph):
 3. :func:`~.lower.insert_communication` — every value's layout is now known, so each
    redistribution, pending-sum AllReduce and rule collective becomes an IR node (MOVE,
    REDUCE) and each op node records how it runs on the stacks (lower.py).
-4. Fusion — gradient AllReduces of data-parallel parameters run in the optimizer's
-   update node through :func:`~dualmode.parallel.reduce_gradients`, bucketed per the
-   ``comm_fusion`` / ``all_reduce_fusion_config`` settings, i.e. one collective per
-   bucket.
+4. :func:`~.fuse.fuse_gradients` — the data-parallel gradient AllReduces lowering put
+   before an optimizer update are packed into buckets per the ``comm_fusion`` /
+   ``all_reduce_fusion_config`` settings: one FUSED node (one collective) per bucket,
+   the buckets the eager optimizer would make.
 5. :func:`derive_backward` — for a graph without its own backward nodes, the
    vector-Jacobian product of the graph, traced once and lowered like the forward: what
    runs when a caller differentiates through the block.
@@ -47,7 +47,8 @@ from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
 from ..devices import some_devices
 from .executor import Program
-from .ir import CALL, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, map_leaves, verify
+from .ir import CALL, FUSED, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, map_leaves, verify
+from .fuse import fuse_gradients
 from .lower import insert_communication
 from .search import PlanTable, search
 from .trace import trace
@@ -430,7 +431,8 @@ class CompiledGraph:
 
 def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name="ops.shard",
                   in_strategy=None, out_strategy=None, parameter_plan=None,
-                  arg_sources=None, fully_use_devices=False) -> CompiledGraph:
+                  arg_sources=None, fully_use_devices=False,
+                  gradients_mean=False) -> CompiledGraph:
     """Run the passes on a traced graph; the result runs on every call."""
     if sharded:
         graph = apply_strategies(graph, n, name=name, in_strategy=in_strategy,
@@ -439,8 +441,9 @@ def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name=
             graph = propagate_strategies(graph, n, arg_sources=arg_sources,
                                          fully_use_devices=fully_use_devices)
         lowered = insert_communication(graph, n, arg_sources=arg_sources,
-                                       some_devices=some_devices(), name=name)
-        compiled = CompiledGraph(graph, sharded, Program(lowered))
+                                       some_devices=some_devices(), name=name,
+                                       gradients_mean=gradients_mean)
+        compiled = CompiledGraph(graph, sharded, Program(fuse_gradients(lowered)))
     else:
         compiled = CompiledGraph(graph, sharded)
     if sharded and not any(node.backward for node in graph.nodes):
@@ -639,6 +642,9 @@ def _dot(g: Graph, chosen: dict) -> str:
         elif node.op == REDUCE:
             lines.append(f'  {nid} [label="AllReduce({node.attrs["op"]}) over axes '
                          f'{node.attrs["axes"]}", color=red, fontcolor=red{style}];')
+        elif node.op == FUSED:
+            lines.append(f'  {nid} [label="fused AllReduce of {len(node.inputs)} gradients\\n'
+                         f'{node.attrs["cause"]}", color=red, fontcolor=red{style}];')
         else:
             st = chosen.get(node.name, {}).get("strategy") if node.op != CALL else None
             label = node.name + (f"\\nstrategy={st}" if st is not None else "")

@@ -7,6 +7,7 @@ objects, no tape, no layout decided at run time. Each node is one step:
 * MOVE: the redistribution plan made at compile time, run through the backend
   (collectives recorded for CommReport), or a local slice / view;
 * REDUCE: one AllReduce through the backend;
+* FUSED: one AllReduce for a bucket of gradients (fuse.py);
 * an op: its kernel on the global values ("global", "plain") or its sharding rule's
   local computation on the stacks ("rule", "once");
 * CALL: the opaque call (an optimizer update), given Tensors and the Parameters.
@@ -30,7 +31,7 @@ from ..redistribute import execute, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
 from ..strategy import _to
-from .ir import CALL, MOVE, REDUCE, Ref, map_leaves
+from .ir import CALL, FUSED, MOVE, REDUCE, Ref, map_leaves
 
 __all__ = ["Program"]
 
@@ -59,11 +60,12 @@ class Program:
             ins = tuple((True, x.id) if isinstance(x, Ref) else (False, _const(x))
                         for x in node.inputs)
             outs = tuple(v.id for v in node.outputs)
-            reason = "backward" if node.backward else None
-            if node.op == MOVE:
-                yield (MOVE, node.attrs, ins, outs, reason)
-            elif node.op == REDUCE:
-                yield (REDUCE, node.attrs, ins, outs, reason)
+            gradient = node.op == MOVE and node.attrs["reason"] == "gradient"
+            reason = "gradient" if gradient else "backward" if node.backward else None
+            if node.op in (MOVE, REDUCE):
+                yield (node.op, node.attrs, ins, outs, reason)
+            elif node.op == FUSED:
+                yield (FUSED, node.attrs, ins, outs, "gradient")
             elif node.op == CALL:
                 yield (CALL, node.attrs, ins, outs,
                        tuple(self.layouts.get(x.id) if isinstance(x, Ref) else None
@@ -105,6 +107,13 @@ class Program:
                     out = np.asarray(_backend().all_reduce(
                         xs[0], members=lay.group_members(what["axes"]), op=what["op"]))
                 env[outs[0]] = out if what["dst"] is not None else np.asarray(out[0])
+            elif kind == FUSED:
+                src = what["src"]
+                with op_cause(what["cause"], extra):
+                    res = _backend().all_reduce_fused(
+                        xs, members=src.group_members(src.partial), op="sum")
+                for vid, out, dst, scale in zip(outs, res, what["dsts"], what["scales"]):
+                    env[vid] = _scaled(out if dst is not None else np.asarray(out[0]), scale)
             elif kind == CALL:
                 what["fn"](*self._tensors(ins, xs, extra))
             else:
@@ -159,7 +168,8 @@ def _move(attrs, x, reason):
         with op_cause(cause, reason):
             out = np.asarray(_backend().all_reduce(x, members=src.group_members(src.partial),
                                                    op="sum"))
-        return out if attrs["dst"] is not None else np.asarray(out[0])
+        return _scaled(out if attrs["dst"] is not None else np.asarray(out[0]),
+                       attrs.get("scale"))
     if kind == "gather":
         with op_cause(cause, reason):
             return gather_stack(x, attrs["src"], cause)
@@ -167,6 +177,11 @@ def _move(attrs, x, reason):
     if plan is not None:
         return execute(plan, x, op_name=cause, reason=attrs["reason"])
     return move_stack(x, attrs["src"], attrs["dst"], cause, attrs["reason"])
+
+
+def _scaled(x, scale):
+    """A resolved data-parallel gradient times ``device_num`` (``gradients_mean=False``)."""
+    return x if scale is None else np.multiply(x, scale, dtype=x.dtype)
 
 
 def _run_op(mode, node, xs, reason):

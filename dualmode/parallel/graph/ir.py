@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 __all__ = ["Value", "Ref", "Const", "Node", "Graph", "GraphError", "verify", "CALL", "MOVE",
-           "REDUCE", "flatten_refs", "map_leaves"]
+           "REDUCE", "FUSED", "flatten_refs", "map_leaves"]
 
 #: ``Node.op`` of an opaque call (an optimizer update): ``attrs["fn"](*inputs)``.
 CALL = "Call"
@@ -27,6 +27,9 @@ CALL = "Call"
 MOVE = "Move"
 #: ``Node.op`` of an AllReduce(``attrs["op"]``) finishing an op's output over device axes.
 REDUCE = "AllReduce"
+#: ``Node.op`` of one fused AllReduce(sum) resolving the pending sums of several values
+#: (a fusion bucket, made by the fusion pass from MOVE nodes): input i -> output i.
+FUSED = "FusedAllReduce"
 
 
 class GraphError(RuntimeError):

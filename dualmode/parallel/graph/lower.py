@@ -11,6 +11,9 @@ at run time — from the same sharding rule — and writes them down:
   with no rule for its layouts, the outputs into ``out_strategy``;
 * a :data:`~.ir.REDUCE` node for a collective that finishes an op's output
   (AllReduce(max) after a max over a split dim);
+* before an optimizer update (a CALL recorded with its parameters), a MOVE per gradient
+  into the layout the update reads it in (reason "gradient"): the gradient
+  communication, which the fusion pass (fuse.py) then buckets;
 * on every op node, ``Node.run``: how it computes on this process's stacks — the op's
   kernel once on the global values (data parallel), its rule's local computation over
   the stacks (once per replica set where the rule is a per-device map), or its kernel
@@ -34,6 +37,7 @@ import numpy as np
 
 from ..._core._tensor import TensorBase
 from ..devices import holds_all_devices
+from ..grad_reduce import is_dp_partial
 from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
@@ -88,9 +92,11 @@ def _const_layout(c):
 
 
 class _Lowering:
-    def __init__(self, graph: Graph, n: int, arg_sources, some_devices: bool, name: str):
+    def __init__(self, graph: Graph, n: int, arg_sources, some_devices: bool, name: str,
+                 gradients_mean: bool):
         self.g = graph
         self.n = n
+        self.gradients_mean = gradients_mean
         self.name = name
         self.some = some_devices
         self.values = graph.values()
@@ -109,10 +115,13 @@ class _Lowering:
         self.values[v.id] = v
         return v
 
-    def move(self, ref, dst, cause, reason="redistribution", backward=False, grid=False):
+    def move(self, ref, dst, cause, reason="redistribution", backward=False, grid=False,
+             scale=None):
         """A MOVE node taking value `ref` into `dst`; returns the new Ref. `grid`: the
         result is the device grid ``dst.device_matrix + dst.local_shape`` (size 1 along
-        the axes that split nothing), for a rule whose `local` accepts grids."""
+        the axes that split nothing), for a rule whose `local` accepts grids. `scale`:
+        a factor applied after pending sums are resolved (a data-parallel gradient's
+        ``device_num`` without ``gradients_mean``)."""
         src = self.input_layout(ref)
         if src == dst and not grid:
             return ref
@@ -131,9 +140,12 @@ class _Lowering:
             kind = "grid"
         out = self.fresh(v)
         self.moves += 1
-        self.nodes.append(Node(MOVE, {"src": src, "dst": dst, "kind": kind, "plan": plan,
-                                      "cause": cause, "reason": reason, "for": self.current},
-                               (ref,), (out,), f"Move-{self.moves}", backward=backward))
+        attrs = {"src": src, "dst": dst, "kind": kind, "plan": plan, "cause": cause,
+                 "reason": reason, "for": self.current}
+        if scale is not None:
+            attrs["scale"] = scale
+        self.nodes.append(Node(MOVE, attrs, (ref,), (out,), f"Move-{self.moves}",
+                               backward=backward))
         self.lay[out.id] = dst
         return Ref(out.id)
 
@@ -253,7 +265,7 @@ class _Lowering:
         ins = [self.ref(x) for x in node.inputs]
         bw = node.backward
         if node.op == CALL:
-            self.nodes.append(node.replace(inputs=tuple(ins)))
+            self.nodes.append(node.replace(inputs=tuple(self.gradient_moves(node, ins))))
             return
         if node.op_name == "Redistribute":           # a strategy's move
             need = node.in_layouts[0] if node.in_layouts is not None else None
@@ -305,6 +317,33 @@ class _Lowering:
             if lay is not None:
                 ins[i] = self.move(ins[i], None, cause, backward=bw)
         return self.emit(node, ins, OpRun("plain", outputs=(None,) * len(node.outputs)))
+
+    def gradient_moves(self, node, ins):
+        """An optimizer update's gradients moved where the update reads them, as the
+        optimizer would move them eagerly: a sharded weight's gradient into the weight's
+        layout; a data-parallel gradient resolved (its AllReduce, times ``device_num``
+        unless ``gradients_mean``: see grad_reduce.py); another distributed gradient of
+        a weight kept whole gathered whole. The update then communicates nothing, and
+        the fusion pass can bucket the AllReduces."""
+        params = node.attrs.get("params")
+        if not params:
+            return ins
+        plans = {id(p): self.param_plans[v.id] for p, v in self.g.params}
+        for i, (x, p) in enumerate(zip(ins, params)):
+            plan = plans.get(id(p))
+            lay = self.lay[x.id] if isinstance(x, Ref) else None
+            if lay is None or plan is None or p.layerwise_parallel or not p.requires_grad:
+                continue
+            target = plan.layout
+            if target is not None and is_sharded_layout(target):
+                if lay != target:
+                    ins[i] = self.move(x, target, p.name, reason="gradient", backward=True)
+            elif target is None and is_dp_partial(lay):
+                ins[i] = self.move(x, None, p.name, reason="gradient", backward=True,
+                                   scale=None if self.gradients_mean else self.n)
+            else:
+                ins[i] = self.move(x, None, p.name, reason="gradient", backward=True)
+        return ins
 
     def _specs(self, node, ins, lays):
         specs, dtypes = [], []
@@ -438,7 +477,7 @@ def _const_value(c) -> Value:
 
 
 def insert_communication(graph: Graph, n: int, *, arg_sources=None, some_devices=False,
-                         name="graph") -> Graph:
+                         name="graph", gradients_mean=False) -> Graph:
     """The graph with every communication an IR node and every op node's ``run`` set
     (see the module docstring)."""
-    return _Lowering(graph, n, arg_sources, some_devices, name).lower()
+    return _Lowering(graph, n, arg_sources, some_devices, name, gradients_mean).lower()

@@ -262,11 +262,15 @@ class _Trace:
                 out.append(a)
         return tuple(out)
 
-    def call_opaque(self, fn, label, tensors):
-        """Record ``fn(tensors)`` as one opaque node (run eagerly at execution)."""
+    def call_opaque(self, fn, label, tensors, params=None):
+        """Record ``fn(tensors)`` as one opaque node (run eagerly at execution).
+        `params`: for an optimizer update, the Parameters its gradients `tensors` are
+        for (aligned): lowering then moves each gradient where its update needs it."""
         refs = tuple(self._ref(x)[0] for x in tensors)
-        node = Node(op=CALL, attrs={"fn": fn, "label": label}, inputs=refs, outputs=(),
-                    name=self._name(label))
+        attrs = {"fn": fn, "label": label}
+        if params is not None:
+            attrs["params"] = tuple(params)
+        node = Node(op=CALL, attrs=attrs, inputs=refs, outputs=(), name=self._name(label))
         self.nodes.append(node)
 
 

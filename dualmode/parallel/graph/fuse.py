@@ -1,0 +1,72 @@
+"""Fusion: the gradient AllReduces of a train step packed into buckets.
+
+Lowering (lower.py) puts the gradient communication of an optimizer update into the IR
+as MOVE nodes right before the update (``attrs["reason"] == "gradient"``). The
+data-parallel ones among them resolve a pending sum over every device (an AllReduce).
+This pass replaces each bucket of those with one :data:`~.ir.FUSED` node: one
+collective for the bucket (:meth:`Backend.all_reduce_fused`; on simulated devices it
+costs no packing copy). Buckets are formed exactly as the eager optimizer forms them
+(:func:`~dualmode.parallel.grad_reduce.fusion_buckets` over the data-parallel gradients
+in parameter order, per ``comm_fusion`` / ``all_reduce_fusion_config``), so a compiled
+step makes the same collectives as the same step run eagerly. The gradient moves
+before one update read values computed before them, so they may be reordered freely:
+the fused nodes come first, the other moves (into sharded weights' layouts) after.
+"""
+from __future__ import annotations
+
+from ..grad_reduce import bucket_name, fusion_buckets, is_dp_partial
+from .ir import FUSED, MOVE, Graph, Node, verify
+
+__all__ = ["fuse_gradients"]
+
+
+def _gradient_move(node) -> bool:
+    return node.op == MOVE and node.attrs.get("reason") == "gradient"
+
+
+def _data_parallel(node) -> bool:
+    return node.attrs["kind"] == "resolve" and is_dp_partial(node.attrs["src"])
+
+
+def fuse_gradients(graph: Graph, buckets=fusion_buckets) -> Graph:
+    """`graph` with each bucket of data-parallel gradient AllReduces one FUSED node.
+    `buckets(sizes)` splits the gradient positions by their bytes per device."""
+    nodes, out, k, fused = list(graph.nodes), [], 0, 0
+    while k < len(nodes):
+        if not _gradient_move(nodes[k]):
+            out.append(nodes[k])
+            k += 1
+            continue
+        run = []
+        while k < len(nodes) and _gradient_move(nodes[k]):
+            run.append(nodes[k])
+            k += 1
+        dp = [n for n in run if _data_parallel(n)]
+        for bucket in buckets([_device_bytes(n) for n in dp]):
+            members = [dp[i] for i in bucket]
+            if len(members) == 1 or len({n.outputs[0].dtype for n in members}) > 1:
+                out.extend(members)              # one AllReduce each, as unfused
+                continue
+            out.append(_fused_node(members, f"FusedAllReduce-{fused}"))
+            fused += 1
+        out.extend(n for n in run if not _data_parallel(n))
+    return verify(graph.replace(nodes=tuple(out)))
+
+
+def _device_bytes(node) -> int:
+    src = node.attrs["src"]
+    n = 1
+    for s in src.local_shape:
+        n *= s
+    return n * node.outputs[0].dtype.itemsize
+
+
+def _fused_node(members, name) -> Node:
+    first = members[0].attrs
+    attrs = {"src": first["src"], "for": first["for"],
+             "cause": bucket_name([n.attrs["cause"] for n in members]),
+             "dsts": tuple(n.attrs["dst"] for n in members),
+             "scales": tuple(n.attrs.get("scale") for n in members),
+             "srcs": tuple(n.attrs["src"] for n in members)}
+    return Node(FUSED, attrs, tuple(n.inputs[0] for n in members),
+                tuple(n.outputs[0] for n in members), name, backward=True)
