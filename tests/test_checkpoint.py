@@ -624,3 +624,55 @@ def test_write_files_failure_leaves_no_file(tmp_path):
         write_files([(good, [("w", np.ones(3, np.float32))], None),
                      (str(tmp_path / "nodir" / "b.safetensors"), [("w", np.ones(3))], None)])
     assert os.listdir(tmp_path) == []
+
+
+def test_copy_chunk_crcs_match_reference():
+    data = np.random.default_rng(7).integers(0, 256, 30_011, dtype=np.uint8)
+    best = _checksum.FOLD_BITS
+    try:
+        for bits in [w for w in (256, 128, 0) if w <= best]:
+            _checksum._set_fold_bits(bits)
+            for n in list(range(0, 300, 7)) + [4096, 30_000]:
+                for chunk in (64, 1000, 4096):
+                    src = data[3:3 + n]
+                    dst = np.zeros(n, np.uint8)
+                    out = np.empty(-(-n // chunk), np.uint32)
+                    _checksum.copy_chunk_crcs(src, dst, chunk, out)
+                    np.testing.assert_array_equal(dst, src)
+                    np.testing.assert_array_equal(out, chunk_crcs_reference(src, chunk))
+    finally:
+        _checksum._set_fold_bits(best)
+    with pytest.raises(ValueError, match=r"copy_chunk_crcs: dst has 5 bytes but src has 30011"):
+        _checksum.copy_chunk_crcs(data, np.zeros(5, np.uint8), 64, np.empty(1, np.uint32))
+
+
+@pytest.mark.parametrize("path_kind", ["mapped", "read"])
+def test_both_read_paths_verify_and_name_faults(tmp_path, monkeypatch, path_kind):
+    """Large ranges are copied from a mapping by the checksumming kernel, small ones read
+    and then checked: both give the saved bytes, and both name a flipped byte and a file
+    that shrank after it was opened."""
+    if path_kind == "mapped" and _checksum.FOLD_BITS != 256:
+        pytest.skip("the mapped path needs the 256-bit kernel")
+    monkeypatch.setattr("dualmode.train.safetensors_io.CHUNK", 1 << 10)
+    monkeypatch.setattr("dualmode.train.safetensors_io._MAP_MIN",
+                        0 if path_kind == "mapped" else 1 << 62)
+    w = np.random.default_rng(8).standard_normal((300, 41)).astype(np.float32)   # 48 chunks
+    path = tmp_path / "w.safetensors"
+    dm.save_checkpoint({"w": w, "b": np.arange(3.0)}, str(path))
+    with CheckpointFile(str(path)) as f:
+        np.testing.assert_array_equal(f.read("w"), w)
+        np.testing.assert_array_equal(f.read_region("w", (slice(100, 200), slice(3, 9))),
+                                      w[100:200, 3:9])
+    data = bytearray(path.read_bytes())
+    start = len(data) - w.nbytes - 24
+    data[start + 20 * 1024 + 5] ^= 1                        # in chunk 20 of w
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors.*parameter 'w'.*checksum "
+                                              r"mismatch in bytes 20480\.\.21504"):
+        dm.load_checkpoint(str(bad))
+    with CheckpointFile(str(path)) as f:
+        os.truncate(str(path), start + 5000)               # shrinks after it was opened
+        with pytest.raises(CheckpointError, match=r"w\.safetensors.*parameter 'w'.*truncated "
+                                                  r"while reading"):
+            f.read("w")

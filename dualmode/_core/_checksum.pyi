@@ -17,6 +17,12 @@ def chunk_crcs(buf: "np.ndarray | bytes | memoryview", chunk: int, out: np.ndarr
     `out` is a uint32 array of ``ceil(len(buf) / chunk)`` entries."""
     ...
 
+def copy_chunk_crcs(src: "np.ndarray | bytes | memoryview", dst: np.ndarray, chunk: int,
+                    out: np.ndarray) -> None:
+    """``dst[:] = src`` and ``out[k] = crc32(src[k*chunk:(k+1)*chunk])``, in one pass over
+    memory; `dst` a writable uint8 buffer of the same length."""
+    ...
+
 #: The folding width in bits: 256 (VPCLMULQDQ + AVX2), 128 (PCLMULQDQ) or 0 (bytewise).
 FOLD_BITS: int
 

@@ -18,6 +18,9 @@ use ``zlib.crc32``; the kernel then loops bytewise (slow but correct).
 
 * ``crc32(buf, value=0)``: the CRC of a contiguous buffer, continuing from `value`.
 * ``chunk_crcs(buf, chunk, out)``: ``out[k] = crc32(buf[k*chunk:(k+1)*chunk])``.
+* ``copy_chunk_crcs(src, dst, chunk, out)``: ``dst[:] = src`` and the chunk CRCs of it,
+  in one pass over memory (each 32 bytes loaded once, stored and folded): reading a
+  checkpoint from the page cache (mapped) and verifying it costs about one copy.
 """
 from libc.stdint cimport uint8_t, uint32_t
 
@@ -25,6 +28,7 @@ cdef extern from *:
     """
     #include <stdint.h>
     #include <stddef.h>
+    #include <string.h>
 
     static uint32_t dm_crc_table[256];
 
@@ -151,9 +155,52 @@ cdef extern from *:
         }
         return dm_crc_reduce(x);
     }
+    /* dm_crc_fold256 that also stores every 32 bytes it loads to dst: one pass over
+       memory copies and checksums (len >= 128, a multiple of 128) */
+    __attribute__((target("vpclmulqdq,avx2,pclmul,sse4.1")))
+    static uint32_t dm_crc_fold256_copy(uint32_t c, uint8_t *dst, const uint8_t *p,
+                                        size_t len) {
+        const __m256i *q = (const __m256i *)p;
+        __m256i *o = (__m256i *)dst;
+        __m256i d0 = _mm256_loadu_si256(q), d1 = _mm256_loadu_si256(q + 1);
+        __m256i d2 = _mm256_loadu_si256(q + 2), d3 = _mm256_loadu_si256(q + 3);
+        _mm256_storeu_si256(o, d0); _mm256_storeu_si256(o + 1, d1);
+        _mm256_storeu_si256(o + 2, d2); _mm256_storeu_si256(o + 3, d3);
+        __m256i y0 = _mm256_xor_si256(d0, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)c)));
+        __m256i y1 = d1, y2 = d2, y3 = d3;
+        q += 4; o += 4; len -= 128;
+        const __m256i k4 = _mm256_set_epi64x(0x000000014a7fe880LL, 0x00000001e88ef372LL,
+                                             0x000000014a7fe880LL, 0x00000001e88ef372LL);
+        while (len >= 128) {
+            d0 = _mm256_loadu_si256(q); d1 = _mm256_loadu_si256(q + 1);
+            d2 = _mm256_loadu_si256(q + 2); d3 = _mm256_loadu_si256(q + 3);
+            _mm256_storeu_si256(o, d0); _mm256_storeu_si256(o + 1, d1);
+            _mm256_storeu_si256(o + 2, d2); _mm256_storeu_si256(o + 3, d3);
+            y0 = DM_FOLD256(y0, k4, d0);
+            y1 = DM_FOLD256(y1, k4, d1);
+            y2 = DM_FOLD256(y2, k4, d2);
+            y3 = DM_FOLD256(y3, k4, d3);
+            q += 4; o += 4; len -= 128;
+        }
+        const __m128i k = _mm_set_epi64x(0x00000000ccaa009eLL, 0x00000001751997d0LL);
+        __m128i x = _mm256_castsi256_si128(y0);
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y0, 1));
+        x = DM_FOLD(x, k, _mm256_castsi256_si128(y1));
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y1, 1));
+        x = DM_FOLD(x, k, _mm256_castsi256_si128(y2));
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y2, 1));
+        x = DM_FOLD(x, k, _mm256_castsi256_si128(y3));
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y3, 1));
+        return dm_crc_reduce(x);
+    }
     #else
     #define DM_CLMUL_BUILT 0
     static int dm_have_vclmul(void) { return 0; }
+    static uint32_t dm_crc_fold256_copy(uint32_t c, uint8_t *dst, const uint8_t *p,
+                                        size_t len) {
+        memcpy(dst, p, len);
+        return dm_crc_bytes(c, dst, len);
+    }
     static uint32_t dm_crc_fold256(uint32_t c, const uint8_t *p, size_t len) {
         return dm_crc_bytes(c, p, len);
     }
@@ -168,6 +215,22 @@ cdef extern from *:
     static void dm_checksum_init(void) {
         dm_crc_init();
         dm_clmul = dm_have_vclmul() ? 2 : dm_have_clmul();
+    }
+
+    static uint32_t dm_crc32(uint32_t value, const uint8_t *p, size_t len);
+
+    /* copy len bytes src -> dst and return zlib's crc32(value, src, len): in one pass
+       with 256-bit folding, else the copy then the CRC of the copy (still cached) */
+    static uint32_t dm_copy_crc32(uint32_t value, uint8_t *dst, const uint8_t *src,
+                                  size_t len) {
+        uint32_t c = ~value;
+        if (dm_clmul == 2 && len >= 128) {
+            size_t body = len & ~(size_t)127;
+            c = dm_crc_fold256_copy(c, dst, src, body);
+            dst += body; src += body; len -= body;
+        }
+        memcpy(dst, src, len);
+        return dm_crc32(~c, dst, len);
     }
 
     /* zlib-compatible crc32(value, p, len) */
@@ -187,6 +250,8 @@ cdef extern from *:
     int dm_have_vclmul() nogil
     int dm_clmul
     uint32_t dm_crc32(uint32_t value, const uint8_t *p, size_t length) noexcept nogil
+    uint32_t dm_copy_crc32(uint32_t value, uint8_t *dst, const uint8_t *src,
+                           size_t length) noexcept nogil
 
 dm_checksum_init()
 
@@ -239,3 +304,23 @@ def chunk_crcs(const uint8_t[::1] buf, Py_ssize_t chunk, uint32_t[::1] out):
             lo = k * chunk
             hi = lo + chunk if lo + chunk < n else n
             out[k] = dm_crc32(0, &buf[lo], <size_t>(hi - lo))
+
+
+def copy_chunk_crcs(const uint8_t[::1] src, uint8_t[::1] dst, Py_ssize_t chunk,
+                    uint32_t[::1] out):
+    """dst[:] = src and out[k] = crc32 of chunk k of it (the last may be shorter), in one
+    pass over memory (GIL released)."""
+    cdef Py_ssize_t n = src.shape[0], k, nchunks, lo, hi
+    if chunk <= 0:
+        raise ValueError(f"copy_chunk_crcs: chunk must be positive, got {chunk}")
+    if dst.shape[0] != n:
+        raise ValueError(f"copy_chunk_crcs: dst has {dst.shape[0]} bytes but src has {n}")
+    nchunks = (n + chunk - 1) // chunk
+    if out.shape[0] != nchunks:
+        raise ValueError(f"copy_chunk_crcs: out has {out.shape[0]} entries, {n} bytes in "
+                         f"chunks of {chunk} need {nchunks}")
+    with nogil:
+        for k in range(nchunks):
+            lo = k * chunk
+            hi = lo + chunk if lo + chunk < n else n
+            out[k] = dm_copy_crc32(0, &dst[lo], &src[lo], <size_t>(hi - lo))

@@ -12,8 +12,9 @@ Reading never loads more than asked: :meth:`CheckpointFile.read_region` reads th
 range spanning a box of a tensor (rounded out to whole checksum chunks, which it
 verifies), so a device that needs a quarter of a weight reads about a quarter of it.
 Whole tensors are read straight into their final array (:meth:`CheckpointFile.read_into`
-fills a caller's array, e.g. one device's slot of a stack), a chunk at a time, and each
-chunk is verified right after it is read, while it is still in the CPU cache. The
+fills a caller's array, e.g. one device's slot of a stack): a large range is mapped and
+copied by a kernel that checksums the bytes as it copies them (one pass over memory,
+like a plain read's copy out of the page cache), a small one read and then checked. The
 CRC-32 is the PCLMULQDQ kernel of :mod:`dualmode._core._checksum` (``zlib.crc32``,
 its reference, where the CPU lacks the instruction).
 
@@ -27,6 +28,7 @@ is written.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import tempfile
@@ -43,8 +45,9 @@ __all__ = ["CHUNK", "CheckpointError", "CheckpointFile", "write_file", "write_fi
 #: bytes covered by one CRC-32 of a tensor's data
 CHUNK = 1 << 22
 
-#: zlib's CRC-32 of a contiguous buffer: the PCLMULQDQ kernel where the CPU has it
-_crc32 = _checksum.crc32 if _checksum.HAVE_CLMUL else zlib.crc32
+#: reads at least this long go through a mapping and the copy-and-checksum kernel
+_MAP_MIN = 1 << 20
+
 
 _MAX_HEADER = 1 << 28
 
@@ -352,34 +355,51 @@ class CheckpointFile:
     def _read_piece(self, name, view: memoryview, lo: int, total: int) -> None:
         """Fill `view` from the file's current position (bytes `lo`.. of a `total`-byte
         read of tensor `name`), or fail naming the truncation."""
-        want = len(view)
-        got = self._f.readinto(view) or 0
-        while 0 < got < want:                      # a short read before the end of file
+        want, got = len(view), 0
+        while got < want:                # one call, unless the kernel returns a short read
             more = self._f.readinto(view[got:]) or 0
             if not more:
-                break
+                self._fail(f"truncated while reading (got {lo + got} of {total} bytes)", name)
             got += more
-        if got != want:
-            self._fail(f"truncated while reading (got {lo + got} of {total} bytes)", name)
 
     def _read_verified(self, name, buf: np.ndarray, start: int) -> None:
         """Read bytes ``[start, start + buf.size)`` of tensor `name`'s data (`start` on a
         chunk boundary, the end on one or at the tensor's end) into the uint8 array `buf`
-        and verify them: one checksum chunk per read, its CRC-32 computed right after,
-        while the chunk is still in the CPU cache (a second pass over a whole tensor
-        would stream it from memory again)."""
+        and verify them.
+
+        A large range is mapped and copied into `buf` by the kernel that checksums what
+        it copies (one pass over memory, as a plain read's copy); a small one is read,
+        then checksummed."""
         ch = self.chunk
-        b = self._entry(name)[2]
-        self._f.seek(self._data_start + b + start)
-        view = memoryview(buf)
+        pos = self._data_start + self._entry(name)[2] + start
         n = buf.size
-        crcs = np.empty(-(-n // ch), np.uint32)
-        for k, lo in enumerate(range(0, n, ch)):       # one read and one kernel per chunk
-            hi = min(lo + ch, n)
-            self._read_piece(name, view[lo:hi], lo, n)
-            crcs[k] = _crc32(view[lo:hi])
+        if n >= _MAP_MIN and _checksum.FOLD_BITS == 256:
+            crcs = self._map_copy(name, buf, pos)
+        else:
+            self._f.seek(pos)
+            self._read_piece(name, memoryview(buf), 0, n)
+            crcs = chunk_crcs(buf, ch)
         self._check(name, crcs, start // ch, start)
         self.bytes_read += n
+
+    def _map_copy(self, name, buf: np.ndarray, pos: int) -> np.ndarray:
+        """Copy file bytes ``[pos, pos + buf.size)`` into `buf` through a read-only
+        mapping, returning the CRC-32 of each chunk copied."""
+        n = buf.size
+        size = os.fstat(self._f.fileno()).st_size       # the file may have shrunk since
+        if size < pos + n:                               # it was opened
+            self._fail(f"truncated while reading (the file now has {size} bytes, the data "
+                       f"needs {pos + n})", name)
+        base = pos - pos % mmap.ALLOCATIONGRANULARITY
+        crcs = np.empty(-(-n // self.chunk), np.uint32)
+        with mmap.mmap(self._f.fileno(), pos + n - base, access=mmap.ACCESS_READ,
+                       offset=base) as mapped:
+            src = np.frombuffer(mapped, np.uint8, count=n, offset=pos - base)
+            try:
+                _checksum.copy_chunk_crcs(src, buf, self.chunk, crcs)
+            finally:
+                del src                                  # no view may outlive the map
+        return crcs
 
     def _read_chunks(self, name, lo, hi):
         """Bytes [lo, hi) of tensor `name`, rounded out to whole checksum chunks and
