@@ -43,10 +43,14 @@ class RawEcho:
             addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         self.proc = subprocess.Popen([sys.executable, "-c", ECHO, addr],
                                      stdout=subprocess.PIPE, text=True)
-        self.proc.stdout.readline()                     # bound
+        if self.proc.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise RuntimeError(f"the raw echo process could not listen on {addr}")
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 30000)        # an error, not a hang
         self.sock.connect(addr)
         self.header = json.dumps({"op": "push"}).encode()
 
