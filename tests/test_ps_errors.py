@@ -250,3 +250,6 @@ def test_ps_push_of_wrong_shapes_refused():
     with pytest.raises(PSError, match=r"the rows of 'table' have shape \(2, 3\) for \(2,\) "
                                       r"ids; expected rows of shape \(2,\)"):
         split_push(g, [grad, ids, np.zeros((2, 3), np.float32)], "push from worker 1")
+    with pytest.raises(PSError, match=r"the ids of 'table' must be integers in this "
+                                      r"server's rows \[0, 10\), got int64 ids in \[1, 12\]"):
+        split_push(g, [grad, np.array([1, 12]), rows], "push from worker 1")

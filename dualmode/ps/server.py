@@ -124,6 +124,12 @@ def split_push(g: _Group, arrays: List[np.ndarray], where: str) -> list:
                 raise PSError(f"{where}: the rows of {key.spec['name']!r} have shape "
                               f"{rows.shape} for {ids.shape} ids; expected rows of "
                               f"shape {shape[1:]}")
+            lo, hi = key.spec["rows"]
+            if ids.dtype.kind not in "iu" or (len(ids) and (ids.min() < lo or ids.max() >= hi)):
+                raise PSError(f"{where}: the ids of {key.spec['name']!r} must be integers in "
+                              f"this server's rows [{lo}, {hi}), got {ids.dtype} ids in "
+                              f"[{ids.min() if len(ids) else '-'}, "
+                              f"{ids.max() if len(ids) else '-'}]")
             out.append((ids, rows))
             i += 2
         else:

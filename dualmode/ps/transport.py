@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import zmq
 
-__all__ = ["encode", "decode", "send", "send_tracked", "recv", "poll_recv", "local_host", "tcp_address",
-           "check_host", "check_port", "PSError"]
+__all__ = ["encode", "decode", "send", "send_tracked", "recv", "poll_recv", "local_host",
+           "tcp_address", "check_host", "check_port", "PSError"]
 
 #: below this many bytes a frame is copied into the message (ZeroMQ's own threshold)
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
@@ -44,6 +44,7 @@ def _frames(header: Dict[str, Any], arrays: Sequence[np.ndarray], track: bool):
     being small or not contiguous)."""
     bufs, specs, trackers, nbytes = [], [], [], 0
     for a in arrays:
+        a = np.asarray(a)
         copied = not a.flags.c_contiguous
         if copied:
             a = np.ascontiguousarray(a)
