@@ -161,6 +161,11 @@ def test_ps_server_restart_recovers(interval, tmp_path):
     with Cluster(tmp_path, cfg) as c:
         c.start_all(rec)
         c.wait_for_log("server_0", "opt0:")
+        checkpoint = tmp_path / "recovery" / "server_0.safetensors"
+        end = time.monotonic() + 30          # its first checkpoint (fsync may be slow)
+        while not checkpoint.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert checkpoint.exists(), c.all_logs()
         time.sleep(0.7)
         c.kill("server_0")
         c.start("DM_PSERVER", "server_0b", rec)
