@@ -100,7 +100,7 @@ def _np_load(path):
 def test_save_numpy(benchmark, sharded, record):
     net, arrays, d = sharded
     path = str(d / "np.npy")
-    benchmark.pedantic(_np_save, (arrays, path), setup=_settle, rounds=3, iterations=1)
+    benchmark.pedantic(_np_save, (arrays, path), setup=_settle, rounds=5, iterations=1)
     _gbps(benchmark)
     record(benchmark, "ckpt_np_save")
 
@@ -108,7 +108,7 @@ def test_save_numpy(benchmark, sharded, record):
 def test_save_numpy_fsync(benchmark, sharded, record):
     net, arrays, d = sharded
     path = str(d / "np_fsync.npy")
-    benchmark.pedantic(_np_save_fsync, (arrays, path), setup=_settle, rounds=3, iterations=1)
+    benchmark.pedantic(_np_save_fsync, (arrays, path), setup=_settle, rounds=5, iterations=1)
     _gbps(benchmark)
     record(benchmark, "ckpt_np_save_fsync")
 
@@ -116,7 +116,7 @@ def test_save_numpy_fsync(benchmark, sharded, record):
 def test_save_integrated(benchmark, sharded, record):
     net, arrays, d = sharded
     path = str(d / "full.safetensors")
-    benchmark.pedantic(dm.save_checkpoint, (net, path), setup=_settle, rounds=3, iterations=1)
+    benchmark.pedantic(dm.save_checkpoint, (net, path), setup=_settle, rounds=5, iterations=1)
     _gbps(benchmark)
     got = dm.load_checkpoint(path)
     benchmark.extra_info["correct"] = all(np.array_equal(got[f"w{i}"].asnumpy(), arrays[i])
@@ -128,7 +128,7 @@ def test_save_sliced(benchmark, sharded, record):
     net, arrays, d = sharded
     path = str(d / "s.safetensors")
     benchmark.pedantic(dm.save_checkpoint, (net, path), {"integrated_save": False},
-                       setup=_settle, rounds=3, iterations=1)
+                       setup=_settle, rounds=5, iterations=1)
     _gbps(benchmark)
     got = [dm.load_checkpoint(str(d / f"rank_{r}" / "s.safetensors"))["w2"].asnumpy()
            for r in (0, 7)]
