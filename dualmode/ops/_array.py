@@ -127,8 +127,18 @@ def _bw_transpose(node, g):
     return (transpose(g, tuple(np.argsort(perm))),)
 
 
+def _transpose_subscripts(attrs, ranks):
+    """Einsum subscripts of a permutation (the contraction family, a one-input sum)."""
+    perm = attrs.get("perm")
+    if perm is None or len(ranks) != 1 or ranks[0] != len(perm) or ranks[0] > 26:
+        return None
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ranks[0]]
+    return (letters,), "".join(letters[p] for p in perm)
+
+
 TRANSPOSE = register("Transpose", linear=(0,), infer=_infer_transpose,
-                     kernel=lambda at, x: np.transpose(x, at["perm"]), backward=_bw_transpose)
+                     kernel=lambda at, x: np.transpose(x, at["perm"]), backward=_bw_transpose,
+                     family=("contract", _transpose_subscripts, "add"))
 
 
 def transpose(x, perm):

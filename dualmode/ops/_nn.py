@@ -103,7 +103,7 @@ def _infer_sparse_xent_grad(attrs, probs, labels, g):
 
 
 SPARSE_XENT_GRAD = register("SparseSoftmaxCrossEntropyGrad", infer=_infer_sparse_xent_grad,
-                            kernel=_sparse_xent_grad_kernel)
+                            kernel=_sparse_xent_grad_kernel, family=("rowwise",))
 
 
 def _bw_sparse_xent(node, g_loss, g_probs):
@@ -115,7 +115,7 @@ def _bw_sparse_xent(node, g_loss, g_probs):
 
 SPARSE_XENT = register("SparseSoftmaxCrossEntropyWithLogits", infer=_infer_sparse_xent,
                        kernel=_sparse_xent_kernel, backward=_bw_sparse_xent,
-                       save_outputs=True, multi_output=True)
+                       save_outputs=True, multi_output=True, family=("rowwise",))
 
 
 def sparse_softmax_cross_entropy(logits, labels):

@@ -14,10 +14,12 @@ import math
 import numpy as np
 
 from ..ops._registry import REGISTRY, linearity
+from .._core import _tensor as _core
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
-from .shared_dims import elementwise_pairs, sparse_xent_pairs
+from .shared_dims import elementwise_pairs
 from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
                        register_rule, run_kernel)
+from .tensor_layout import stand_in
 
 
 def _parts(dm, axes):
@@ -90,7 +92,7 @@ def _elementwise_rule(op):
 
 
 # ---------------------------------------------------------------------------
-# contraction family (einsum-style): MatMul, BatchMatMul, BiasAdd
+# contraction family (einsum-style): MatMul, BatchMatMul, BiasAdd, Transpose
 # ---------------------------------------------------------------------------
 # An op of this family declares ``family=("contract", subscripts[, combine])``:
 # ``subscripts(attrs, ranks)`` gives its einsum subscripts for inputs of those ranks --
@@ -117,6 +119,8 @@ def contract_pairs(spec):
     """The `shared` function of an op with einsum subscripts `spec`: every pair of input
     dims under one letter with equal sizes, summed letters first."""
     def pairs(prim, xs):
+        if len(xs) < 2:
+            return []
         found = _subscripts(spec, vars(prim), [len(x.shape) for x in xs])
         if found is None:
             return []
@@ -404,21 +408,6 @@ def _reshape(attrs, lays, dtypes):
     return ShardPlan((need,), (out,), local)
 
 
-@register_rule("Transpose", per_device=True)
-def _transpose(attrs, lays, dtypes):
-    x = lays[0]
-    if x is None or pending_sums("Transpose", attrs, lays) is None:
-        return None
-    perm = attrs["perm"]
-    out = layout(x.device_matrix, [x.tensor_map[p] for p in perm],
-                 tuple(x.shape[p] for p in perm), x.partial)
-
-    def local(attrs, stacks):
-        return np.transpose(stacks[0], (0,) + tuple(p + 1 for p in perm))
-
-    return ShardPlan((x,), (out,), local)
-
-
 @register_rule("BroadcastTo", per_device=True)
 def _broadcast_to(attrs, lays, dtypes):
     x = lays[0]
@@ -440,48 +429,41 @@ def _broadcast_to(attrs, lays, dtypes):
 
 
 # ---------------------------------------------------------------------------
-# losses: rows may be split, classes must be whole
+# row-wise ops (the losses): rows may be split, every other dim must be whole
 # ---------------------------------------------------------------------------
-@register_rule("SparseSoftmaxCrossEntropyWithLogits", shared=sparse_xent_pairs)
-def _sparse_xent(attrs, lays, dtypes):
-    logits, labels = lays
-    if logits is None or labels is None or logits.partial or labels.partial:
-        return None
-    dm = logits.device_matrix
-    rows = logits.tensor_map[0]
-    need_l = layout(dm, (rows, ()), logits.shape)
-    need_y = layout(dm, (rows,), labels.shape)
-    op = REGISTRY["SparseSoftmaxCrossEntropyWithLogits"]
+def _rowwise_rule(op):
+    """``family=("rowwise",)``: every input and output holds the batch rows on dim 0
+    and the kernel treats rows independently, so rows split alike on every input, the
+    outputs keep that split, and each device runs the kernel on its rows."""
+    def rule(attrs, lays, dtypes):
+        if any(lay is None or lay.partial or lay.ndim == 0 for lay in lays):
+            return None
+        dm, rows = lays[0].device_matrix, lays[0].tensor_map[0]
+        count = lays[0].shape[0]
+        outs = _core.infer(op, attrs, *[stand_in(d, lay.shape) for d, lay in zip(dtypes, lays)])
+        if any(lay.shape[0] != count for lay in lays) or \
+                any(not shape or shape[0] != count for shape, _ in outs):
+            return None
 
-    def local(attrs, stacks):
-        x, y = stacks
-        n, b, c = x.shape
-        loss, probs = op.kernel(attrs, np.ascontiguousarray(x).reshape(n * b, c),
-                                np.ascontiguousarray(y).reshape(n * b))
-        return loss.reshape(n, b), probs.reshape(n, b, c)
+        def rowwise(shape):
+            return layout(dm, (rows,) + ((),) * (len(shape) - 1), shape)
 
-    return ShardPlan((need_l, need_y), (layout(dm, (rows,), labels.shape), need_l), local)
+        def local(attrs, stacks):
+            n = stacks[0].shape[0]
+            flat = [np.ascontiguousarray(s).reshape((-1,) + s.shape[2:]) for s in stacks]
+            res = op.kernel(attrs, *flat)
+            res = [r.reshape((n, -1) + r.shape[1:]) for r in (res if op.multi_output else (res,))]
+            return tuple(res) if op.multi_output else res[0]
+
+        return ShardPlan(tuple(rowwise(lay.shape) for lay in lays),
+                         tuple(rowwise(shape) for shape, _ in outs), local)
+    return register_rule(op.name, per_device=True, shared=_row_pairs)(rule)
 
 
-@register_rule("SparseSoftmaxCrossEntropyGrad")
-def _sparse_xent_grad(attrs, lays, dtypes):
-    probs, labels, g = lays
-    if any(lay is None or lay.partial for lay in lays):
-        return None
-    dm = probs.device_matrix
-    rows = probs.tensor_map[0]
-    need_p = layout(dm, (rows, ()), probs.shape)
-    need_y = layout(dm, (rows,), labels.shape)
-    op = REGISTRY["SparseSoftmaxCrossEntropyGrad"]
-
-    def local(attrs, stacks):
-        p, y, gg = stacks
-        n, b, c = p.shape
-        d = op.kernel(attrs, p.reshape(n * b, c), np.ascontiguousarray(y).reshape(n * b),
-                      np.ascontiguousarray(gg).reshape(n * b))
-        return d.reshape(n, b, c)
-
-    return ShardPlan((need_p, need_y, need_y), (need_p,), local)
+def _row_pairs(prim, xs):
+    """Dim 0 of every input is the one batch dim (when the sizes agree)."""
+    return [(0, 0, j, 0, "batch dim") for j in range(1, len(xs))
+            if len(xs[0].shape) and len(xs[j].shape) and xs[0].shape[0] == xs[j].shape[0]]
 
 
 @register_rule("OneHot")
@@ -510,7 +492,8 @@ def _one_hot(attrs, lays, dtypes):
 # families: every registered op declaring one (or unary/binary by its kind) gets its rule
 # ---------------------------------------------------------------------------
 FAMILIES = {"elementwise": _elementwise_rule, "reduce": _reduce_rule,
-            "along_axis": _along_axis_rule, "contract": _contract_rule}
+            "along_axis": _along_axis_rule, "contract": _contract_rule,
+            "rowwise": _rowwise_rule}
 
 
 def family_of(op):

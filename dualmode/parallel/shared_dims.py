@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["elementwise_pairs", "concat_pairs", "sparse_xent_pairs"]
+__all__ = ["elementwise_pairs", "concat_pairs"]
 
 
 def _aligned(s0, s1):
@@ -44,9 +44,3 @@ def concat_pairs(prim, xs):
         pairs += [(0, d, j, d, f"dim {d} (not the concat axis)") for d in range(rank)
                   if d != axis and xs[0].shape[d] == xs[j].shape[d]]
     return pairs
-
-
-def sparse_xent_pairs(prim, xs):
-    if len(xs) != 2 or xs[0].ndim != 2 or xs[1].ndim != 1 or xs[0].shape[0] != xs[1].shape[0]:
-        return []
-    return [(0, 0, 1, 0, "batch dim")]
