@@ -8,7 +8,6 @@ import dataclasses
 import math
 import pickle
 import re
-import time
 
 import numpy as np
 import pytest
@@ -332,10 +331,8 @@ def test_layout_4096_devices():
     lay = Layout((8, 8, 8, 8), ("pp", "dp", "sp", "mp"))
     t = lay(("dp", "pp"), "mp", "None").bind((4096, 1024, 3))
     assert t.device_num == 4096 and t.local_shape == (64, 128, 3)
-    t0 = time.perf_counter()
-    sl = t.device_slices()
-    elapsed = time.perf_counter() - t0
-    assert len(sl) == 4096 and elapsed < 0.5            # ~10 ms; generous for slow CI
+    sl = t.device_slices()                   # timed in bench/test_bench_layout.py
+    assert len(sl) == 4096
     # rank 4095 = (7, 7, 7, 7): dim 0 block dp*8 + pp = 63, dim 1 block mp = 7
     assert rng_slices(sl[4095]) == ((4032, 4096), (896, 1024), (0, 3))
     # rank 1234 = (2, 3, 2, 2): block 3*8 + 2 = 26

@@ -150,7 +150,8 @@ def test_launcher_failed_rank_ends_job_and_is_named(n, bad, tmp_path):
     proc = launch("--worker_num", n, "--log_dir", tmp_path, script("fail.py"), bad,
                   cwd=tmp_path)
     assert proc.returncode == 1
-    assert proc.seconds < 10, proc.seconds          # the others were waiting in AllReduce
+    # ended by the abort, not by the timeout (the others were waiting in AllReduce)
+    assert proc.seconds < TIMEOUT / 2, proc.seconds
     assert (f"dualmode.run: rank {bad} failed: ValueError: bad value on rank {bad}; "
             f"traceback in {tmp_path / f'worker_{bad}.log'}") in proc.stderr
     log = (tmp_path / f"worker_{bad}.log").read_text()
@@ -160,7 +161,7 @@ def test_launcher_failed_rank_ends_job_and_is_named(n, bad, tmp_path):
 def test_launcher_device_num_mismatch_names_rank_and_error(tmp_path):
     proc = launch("--worker_num", 2, "--log_dir", tmp_path, script("device_num.py"), 8,
                   cwd=tmp_path)
-    assert proc.returncode == 1 and proc.seconds < 10
+    assert proc.returncode == 1 and proc.seconds < TIMEOUT / 2
     assert re.search(r"dualmode\.run: rank [01] failed: ValueError: init: device_num=8 "
                      r"\(set_auto_parallel_context\) does not match the MPI world size 2",
                      proc.stderr), proc.stderr

@@ -38,7 +38,7 @@ from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
 from ..ops._registry import REGISTRY
 from .devices import backend as _backend
-from .devices import holds_all_devices, op_cause
+from .devices import holds_all_devices, live_backend as _live_backend, op_cause
 from .tensor_layout import LayoutError, TensorLayout, stand_in
 from .redistribute import unify_device_matrices
 from .redistribute_bridge import redistribute_grid, redistribute_tensor
@@ -222,16 +222,49 @@ def plan_for(op, attrs, specs, dtypes):
     return plan, lays, dm, dtypes
 
 
-def sharded_apply(op, attrs, inputs, rec, layouts):
-    """Run `op` with its registered rule; None when it has none."""
+#: call signature -> what :func:`sharded_apply` decided for it (see :func:`_decide`)
+_DECISIONS: dict = {}
+
+
+def _decide(op, attrs, inputs, layouts):
+    """``(plan, lays, dm, dtypes, reps, grids, checked)`` for this call, or None when the
+    rule declines. Every part is a function of the op, its attrs, the inputs' layouts
+    (shapes for whole values), dtypes and how many devices this process holds, so it is
+    cached per that signature; `checked` lists whether shapes were validated already."""
+    b = _live_backend()
+    try:
+        key = (op.name, tuple(attrs.items()) if attrs else (), tuple(layouts),
+               tuple(x.dtype for x in inputs),
+               tuple(() if lay is not None else np.shape(x) for x, lay in zip(inputs, layouts)),
+               len(b.local_ranks) if b is not None else 0)
+        hit = _DECISIONS.get(key)
+    except TypeError:                       # an unhashable attribute (an array, a list)
+        key, hit = None, None
+    if hit is not None:
+        return hit
     found = rule_plan(op, attrs, inputs, layouts)
     if found is None:
         return None
     plan, lays, dm, dtypes = found
     reps = shared_replicas(RULES[op.name], plan, dm)
+    grids = not reps and _wants_grids(plan, lays, inputs, dm)
+    hit = [plan, lays, dm, dtypes, reps, grids, False]
+    if key is not None:
+        if len(_DECISIONS) >= _PLANS_MAX:
+            _DECISIONS.clear()
+        _DECISIONS[key] = hit
+    return hit
+
+
+def sharded_apply(op, attrs, inputs, rec, layouts):
+    """Run `op` with its registered rule; None when it has none."""
+    found = _decide(op, attrs, inputs, layouts)
+    if found is None:
+        return None
+    plan, lays, dm, dtypes, reps, grids, checked = found
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
-    elif _wants_grids(plan, lays, inputs, dm):
+    elif grids:
         outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm)
     else:
         stacks = []
@@ -242,7 +275,9 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
                 stacks.append(x._data)
             else:
                 stacks.append(to_layout(x, need, op.name))
-        _validate(op, attrs, stacks, dtypes, plan)
+        if not checked:                     # the same signature validates the same way
+            _validate(op, attrs, stacks, dtypes, plan)
+            found[6] = True
         outs = run_local(RULES[op.name], op, attrs, plan, stacks)
     for i, post in enumerate(plan.post):
         if post is not None:
