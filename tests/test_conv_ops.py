@@ -255,6 +255,21 @@ def test_max_pool_kernels_match_numpy_references(dtype, geom):
                                   stride, pads))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 25), (1, 5, 1, 1), (3, 2, 2, 0)], ids=str)
+def test_channel_kernels_match_numpy_references(dtype, shape):
+    rng = np.random.default_rng(10)
+    x = rng.normal(3.0, 2.0, size=shape).astype(dtype)
+    np.testing.assert_allclose(_K.channel_sums(x), _conv.channel_sums_numpy(x),
+                               rtol=1e-13, atol=1e-13)
+    assert _K.channel_sums(x).dtype == np.float64
+    shift = rng.normal(size=(shape[0], shape[2])).astype(dtype)
+    scale = rng.normal(size=(shape[0], shape[2])).astype(dtype)
+    got = _K.channel_affine(x, shift, scale)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, _conv.channel_affine_numpy(x, shift, scale))
+
+
 @pytest.mark.parametrize("call, err, match", [
     (lambda: _K.to_channels_last(np.zeros((1, 2, 3, 3), np.float16)), TypeError,
      r"conv to_channels_last: x has dtype float16; expected float32 or float64"),
@@ -276,6 +291,11 @@ def test_max_pool_kernels_match_numpy_references(dtype, geom):
                  r"does not fit the grid \(4, 4\)"),
     (lambda: _K.im2col([[1.0]], (1, 1), (1, 1), (1, 1), (1, 1)), TypeError,
      r"conv im2col: xh is a list; expected a numpy array"),
+    (lambda: _K.channel_affine(np.zeros((1, 2, 3, 4), np.float32), np.zeros((1, 3),
+                                                                           np.float32),
+                               np.zeros((1, 3), np.float64)),
+     ValueError, r"conv channel_affine: shift \(1, 3\) float32 and scale \(1, 3\) float64 "
+                 r"must both be \(1, 3\) float32 for x \(1, 2, 3, 4\)"),
     (lambda: _K.max_pool(np.zeros((1, 2, 2), np.float32), (3, 3), (1, 1)), ValueError,
      r"conv max_pool: the grid \(2, 2\) with pads \(0, 0, 0, 0\) is smaller than the "
      r"kernel \(3, 3\)"),

@@ -45,3 +45,13 @@ def max_pool_grad(x: np.ndarray, dy: np.ndarray, kernel: Sequence[int],
     """dy (B, Ho, Wo) added into a zero (B, H, W) at each window's first maximum
     (numpy's argmax order; NaN wins)."""
     ...
+
+def channel_sums(x: np.ndarray) -> np.ndarray:
+    """Per device d and channel c of x (D, B, C, L): float64 sum and sum of squares over B
+    and L -> (D, 2, C)."""
+    ...
+
+def channel_affine(x: np.ndarray, shift: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """shift[d, c] + scale[d, c] * x[d, b, c, l] for x (D, B, C, L) and shift, scale (D, C)
+    of x's dtype."""
+    ...

@@ -6,7 +6,8 @@ is first copied, zero-bordered, into (B, Hp, Wp, C); im2col then copies whole
 channel runs (one ``memcpy`` per kernel tap) into columns ordered
 ``(group, kh, kw, C/group)``; col2im adds such columns back onto a channels-last grid;
 and the result comes back to (B, C, H, W) in one more pass. Max pooling and its gradient
-run over (B, H, W) planes, one window maximum per output pixel. Each kernel has a numpy
+run over (B, H, W) planes, one window maximum per output pixel; BatchNorm's per-channel
+float64 sums and its per-channel affine map take one pass each. Each kernel has a numpy
 reference in :mod:`dualmode.ops._conv` (``*_numpy``) that the tests compare it against
 and that float16 arrays take.
 
@@ -310,6 +311,22 @@ cdef inline Py_ssize_t _window_argmax(const real_t* plane, Py_ssize_t h, Py_ssiz
     cdef Py_ssize_t i, j, r, c, at = -1
     cdef real_t v, m = 0
     cdef bint seen = False, nan = False
+    cdef const real_t* row
+    if r0 >= 0 and c0 >= 0 and r0 + kh <= h and c0 + kw <= w:     # inside: no padding
+        row = plane + r0 * w + c0
+        m = row[0]
+        at = 0
+        for i in range(kh):
+            for j in range(kw):
+                v = row[i * w + j]
+                if v > m:
+                    m = v
+                    at = i * w + j
+                elif v != v:
+                    best[0] = v
+                    return r0 * w + c0 + i * w + j
+        best[0] = m
+        return r0 * w + c0 + at
     for i in range(kh):
         r = r0 + i
         for j in range(kw):
@@ -433,3 +450,100 @@ def max_pool_grad(x, dy, kernel, stride, pads=(0, 0, 0, 0)):
     else:
         _run_max_pool_grad[double](x, dy, dx, *(kernel + stride + origin))
     return dx
+
+
+# ---------------------------------------------------------------------------
+# BatchNorm: per-channel sums in float64, and the per-channel affine map
+# ---------------------------------------------------------------------------
+cdef void _channel_sums(const real_t[:, :, :, ::1] x, double[:, :, ::1] out) noexcept nogil:
+    """out[d, 0, c] = sum of x[d, :, c, :], out[d, 1, c] = sum of its squares (float64)."""
+    cdef Py_ssize_t nd = x.shape[0], nb = x.shape[1], nc = x.shape[2], nl = x.shape[3]
+    cdef Py_ssize_t d, b, c, i
+    cdef double s, q, v
+    cdef const real_t* row
+    for d in range(nd):
+        for c in range(nc):
+            out[d, 0, c] = 0
+            out[d, 1, c] = 0
+        for b in range(nb):
+            for c in range(nc):
+                row = &x[d, b, c, 0]
+                s = 0
+                q = 0
+                for i in range(nl):
+                    v = row[i]
+                    s += v
+                    q += v * v
+                out[d, 0, c] += s
+                out[d, 1, c] += q
+
+
+cdef void _channel_affine(const real_t[:, :, :, ::1] x, const real_t[:, ::1] shift,
+                          const real_t[:, ::1] scale, real_t[:, :, :, ::1] out) noexcept nogil:
+    """out[d, b, c, i] = shift[d, c] + scale[d, c] * x[d, b, c, i]."""
+    cdef Py_ssize_t nd = x.shape[0], nb = x.shape[1], nc = x.shape[2], nl = x.shape[3]
+    cdef Py_ssize_t d, b, c, i
+    cdef real_t t, s
+    cdef const real_t* src
+    cdef real_t* dst
+    for d in range(nd):
+        for b in range(nb):
+            for c in range(nc):
+                t = shift[d, c]
+                s = scale[d, c]
+                src = &x[d, b, c, 0]
+                dst = &out[d, b, c, 0]
+                for i in range(nl):
+                    dst[i] = t + s * src[i]
+
+
+cdef int _run_channel_sums(const real_t[:, :, :, ::1] x, double[:, :, ::1] out) except -1:
+    with nogil:
+        _channel_sums(x, out)
+    return 0
+
+
+cdef int _run_channel_affine(const real_t[:, :, :, ::1] x, const real_t[:, ::1] shift,
+                             const real_t[:, ::1] scale, real_t[:, :, :, ::1] out) except -1:
+    with nogil:
+        _channel_affine(x, shift, scale, out)
+    return 0
+
+
+def channel_sums(x):
+    """Per device d and channel c of x (D, B, C, L): the float64 sum and sum of squares
+    over B and L -> (D, 2, C)."""
+    name = "conv channel_sums"
+    x = _array(name, "x", x, 4)
+    out = np.empty((x.shape[0], 2, x.shape[2]), np.float64)
+    if out.size == 0:
+        return out
+    if x.size == 0:
+        out[...] = 0
+    elif x.dtype == np.float32:
+        _run_channel_sums[float](x, out)
+    else:
+        _run_channel_sums[double](x, out)
+    return out
+
+
+def channel_affine(x, shift, scale):
+    """``shift[d, c] + scale[d, c] * x[d, b, c, l]`` for x (D, B, C, L) and shift, scale
+    (D, C) of x's dtype."""
+    name = "conv channel_affine"
+    x = _array(name, "x", x, 4)
+    shift = _array(name, "shift", shift, 2)
+    scale = _array(name, "scale", scale, 2)
+    want = (x.shape[0], x.shape[2])
+    if shift.shape != want or scale.shape != want or shift.dtype != x.dtype \
+            or scale.dtype != x.dtype:
+        raise ValueError(f"{name}: shift {shift.shape} {shift.dtype} and scale {scale.shape} "
+                         f"{scale.dtype} must both be {want} {x.dtype} for x {x.shape}")
+    out = np.empty(x.shape, x.dtype)
+    if out.size == 0:
+        return out
+    if x.dtype == np.float32:
+        _run_channel_affine[float](x, shift, scale, out)
+    else:
+        _run_channel_affine[double](x, shift, scale, out)
+    return out

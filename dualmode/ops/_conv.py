@@ -34,6 +34,7 @@ __all__ = ["conv2d", "max_pool", "avg_pool", "batch_norm_stats", "batch_norm_fol
            "batch_norm", "batch_norm_train",
            "batch_norm_apply", "running_update", "bn_count", "conv_out_size", "pool_op", "pair", "check_pad", "check_pad_mode", "resolve_pads", "conv_stack", "conv_input_grad_stack",
            "conv_filter_grad_stack", "pool_stack", "pool_grad_stack", "window_view",
+           "bn_sums_stack", "bn_affine_stack",
            "CONV2D", "CONV2D_INPUT_GRAD", "CONV2D_FILTER_GRAD", "MAX_POOL", "MAX_POOL_GRAD",
            "AVG_POOL", "AVG_POOL_GRAD", "BN_STATS", "BN_STATS_GRAD", "BN_FOLD", "BN_FOLD_GRAD"]
 
@@ -619,17 +620,44 @@ def _infer_bn_stats(attrs, x):
     return (((2, x.shape[1]), np.dtype(np.float64)),)
 
 
-def _bn_axes(ndim):
-    return (0,) + tuple(range(2, ndim))
+def channel_sums_numpy(x):
+    """Reference of ``_core._conv.channel_sums``: x (D, B, C, L) -> (D, 2, C) float64 sums
+    and sums of squares over B and L."""
+    x64 = x.astype(np.float64)
+    return np.stack([x64.sum(axis=(1, 3)), np.square(x64).sum(axis=(1, 3))], axis=1)
+
+
+def channel_affine_numpy(x, shift, scale):
+    """Reference of ``_core._conv.channel_affine``: shift + scale * x per device and
+    channel, for x (D, B, C, L) and shift, scale (D, C)."""
+    return shift[:, None, :, None] + scale[:, None, :, None] * x
+
+
+def _channel_rows(stack):
+    """A stack (D, N, C, ...) as (D, N, C, L)."""
+    return np.reshape(stack, stack.shape[:3] + (math.prod(stack.shape[3:]),))
+
+
+def bn_sums_stack(xs):
+    """Per device of the stack xs (D, N, C, ...): the (2, C) float64 sum and sum of
+    squares of every channel -> (D, 2, C)."""
+    rows = _channel_rows(xs)
+    return (_K.channel_sums if _fast(rows) else channel_sums_numpy)(rows)
+
+
+def bn_affine_stack(xs, shift, scale):
+    """``shift[c] + scale[c] * x`` per device of the stack xs (D, N, C, ...), with shift and
+    scale (D, C) in x's dtype: BatchNorm's per-channel map in one pass."""
+    rows = _channel_rows(xs)
+    out = (_K.channel_affine if _fast(rows) else channel_affine_numpy)(rows, shift, scale)
+    return out.reshape(xs.shape)
 
 
 def _bn_stats_kernel(attrs, x):
     """Rows: per-channel sum and sum of squares over every dim but 1, in float64 (the
     variance is E[x^2] - E[x]^2: float32 sums would lose it to cancellation, and the
     devices' partial sums would round differently from one device's)."""
-    axes = _bn_axes(x.ndim)
-    x64 = x.astype(np.float64)
-    return np.stack([x64.sum(axis=axes), np.square(x64).sum(axis=axes)])
+    return bn_sums_stack(x[None])[0]
 
 
 def _bw_bn_stats(node, g):
@@ -643,9 +671,8 @@ def _infer_bn_stats_grad(attrs, x, g):
 
 def _bn_stats_grad_kernel(attrs, x, g):
     """d(sum)/dx * g[0] + d(sum of squares)/dx * g[1], per channel, in x's dtype."""
-    shape = (1, -1) + (1,) * (x.ndim - 2)
     g = g.astype(x.dtype)
-    return g[0].reshape(shape) + 2 * x * g[1].reshape(shape)
+    return bn_affine_stack(x[None], g[None, 0], 2 * g[None, 1])[0]
 
 
 def _infer_bn_fold(attrs, s):

@@ -383,11 +383,9 @@ def _bn_stats(attrs, lays, dtypes):
     ch = x.tensor_map[1]
     summed = {a for d, axes in enumerate(x.tensor_map) if d != 1 for a in axes}
     out = layout(dm, ((), ch), (2, x.shape[1]), summed)
-    axes = (1,) + tuple(range(3, x.ndim + 1))
 
     def local(attrs, stacks):
-        s = stacks[0].astype(np.float64)          # float64 sums, as the op's kernel
-        return np.stack([s.sum(axis=axes), np.square(s).sum(axis=axes)], axis=1)
+        return C.bn_sums_stack(stacks[0])         # float64 sums, as the op's kernel
 
     return ShardPlan((x,), (out,), local)
 
@@ -398,15 +396,11 @@ def _bn_stats_grad(attrs, lays, dtypes):
     if x is None or g is None or x.partial or g.partial:
         return None
     need_g = layout(x.device_matrix, ((), x.tensor_map[1]), g.shape)
-    shape = (1, -1) + (1,) * (x.ndim - 2)
 
     def local(attrs, stacks):
         xs, gs = stacks
-        d = xs.shape[0]
         gs = gs.astype(xs.dtype)
-        g0 = gs[:, 0].reshape((d,) + shape)
-        g1 = gs[:, 1].reshape((d,) + shape)
-        return g0 + 2 * xs * g1
+        return C.bn_affine_stack(xs, gs[:, 0], 2 * gs[:, 1])
 
     return ShardPlan((x, need_g), (x,), local)
 
