@@ -312,21 +312,31 @@ cdef inline Py_ssize_t _window_argmax(const real_t* plane, Py_ssize_t h, Py_ssiz
     cdef real_t v, m = 0
     cdef bint seen = False, nan = False
     cdef const real_t* row
+    cdef Py_ssize_t k
+    cdef bint gt
     if r0 >= 0 and c0 >= 0 and r0 + kh <= h and c0 + kw <= w:     # inside: no padding
         row = plane + r0 * w + c0
         m = row[0]
         at = 0
-        for i in range(kh):
+        nan = m != m
+        for i in range(kh):            # branch-free (selects), NaN looked for after
+            for j in range(kw):
+                k = i * w + j
+                v = row[k]
+                gt = v > m
+                at = k if gt else at
+                m = v if gt else m
+                nan = nan | (v != v)
+        if not nan:
+            best[0] = m
+            return r0 * w + c0 + at
+        for i in range(kh):            # the first NaN wins
             for j in range(kw):
                 v = row[i * w + j]
-                if v > m:
-                    m = v
-                    at = i * w + j
-                elif v != v:
+                if v != v:
                     best[0] = v
                     return r0 * w + c0 + i * w + j
-        best[0] = m
-        return r0 * w + c0 + at
+    nan = False
     for i in range(kh):
         r = r0 + i
         for j in range(kw):
