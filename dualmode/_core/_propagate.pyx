@@ -17,8 +17,8 @@ The graph comes in as flat (CSR) arrays, validated by the caller:
 
 Steps (all ``nogil``):
 
-1. ``_adjacency``: per node, its incident edges in increasing edge index (both
-   directions), by a counting sort; ``_transpose``: a transposed copy of every edge
+1. ``adjacency`` (_csr.pxd): per node, its incident edges in increasing edge index (both
+   directions), by a counting sort; ``transpose_edges``: a transposed copy of every edge
    matrix, so a node reads one contiguous row whichever end of the edge it is.
 2. ``_visit_order``: breadth-first layers from every fixed node at once, each layer
    sorted by node index; then, for each component with no fixed node (in order of its
@@ -33,6 +33,8 @@ import numpy as np
 
 cimport numpy as cnp
 from libc.stdint cimport int64_t
+
+from dualmode._core._csr cimport adjacency, transpose_edges
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcpy
 
@@ -93,30 +95,6 @@ cdef int _cmp_int64(const void* a, const void* b) noexcept nogil:
     return (x > y) - (x < y)
 
 
-cdef void _adjacency(int64_t N, int64_t E, const int64_t* src, const int64_t* dst,
-                     int64_t* adj_ptr, int64_t* adj_edge) noexcept nogil:
-    """CSR of incident edges per node (each edge listed at both ends), by edge index."""
-    cdef int64_t i, e, p
-    for i in range(N + 1):
-        adj_ptr[i] = 0
-    for e in range(E):
-        adj_ptr[src[e] + 1] += 1
-        adj_ptr[dst[e] + 1] += 1
-    for i in range(N):
-        adj_ptr[i + 1] += adj_ptr[i]
-    # adj_ptr[i] is used as the fill cursor, then shifted back
-    for e in range(E):
-        p = adj_ptr[src[e]]
-        adj_edge[p] = e
-        adj_ptr[src[e]] = p + 1
-        p = adj_ptr[dst[e]]
-        adj_edge[p] = e
-        adj_ptr[dst[e]] = p + 1
-    for i in range(N, 0, -1):
-        adj_ptr[i] = adj_ptr[i - 1]
-    adj_ptr[0] = 0
-
-
 cdef int64_t _bfs(int64_t head, int64_t tail, const int64_t* src, const int64_t* dst,
                   const int64_t* adj_ptr, const int64_t* adj_edge, char* seen,
                   int64_t* order) noexcept nogil:
@@ -161,23 +139,6 @@ cdef void _visit_order(int64_t N, const int64_t* src, const int64_t* dst,
             tail = _bfs(tail, tail + 1, src, dst, adj_ptr, adj_edge, seen, order)
 
 
-cdef void _transpose(int64_t E, const int64_t* node_ptr, const int64_t* src,
-                     const int64_t* dst, const int64_t* edge_ptr, const double* edge_cost,
-                     double* edge_cost_t) noexcept nogil:
-    """Each edge's (c_src, c_dst) matrix transposed, so both ends read a contiguous row."""
-    cdef int64_t e, a, b, cs, cd
-    cdef const double* m
-    cdef double* t
-    for e in range(E):
-        cs = node_ptr[src[e] + 1] - node_ptr[src[e]]
-        cd = node_ptr[dst[e] + 1] - node_ptr[dst[e]]
-        m = &edge_cost[edge_ptr[e]]
-        t = &edge_cost_t[edge_ptr[e]]
-        for a in range(cs):
-            for b in range(cd):
-                t[b * cs + a] = m[a * cd + b]
-
-
 cdef int64_t _best(int64_t v, const int64_t* node_ptr, const double* node_cost,
                    const int64_t* src, const int64_t* dst, const int64_t* edge_ptr,
                    const double* edge_cost, const double* edge_cost_t,
@@ -220,8 +181,8 @@ cdef int64_t _propagate(int64_t N, int64_t E, const int64_t* node_ptr,
                         double* tot) noexcept nogil:
     """Fill `choice` (N); returns the number of refinement sweeps run."""
     cdef int64_t i, k, v, best, r, changed, sweeps = 0
-    _adjacency(N, E, src, dst, adj_ptr, adj_edge)
-    _transpose(E, node_ptr, src, dst, edge_ptr, edge_cost, edge_cost_t)
+    adjacency(N, E, src, dst, adj_ptr, adj_edge)
+    transpose_edges(E, node_ptr, src, dst, edge_ptr, edge_cost, edge_cost_t)
     _visit_order(N, src, dst, adj_ptr, adj_edge, fixed, seen, order)
     for i in range(N):
         choice[i] = fixed[i]

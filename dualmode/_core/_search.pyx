@@ -10,7 +10,7 @@ validated by the caller, plus ``order``: every node once, the fixed nodes first.
 
 Steps (all ``nogil``):
 
-1. ``_adjacency`` / ``_transpose``: incident edges per node (both directions) and a
+1. ``adjacency`` / ``transpose_edges`` (_csr.pxd): incident edges per node (both directions) and a
    transposed copy of every edge matrix, so a node reads one contiguous row whichever
    end of the edge it is.
 2. Greedy: each free node in ``order`` takes the candidate minimising its own cost plus,
@@ -27,49 +27,11 @@ import numpy as np
 
 cimport numpy as cnp
 from libc.stdint cimport int64_t
+
+from dualmode._core._csr cimport adjacency, transpose_edges
 from libc.stdlib cimport free, malloc
 
 cnp.import_array()
-
-
-cdef void _adjacency(int64_t N, int64_t E, const int64_t* src, const int64_t* dst,
-                     int64_t* adj_ptr, int64_t* adj_edge) noexcept nogil:
-    """CSR of incident edges per node (each edge listed at both ends), by edge index."""
-    cdef int64_t i, e, p
-    for i in range(N + 1):
-        adj_ptr[i] = 0
-    for e in range(E):
-        adj_ptr[src[e] + 1] += 1
-        adj_ptr[dst[e] + 1] += 1
-    for i in range(N):
-        adj_ptr[i + 1] += adj_ptr[i]
-    for e in range(E):
-        p = adj_ptr[src[e]]
-        adj_edge[p] = e
-        adj_ptr[src[e]] = p + 1
-        p = adj_ptr[dst[e]]
-        adj_edge[p] = e
-        adj_ptr[dst[e]] = p + 1
-    for i in range(N, 0, -1):
-        adj_ptr[i] = adj_ptr[i - 1]
-    adj_ptr[0] = 0
-
-
-cdef void _transpose(int64_t E, const int64_t* node_ptr, const int64_t* src,
-                     const int64_t* dst, const int64_t* edge_ptr, const double* edge_cost,
-                     double* edge_cost_t) noexcept nogil:
-    """Each edge's (c_src, c_dst) matrix transposed."""
-    cdef int64_t e, a, b, cs, cd
-    cdef const double* m
-    cdef double* t
-    for e in range(E):
-        cs = node_ptr[src[e] + 1] - node_ptr[src[e]]
-        cd = node_ptr[dst[e] + 1] - node_ptr[dst[e]]
-        m = &edge_cost[edge_ptr[e]]
-        t = &edge_cost_t[edge_ptr[e]]
-        for a in range(cs):
-            for b in range(cd):
-                t[b * cs + a] = m[a * cd + b]
 
 
 cdef inline const double* _oriented(int64_t v, int64_t e, const int64_t* src,
@@ -191,8 +153,8 @@ cdef void _ordered(int64_t N, int64_t E, const int64_t* node_ptr, const double* 
     since its last evaluation: otherwise the evaluation would keep the current choice, so
     skipping it changes nothing (the reference evaluates everything)."""
     cdef int64_t i, k, v, e, s, d, t, best, r, changed, c, clock = 0
-    _adjacency(N, E, src, dst, adj_ptr, adj_edge)
-    _transpose(E, node_ptr, src, dst, edge_ptr, edge_cost, edge_cost_t)
+    adjacency(N, E, src, dst, adj_ptr, adj_edge)
+    transpose_edges(E, node_ptr, src, dst, edge_ptr, edge_cost, edge_cost_t)
     for i in range(N):
         choice[i] = fixed[i]
         changed_at[i] = 0
