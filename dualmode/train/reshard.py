@@ -7,7 +7,10 @@ Every function works from the per-rank files written by
 parameter's global value is read from the distinct source blocks it overlaps (one
 replica each), and from each only the byte range spanning the overlap
 (``CheckpointFile.read_region``): a device that needs a quarter of a weight reads about
-a quarter of it.
+a quarter of it. ``load_distributed_checkpoint`` fills the new stack of local shards in
+place: each distinct block among this process's devices is read into its device's slot
+(a source block that is the whole slot straight from the file, with no intermediate
+array), then copied to the devices that hold replicas of it in one numpy call.
 """
 from __future__ import annotations
 

@@ -21,9 +21,11 @@ its reference, where the CPU lacks the instruction).
 Writing goes to a temporary file in the destination directory, is flushed and
 ``fsync``-ed, then renamed over the destination (and the directory synced): a process
 killed in the middle of a save leaves the previous file untouched. The tensors are
-written from the arrays' own memory (no intermediate bytes); :func:`write_files` writes
-several files (one per rank) before syncing any, so the disk flushes one while the next
-is written.
+written from the arrays' own memory (no intermediate bytes), each chunk checksummed
+just before it is written, and the header last, into room reserved for it (its length
+bounded by the widest CRC-32s, padded with spaces); :func:`write_files` writes several
+files (one per rank) before syncing any, so the disk flushes one while the next is
+written.
 """
 from __future__ import annotations
 
@@ -47,7 +49,6 @@ CHUNK = 1 << 22
 
 #: reads at least this long go through a mapping and the copy-and-checksum kernel
 _MAP_MIN = 1 << 20
-
 
 _MAX_HEADER = 1 << 28
 
@@ -135,6 +136,13 @@ class _AtomicFile:
                               f"made no progress at byte {pos} of {n}")
             pos += done
 
+    def write_checksummed(self, piece: np.ndarray) -> int:
+        """Write the uint8 array `piece` (one checksum chunk) and return its CRC-32,
+        computed first: the write then copies it from the CPU cache."""
+        crc = _checksum.crc32(piece) if _checksum.HAVE_CLMUL else zlib.crc32(piece)
+        self.write(piece)
+        return crc
+
     def commit(self):
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -163,34 +171,67 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise
 
 
-def _encode(tensors: Sequence[Tuple[str, np.ndarray]], metadata: Optional[dict]):
-    """(header bytes, [data of each tensor as a 1-D uint8 array]) of one file."""
-    chunk = CHUNK
-    entries, views, crcs, offset = {}, [], {}, 0
-    for name, arr in tensors:
-        arr = np.asarray(arr)
-        code = DTYPE_CODES.get(arr.dtype.newbyteorder("=")) if arr.dtype.byteorder != "|" \
-            else DTYPE_CODES.get(arr.dtype)
-        if code is None:
-            raise TypeError(f"save_checkpoint: parameter {name!r} has dtype {arr.dtype}, which "
-                            f"a safetensors file cannot hold; valid dtypes: "
-                            f"{', '.join(str(d) for d in DTYPE_CODES)}")
-        view = _bytes_of(arr)
-        entries[name] = {"dtype": code, "shape": [int(s) for s in arr.shape],
-                         "data_offsets": [offset, offset + view.size]}
-        crcs[name] = chunk_crcs(view, chunk).tolist() or [0]
-        views.append(view)
-        offset += view.size
-    meta = dict(metadata or {})
-    meta["crc"] = crcs
-    meta["chunk"] = chunk
-    meta_str = json.dumps(meta, sort_keys=True)
-    header = dict(entries)
-    header["__metadata__"] = {"format": "dualmode", "dualmode": meta_str,
-                              "dualmode_header_crc": str(_header_crc(entries, meta_str))}
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)               # safetensors aligns the data to 8 bytes
-    return struct.pack("<Q", len(raw)) + raw, views
+_CRC_MAX = 0xFFFFFFFF          # the widest CRC-32 in decimal: a header's length bound
+
+
+class _Encoded:
+    """One file to write: its tensors' bytes and header fields, checked, before any
+    checksum. The header is written last, into room reserved before the data: its
+    length is bounded by that of the header with every CRC-32 at its widest, and the
+    real one is padded with spaces to it (JSON allows trailing whitespace)."""
+
+    def __init__(self, path, tensors: Sequence[Tuple[str, np.ndarray]],
+                 metadata: Optional[dict]):
+        self.path = os.fspath(path)
+        self.chunk = CHUNK
+        self.entries, self.views, offset = {}, [], 0
+        for name, arr in tensors:
+            arr = np.asarray(arr)
+            code = DTYPE_CODES.get(arr.dtype.newbyteorder("=")) \
+                if arr.dtype.byteorder != "|" else DTYPE_CODES.get(arr.dtype)
+            if code is None:
+                raise TypeError(f"save_checkpoint: parameter {name!r} has dtype {arr.dtype}, "
+                                f"which a safetensors file cannot hold; valid dtypes: "
+                                f"{', '.join(str(d) for d in DTYPE_CODES)}")
+            view = _bytes_of(arr)
+            self.entries[name] = {"dtype": code, "shape": [int(s) for s in arr.shape],
+                                  "data_offsets": [offset, offset + view.size]}
+            self.views.append(view)
+            offset += view.size
+        self.metadata = dict(metadata or {})
+        widest = {name: [_CRC_MAX] * max(1, -(-v.size // self.chunk))
+                  for name, v in zip(self.entries, self.views)}
+        self.header_len = len(self.header(widest, _CRC_MAX))
+
+    def header(self, crcs: dict, header_crc: Optional[int] = None,
+               size: Optional[int] = None) -> bytes:
+        """The JSON header with these per-chunk CRC-32s, padded with spaces to `size`
+        bytes (default: a multiple of 8, where safetensors aligns the data)."""
+        meta = dict(self.metadata, crc=crcs, chunk=self.chunk)
+        meta_str = json.dumps(meta, sort_keys=True)
+        if header_crc is None:
+            header_crc = _header_crc(self.entries, meta_str)
+        header = dict(self.entries)
+        header["__metadata__"] = {"format": "dualmode", "dualmode": meta_str,
+                                  "dualmode_header_crc": str(header_crc)}
+        raw = json.dumps(header).encode()
+        size = len(raw) + (-len(raw) % 8) if size is None else size
+        if len(raw) > size:
+            raise RuntimeError(f"checkpoint {self.path!r}: the header needs {len(raw)} bytes "
+                               f"but {size} were reserved for it")
+        return raw + b" " * (size - len(raw))
+
+    def write(self, out: "_AtomicFile") -> None:
+        """The data, each chunk checksummed just before it is written (one pass over the
+        arrays' memory), then the header into the room left before it."""
+        out.f.seek(8 + self.header_len)
+        crcs = {}
+        for name, view in zip(self.entries, self.views):
+            crcs[name] = [out.write_checksummed(view[i:i + self.chunk])
+                          for i in range(0, view.size, self.chunk)] or [0]
+        out.f.seek(0)
+        out.write(struct.pack("<Q", self.header_len) +
+                  self.header(crcs, size=self.header_len))
 
 
 def write_files(files: Sequence[Tuple[str, Sequence[Tuple[str, np.ndarray]], Optional[dict]]]
@@ -198,21 +239,18 @@ def write_files(files: Sequence[Tuple[str, Sequence[Tuple[str, np.ndarray]], Opt
     """Write several checkpoint files ``(path, tensors, metadata)``, each atomically and
     with checksums (see :func:`write_file`).
 
-    Every file is encoded (checked) before any is created, and every one is written to
-    its temporary file before the first is synced: the disk flushes the earlier files
-    while the later ones are written. Then each is synced and renamed in turn; a failure
+    Every file is checked before any is created, and every one is written to its
+    temporary file before the first is synced: the disk flushes the earlier files while
+    the later ones are written. Then each is synced and renamed in turn; a failure
     removes the temporary files not renamed yet.
     """
-    encoded = [(os.fspath(path), *_encode(tensors, metadata))
-               for path, tensors, metadata in files]
+    encoded = [_Encoded(path, tensors, metadata) for path, tensors, metadata in files]
     pending = []
     try:
-        for path, head, views in encoded:
-            out = _AtomicFile(path)
+        for enc in encoded:
+            out = _AtomicFile(enc.path)
             pending.append(out)
-            out.write(head)
-            for view in views:
-                out.write(view)
+            enc.write(out)
         while pending:
             pending[0].commit()
             pending.pop(0)
