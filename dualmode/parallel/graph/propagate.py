@@ -39,7 +39,7 @@ import numpy as np
 from ..._core import _propagate
 
 __all__ = ["propagate", "total_cost", "flat_total_cost", "prepare_problem",
-           "propagate_flat", "PropagationError",
+           "propagate_flat", "unflatten", "PropagationError",
            "DEFAULT_ROUNDS"]
 
 #: Refinement sweeps run after the greedy pass unless ``rounds`` says otherwise.
@@ -280,18 +280,27 @@ def flat_total_cost(choice, node_ptr, node_flat, edges, edge_ptr, edge_flat) -> 
 
 # ============================================================================ reference
 
-def _reference(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, rounds):
-    """The same algorithm as the kernel, written plainly (one node at a time)."""
+def unflatten(node_ptr, node_flat, edges, edge_ptr, edge_flat):
+    """The flat problem as Python lists for the plain references: ``(n, own, src, dst,
+    mats, incident)`` — each node's own costs, each edge's ends and (c_src, c_dst)
+    matrix, and each node's incident edges by increasing edge index (both ends)."""
     n = node_ptr.shape[0] - 1
     counts = np.diff(node_ptr).tolist()
     own = [node_flat[node_ptr[i]:node_ptr[i + 1]] for i in range(n)]
     src, dst = edges[:, 0].tolist(), edges[:, 1].tolist()
     mats = [edge_flat[edge_ptr[e]:edge_ptr[e + 1]].reshape(counts[src[e]], counts[dst[e]])
             for e in range(len(src))]
-    incident = [[] for _ in range(n)]           # by increasing edge index, both ends
+    incident = [[] for _ in range(n)]
     for e in range(len(src)):
         incident[src[e]].append(e)
         incident[dst[e]].append(e)
+    return n, own, src, dst, mats, incident
+
+
+def _reference(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, rounds):
+    """The same algorithm as the kernel, written plainly (one node at a time)."""
+    n, own, src, dst, mats, incident = unflatten(node_ptr, node_flat, edges, edge_ptr,
+                                                 edge_flat)
     fixed = fixed.tolist()
 
     # visit order: BFS layers from the fixed nodes, each sorted; then free components

@@ -71,7 +71,7 @@ import numpy as np
 from ... import context
 from ..._core import _search
 from .propagate import (DEFAULT_ROUNDS, PropagationError, flat_total_cost, prepare_problem,
-                        propagate_flat)
+                        propagate_flat, unflatten)
 
 __all__ = ["search", "SearchResult", "PlanTable", "SearchError", "dynamic_programming",
            "recursive_programming", "SEARCH_MODES", "MAX_TABLE", "RP_ROUNDS"]
@@ -380,16 +380,8 @@ def _rp(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, rounds, impl):
 
 def _rp_reference(node_ptr, node_flat, edges, edge_ptr, edge_flat, fixed, order, rounds):
     """The kernel's rules written plainly (one node, one edge at a time)."""
-    n = node_ptr.shape[0] - 1
-    counts = np.diff(node_ptr).tolist()
-    own = [node_flat[node_ptr[i]:node_ptr[i + 1]] for i in range(n)]
-    src, dst = edges[:, 0].tolist(), edges[:, 1].tolist()
-    mats = [edge_flat[edge_ptr[e]:edge_ptr[e + 1]].reshape(counts[src[e]], counts[dst[e]])
-            for e in range(len(src))]
-    incident = [[] for _ in range(n)]           # by increasing edge index, both ends
-    for e in range(len(src)):
-        incident[src[e]].append(e)
-        incident[dst[e]].append(e)
+    n, own, src, dst, mats, incident = unflatten(node_ptr, node_flat, edges, edge_ptr,
+                                                 edge_flat)
     choice = fixed.tolist()
 
     def oriented(v, e):                          # rows: v's candidates
