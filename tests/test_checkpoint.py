@@ -676,3 +676,24 @@ def test_both_read_paths_verify_and_name_faults(tmp_path, monkeypatch, path_kind
         with pytest.raises(CheckpointError, match=r"w\.safetensors.*parameter 'w'.*truncated "
                                                   r"while reading"):
             f.read("w")
+
+
+def test_header_written_last_into_reserved_room(tmp_path, monkeypatch):
+    """The header goes in after the data, padded with spaces to the room reserved for
+    the widest CRC-32s: still a safetensors file, data 8-byte aligned, every chunk
+    verified."""
+    st = pytest.importorskip("safetensors.numpy")
+    monkeypatch.setattr("dualmode.train.safetensors_io.CHUNK", 64)
+    tensors = {"a": np.arange(1000, dtype=np.float32).reshape(40, 25),
+               "b": np.ones(3, np.int64), "c": np.zeros((0, 4), np.float32)}
+    path = str(tmp_path / "h.safetensors")
+    dm.save_checkpoint(tensors, path)
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    assert n % 8 == 0 and raw[8:8 + n].rstrip(b" ").endswith(b"}")
+    got = st.load_file(path)
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(got[k], v)
+    with CheckpointFile(path) as f:
+        assert len(f._entries["a"][4]) == 4000 // 64 + 1
+        np.testing.assert_array_equal(f.read("a"), tensors["a"])
