@@ -170,3 +170,21 @@ def test_changing_fusion_or_gradients_mean_recompiles():
         dm.set_auto_parallel_context(gradients_mean=False)
         run(Tensor(X))
         assert run.compiled is not second
+
+
+def test_a_sharded_networks_gradient_all_reduces_fuse_per_device_group():
+    """With the sharded weight, the gradients of w2, w3 and b are pending over the same
+    4 groups of 2 devices, w0's over all 8 and w1's moves into its column split: fused,
+    the three AllReduces of one device group become one, the bytes unchanged."""
+    fusion = {"allreduce": {"mode": "size", "config": 32}}
+    *_, unfused_rep, _ = _train(8, compiled=True)
+    *_, fused_rep, graph = _train(8, compiled=True, fusion=fusion)
+
+    def gradient_reduces(rep):
+        return sorted((r.group_size, r.num_groups) for r in rep.records
+                      if r.kind == "AllReduce" and r.reason == "gradient")
+    assert gradient_reduces(unfused_rep) == [(2, 4)] * 4 + [(8, 1)]
+    assert gradient_reduces(fused_rep) == [(2, 4)] * 2 + [(8, 1)]
+    assert fused_rep.bytes("AllReduce", reason="gradient") == \
+        unfused_rep.bytes("AllReduce", reason="gradient")
+    assert [n.attrs["cause"] for n in graph.nodes if n.op == FUSED] == ["w2, w3, b"]
