@@ -87,7 +87,7 @@ class Tensor(TensorBase):
         return np.array(self._value())
 
     def __array__(self, dtype=None, copy=None):
-        arr = self._value()
+        arr = np.asarray(self._value())      # a resolved 0-d sum can be a numpy scalar
         if dtype is not None:
             return arr.astype(dtype)
         return np.array(arr) if copy else arr

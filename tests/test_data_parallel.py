@@ -347,3 +347,22 @@ def test_setitem_into_a_distributed_tensor_is_refused():
     with pytest.raises(RuntimeError, match="in-place assignment into a distributed tensor"):
         seen["a"][0] = 1.0
     np.testing.assert_array_equal(seen["a"].asnumpy(), 0.0)
+
+
+def test_numpy_reads_a_pending_scalar_loss():
+    """np.asarray / float of a 0-d loss pending over the devices give its sum."""
+    dm.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8)
+    communication.init()
+    try:
+        class Sum(nn.Cell):
+            def construct(self, x):
+                return ops.reduce_sum(x)
+
+        loss = Sum()(Tensor(np.arange(16, dtype=np.float32).reshape(8, 2)))  # batch split
+        assert loss.layout is not None and loss.layout.partial
+        assert np.asarray(loss).shape == () and float(np.asarray(loss)) == 120.0
+        assert np.asarray(loss, dtype=np.float64).dtype == np.float64
+        assert float(loss) == 120.0 and loss.item() == 120.0
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()
