@@ -137,3 +137,17 @@ def test_strategy_needing_more_devices_than_configured_names_device_num():
     with pytest.raises(ValueError, match=re.escape(
             "MatMul: in_strategy[0]=(2, 4) needs 8 devices but device_num is 2")):
         _sharded_matmul()
+
+
+def test_device_num_one_on_purpose_refuses_a_strategy_for_more_devices():
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=1)
+    communication.init()
+    x = Tensor(np.ones((4, 4), np.float32))
+    mm = ops.MatMul().shard(((2, 1), (1, 4)))
+    with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]=\(2, 1\) needs 2 devices "
+                                         r"but device_num=1"):
+        mm(x, x)
+    y = ops.MatMul().shard(((1, 1), (1, 1)))(x, x)      # a one-device strategy runs
+    np.testing.assert_array_equal(y.asnumpy(), np.full((4, 4), 4, np.float32))
+    dm.set_auto_parallel_context(parallel_mode="stand_alone")
+    np.testing.assert_array_equal(mm(x, x).asnumpy(), np.full((4, 4), 4, np.float32))

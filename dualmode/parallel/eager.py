@@ -12,7 +12,8 @@ from __future__ import annotations
 from ..ops.interpreter import Interpreter
 from . import collectives
 from .graph.api import shard as _compile_shard
-from .strategy import apply_in_strategy, apply_out_strategy, strategies_active
+from .strategy import (apply_in_strategy, apply_out_strategy, check_device_count,
+                       strategies_active)
 
 __all__ = ["ShardedEager"]
 
@@ -24,6 +25,8 @@ class ShardedEager(Interpreter):
         active = strategies_active()
         if prim.in_strategy is not None and active:
             args = apply_in_strategy(prim, args)
+        elif prim.in_strategy is not None:
+            check_device_count(prim)
         out = prim.construct(*args, **kwargs)
         if prim.out_strategy is not None and active:
             out = apply_out_strategy(prim, out)

@@ -38,6 +38,23 @@ def strategies_active() -> bool:
     return context.get_auto_parallel_context("parallel_mode") in _MODES and parallel_active()
 
 
+def check_device_count(prim) -> None:
+    """Under semi_auto/auto parallel with one device set on purpose (``device_num=1``),
+    a strategy that needs more devices is an error naming it, not a silent single-device
+    run (stand-alone mode accepts any strategy and runs it on one device)."""
+    if context.get_auto_parallel_context("parallel_mode") not in _MODES or \
+            context._STATE.auto_parallel.device_num != 1:
+        return
+    for i, st in enumerate(prim.in_strategy or ()):
+        need = 1
+        for v in st if isinstance(st, tuple) else ():
+            need *= v if isinstance(v, int) else 1
+        if need > 1:
+            raise ValueError(f"{prim.name}: in_strategy[{i}]={st} needs {need} devices but "
+                             f"device_num=1; set device_num to the devices the strategy "
+                             f"uses, or run stand_alone to ignore strategies")
+
+
 def is_sharded_layout(layout) -> bool:
     """A TensorLayout that splits some dim (not per-device values, not replicated)."""
     return isinstance(layout, TensorLayout) and any(layout.tensor_map)
