@@ -422,7 +422,9 @@ class CheckpointFile:
 
     def _map_copy(self, name, buf: np.ndarray, pos: int) -> np.ndarray:
         """Copy file bytes ``[pos, pos + buf.size)`` into `buf` through a read-only
-        mapping, returning the CRC-32 of each chunk copied."""
+        mapping, returning the CRC-32 of each chunk copied. The file's size is checked
+        first (a file that shrank is named); dualmode never truncates a checkpoint in
+        place (a save renames a new file over it, and the mapping keeps the old one)."""
         n = buf.size
         size = os.fstat(self._f.fileno()).st_size       # the file may have shrunk since
         if size < pos + n:                               # it was opened
