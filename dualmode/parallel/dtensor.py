@@ -45,7 +45,7 @@ from .devices import device_num, parallel_active
 from .devices import some_devices as _some_devices
 from .moves import REDISTRIBUTE, gather_global, gather_stack, moved, resolve_partial
 from .rules import pending_sums
-from .sharding import rule_plan, sharded_apply
+from .sharding import decide, sharded_apply
 from .stacks import assemble, distribute, is_batch_layout, local_rows
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
@@ -157,10 +157,10 @@ def _batch_global(op, attrs, inputs, layouts, rec):
     every device's rows in one call, its outputs stored in the rule's output layouts
     (a batch split is a view; a pending sum over the batch, n equal shares). None when
     the rule moves data or finishes with a collective (the rule then runs as it is)."""
-    found = rule_plan(op, attrs, inputs, layouts)
+    found = decide(op, attrs, inputs, layouts)
     if found is None:
         return None
-    plan, lays, dm, _ = found
+    plan, lays = found[0], found[1]
     if plan.post:
         return None
     for x, have, need in zip(inputs, lays, plan.inputs):
@@ -168,7 +168,12 @@ def _batch_global(op, attrs, inputs, layouts, rec):
                 isinstance(x, TensorBase) and x._layout is not None and need != have)):
             return None
     merged = [_merged(x) for x in inputs]
-    arrays, out_lays = batch_global_outputs(_run(op, attrs, merged), op, plan, merged)
+    if found[6]:              # this call signature was validated before: the kernel alone
+        out = op.kernel(attrs, *merged) if op.kind == KIND_GENERIC else op.kernel(*merged)
+    else:
+        out = _run(op, attrs, merged)
+        found[6] = True
+    arrays, out_lays = batch_global_outputs(out, op, plan, merged)
     return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
                         rec, tuple(out_lays))
 

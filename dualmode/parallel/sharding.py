@@ -43,7 +43,7 @@ from .tensor_layout import LayoutError, TensorLayout, stand_in
 from .redistribute import unify_device_matrices
 from .redistribute_bridge import redistribute_grid, redistribute_tensor
 
-__all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "refine",
+__all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "decide", "refine",
            "reexpress", "same_placement", "common_device_matrix", "op_strategy_layouts",
            "accepts_grids", "grid_to_stack"]
 
@@ -222,11 +222,11 @@ def plan_for(op, attrs, specs, dtypes):
     return plan, lays, dm, dtypes
 
 
-#: call signature -> what :func:`sharded_apply` decided for it (see :func:`_decide`)
+#: call signature -> what :func:`sharded_apply` decided for it (see :func:`decide`)
 _DECISIONS: dict = {}
 
 
-def _decide(op, attrs, inputs, layouts):
+def decide(op, attrs, inputs, layouts):
     """``(plan, lays, dm, dtypes, reps, grids, checked)`` for this call, or None when the
     rule declines. Every part is a function of the op, its attrs, the inputs' layouts
     (shapes for whole values), dtypes and how many devices this process holds, so it is
@@ -258,7 +258,7 @@ def _decide(op, attrs, inputs, layouts):
 
 def sharded_apply(op, attrs, inputs, rec, layouts):
     """Run `op` with its registered rule; None when it has none."""
-    found = _decide(op, attrs, inputs, layouts)
+    found = decide(op, attrs, inputs, layouts)
     if found is None:
         return None
     plan, lays, dm, dtypes, reps, grids, checked = found
