@@ -697,3 +697,27 @@ def test_header_written_last_into_reserved_room(tmp_path, monkeypatch):
     with CheckpointFile(path) as f:
         assert len(f._entries["a"][4]) == 4000 // 64 + 1
         np.testing.assert_array_equal(f.read("a"), tensors["a"])
+
+
+def test_failed_sync_of_a_sliced_save_replaces_no_rank_file(tmp_path, monkeypatch):
+    """The rank files are fsynced together before any is renamed: one failed fsync
+    leaves every previous rank file as it was and no temporary file behind."""
+    files, _, _ = _sliced_run(tmp_path)
+    before = [open(f, "rb").read() for f in files]
+    calls = []
+    real = os.fsync
+
+    def flaky(fd):
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        return real(fd)
+    monkeypatch.setattr("dualmode.train.safetensors_io.os.fsync", flaky)
+    with devices(8, gradients_mean=True):
+        net = Net(*SHARDED, seed=40)
+        net(Tensor(_data(1)[0][0]))
+        with pytest.raises(OSError, match=r"Input/output error"):
+            dm.save_checkpoint(net, str(tmp_path / "n.safetensors"), integrated_save=False)
+    assert [open(f, "rb").read() for f in files] == before
+    for r in range(8):
+        assert os.listdir(tmp_path / f"rank_{r}") == ["n.safetensors"]

@@ -24,17 +24,19 @@ killed in the middle of a save leaves the previous file untouched. The tensors a
 written from the arrays' own memory (no intermediate bytes), each chunk checksummed
 just before it is written, and the header last, into room reserved for it (its length
 bounded by the widest CRC-32s, padded with spaces); :func:`write_files` writes several
-files (one per rank) before syncing any, so the disk flushes one while the next is
-written.
+files (one per rank) before syncing any, then fsyncs them all at once (on threads: the
+filesystem commits them together rather than one journal commit per file).
 """
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
 import struct
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -122,6 +124,7 @@ class _AtomicFile:
         fd, self.tmp = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".",
                                         suffix=".tmp", dir=directory)
         self.f = os.fdopen(fd, "wb", buffering=0)
+        self.synced = False
 
     def write(self, data) -> None:
         """Write all of `data` (bytes or a 1-D uint8 array), from its own memory."""
@@ -143,12 +146,21 @@ class _AtomicFile:
         self.write(piece)
         return crc
 
-    def commit(self):
+    def sync(self):
+        """Flush and fsync the temporary file (commit then skips it)."""
         self.f.flush()
         os.fsync(self.f.fileno())
+        self.synced = True
+
+    def commit(self, sync_dir: bool = True):
+        """fsync (unless done), rename over the destination, and sync its directory
+        (unless `sync_dir` is False: the caller syncs it)."""
+        if not self.synced:
+            self.sync()
         self.f.close()
         os.replace(self.tmp, self.path)
-        _sync_dir(self.directory)
+        if sync_dir:
+            _sync_dir(self.directory)
 
     def abort(self):
         try:
@@ -240,9 +252,9 @@ def write_files(files: Sequence[Tuple[str, Sequence[Tuple[str, np.ndarray]], Opt
     with checksums (see :func:`write_file`).
 
     Every file is checked before any is created, and every one is written to its
-    temporary file before the first is synced: the disk flushes the earlier files while
-    the later ones are written. Then each is synced and renamed in turn; a failure
-    removes the temporary files not renamed yet.
+    temporary file before any is synced; then all are fsynced at once, renamed, and
+    their directories synced. A failure removes the temporary files not renamed yet (a
+    failed fsync: all of them, so no file of the set is replaced).
     """
     encoded = [_Encoded(path, tensors, metadata) for path, tensors, metadata in files]
     pending = []
@@ -251,13 +263,31 @@ def write_files(files: Sequence[Tuple[str, Sequence[Tuple[str, np.ndarray]], Opt
             out = _AtomicFile(enc.path)
             pending.append(out)
             enc.write(out)
-        while pending:
+        if len(pending) == 1:
             pending[0].commit()
+            pending.pop()
+            return
+        # several files: fsync them all at once (the filesystem commits them together
+        # instead of one journal commit each), rename each, then sync each directory
+        _in_parallel([out.sync for out in pending])
+        directories = sorted({out.directory for out in pending})
+        while pending:
+            pending[0].commit(sync_dir=False)
             pending.pop(0)
+        _in_parallel([functools.partial(_sync_dir, d) for d in directories])
     except BaseException:
         for out in pending:
             out.abort()
         raise
+
+
+def _in_parallel(calls) -> None:
+    """Run the I/O calls `calls` (which release the GIL) on threads, wait for all, and
+    raise the first error."""
+    with ThreadPoolExecutor(min(len(calls), 8), thread_name_prefix="dualmode-ckpt") as pool:
+        futures = [pool.submit(call) for call in calls]
+    for fut in futures:
+        fut.result()
 
 
 def write_file(path: str, tensors: Sequence[Tuple[str, np.ndarray]],
