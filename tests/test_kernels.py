@@ -161,3 +161,27 @@ def test_backward_rule_shape_mismatch_is_reported():
     with pytest.raises(RuntimeError, match=E("BadGradForTest: backward rule gave input 0 a "
                                              "gradient of shape (); the input has shape (3,)")):
         dm.grad(lambda x: ops.reduce_sum(_tensor.apply(op, None, (x,))))(Tensor(np.ones(3)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sub_scaled_equals_numpy_bit_for_bit(dtype):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(10007).astype(dtype)
+    g = rng.standard_normal(10007).astype(dtype)
+    want = w.copy()
+    reference.sub_scaled(want, g, 0.0137)
+    assert _kernels.sub_scaled(w, g, 0.0137) is True
+    assert np.array_equal(w, want)
+
+
+def test_sub_scaled_declines_what_it_cannot_do_in_place():
+    w = np.ones((4, 4), np.float32)
+    before = w.copy()
+    assert _kernels.sub_scaled(w, np.ones((4, 4), np.float64), 0.1) is False   # dtypes
+    assert _kernels.sub_scaled(w, np.ones((1, 4), np.float32), 0.1) is False   # shapes
+    assert _kernels.sub_scaled(w[:, ::2], np.ones((4, 2), np.float32), 0.1) is False
+    ro = np.ones(3, np.float32)
+    ro.flags.writeable = False
+    assert _kernels.sub_scaled(ro, np.ones(3, np.float32), 0.1) is False
+    assert _kernels.sub_scaled(np.ones(3, np.float16), np.ones(3, np.float16), 0.1) is False
+    assert np.array_equal(w, before)

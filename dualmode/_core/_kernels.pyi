@@ -6,3 +6,9 @@ def sparse_softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndar
 
     Raises ValueError naming the first row whose label is outside [0, C)."""
     ...
+
+def sub_scaled(w: np.ndarray, g: np.ndarray, a: float) -> bool:
+    """``w -= a * g`` in place without a temporary for C-contiguous float32/float64 arrays
+    of one shape and dtype (`a` rounded to their dtype first); False, doing nothing, for
+    other arrays."""
+    ...

@@ -112,3 +112,35 @@ cdef Py_ssize_t _run_d_l(const double[:, ::1] x, const long long[::1] y,
                          double[:, ::1] p, double[::1] l):
     with nogil:
         return _sparse_xent(x, y, p, l)
+
+
+cdef void _sub_scaled_loop(floating_t[::1] w, const floating_t[::1] g,
+                           floating_t a) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef floating_t t
+    for i in range(w.shape[0]):
+        t = a * g[i]                  # rounded to the dtype, as numpy's a * g
+        w[i] = w[i] - t
+
+
+cdef void _sub_scaled(floating_t[::1] w, const floating_t[::1] g, floating_t a):
+    with nogil:
+        _sub_scaled_loop(w, g, a)
+
+
+def sub_scaled(w, g, a):
+    """``w -= a * g`` in place, in one pass and without a temporary (the optimizers'
+    update). `w` and `g` are C-contiguous arrays of one shape and dtype (float32 or
+    float64), `w` writable; `a` is rounded to their dtype first, as numpy does with a
+    Python float. Returns False (doing nothing) when the arrays do not qualify, so the
+    caller takes the numpy form."""
+    import numpy as np
+    if not (isinstance(w, np.ndarray) and isinstance(g, np.ndarray)) or \
+            w.dtype != g.dtype or w.shape != g.shape or w.dtype not in (np.float32, np.float64) \
+            or not w.flags.c_contiguous or not g.flags.c_contiguous or not w.flags.writeable:
+        return False
+    if w.dtype == np.float32:
+        _sub_scaled[float](w.reshape(-1), g.reshape(-1), <float>float(a))
+    else:
+        _sub_scaled[double](w.reshape(-1), g.reshape(-1), <double>float(a))
+    return True

@@ -11,3 +11,9 @@ def sparse_softmax_xent(logits, labels):
     probs = e / s
     loss = (np.log(s) + m)[:, 0] - logits[np.arange(len(labels)), labels]
     return loss.astype(logits.dtype), probs.astype(logits.dtype)
+
+
+def sub_scaled(w, g, a):
+    """Reference for `_kernels.sub_scaled`: ``w -= a * g`` in place (numpy's rounding)."""
+    w -= a * g
+    return True

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .._checks import check_bool, check_float
-from .optimizer import Optimizer, _storage
+from .optimizer import Optimizer, _storage, _sub_scaled
 
 __all__ = ["Momentum"]
 
@@ -41,4 +41,4 @@ class Momentum(Optimizer):
         if self.use_nesterov:
             w -= lr * (g + self.momentum * v)
         else:
-            w -= lr * v
+            _sub_scaled(w, v, lr)

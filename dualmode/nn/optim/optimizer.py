@@ -12,6 +12,7 @@ import numbers
 
 import numpy as np
 
+from ..._core import _kernels
 from ..._core._tensor import TensorBase
 from ...parallel.grad_reduce import reduce_gradients
 from ...parallel.graph.trace import current_trace
@@ -336,6 +337,14 @@ def _check_gradients(owner, gradients, params):
 def _decays(p):
     name = p.name or ""
     return "beta" not in name and "gamma" not in name
+
+
+def _sub_scaled(w, g, a):
+    """``w -= a * g`` in place: one pass, no temporary (the Cython kernel) when `w` and
+    `g` are contiguous arrays of one shape and dtype, else numpy (e.g. a gradient that
+    broadcasts over a sharded weight's replicas)."""
+    if not _kernels.sub_scaled(w, g, a):
+        w -= a * g
 
 
 def _storage(t, like=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import check_bool, check_float
-from .optimizer import Optimizer, _storage
+from .optimizer import Optimizer, _storage, _sub_scaled
 
 __all__ = ["SGD"]
 
@@ -45,7 +45,7 @@ class SGD(Optimizer):
 
     def _update(self, i, w, g, lr):
         if self.momentum == 0.0:
-            w -= lr * g
+            _sub_scaled(w, g, lr)
             return
         v = _storage(self.accum[i], w)
         if self._fresh[i]:
@@ -60,4 +60,4 @@ class SGD(Optimizer):
         if self.nesterov:
             w -= lr * (g + self.momentum * v)
         else:
-            w -= lr * v
+            _sub_scaled(w, v, lr)
