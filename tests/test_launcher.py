@@ -67,7 +67,7 @@ def test_launcher_names_rank_killed_by_signal(tmp_path):
     proc = launch("--worker_num", 3, "--log_dir", tmp_path / "logs", s, "kill", 1,
                   cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.seconds < 20, proc.seconds
+    assert proc.seconds < TIMEOUT / 2, proc.seconds      # ended by the launcher, not the timeout
     assert "dualmode.run: rank 1 was killed by signal 9 (SIGKILL)" in proc.stderr
     assert no_survivors(str(tmp_path)) == []
 
@@ -77,7 +77,7 @@ def test_launcher_ends_job_when_a_rank_exits_while_others_wait(tmp_path):
     proc = launch("--worker_num", 2, "--log_dir", tmp_path / "logs", s, "exit0", 1,
                   cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.seconds < 20, proc.seconds
+    assert proc.seconds < TIMEOUT / 2, proc.seconds      # ended by the launcher, not the timeout
     assert ("dualmode.run: rank 1 exited (status 0) while rank 0 still wait(s) for it in "
             "the MPI collective all_reduce") in proc.stderr
     assert "BAD TERMINATION" not in proc.stdout + proc.stderr
@@ -88,7 +88,7 @@ def test_launcher_names_rank_exiting_nonzero_without_traceback(tmp_path):
     s = _script(tmp_path)
     proc = launch("--worker_num", 2, "--log_dir", tmp_path / "logs", s, "exit3", 0,
                   cwd=tmp_path)
-    assert proc.returncode == 1 and proc.seconds < 20
+    assert proc.returncode == 1 and proc.seconds < TIMEOUT / 2
     assert "dualmode.run: rank 0 exited with code 3" in proc.stderr
     assert no_survivors(str(tmp_path)) == []
 
@@ -99,7 +99,7 @@ def test_launcher_timeout_ends_hung_job_with_every_stack_in_the_logs(tmp_path):
     proc = launch("--worker_num", 2, "--log_dir", logs, "--timeout", 2, s, "hang", 1,
                   cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.seconds < 25, proc.seconds
+    assert proc.seconds < TIMEOUT / 2, proc.seconds      # the 2 s --timeout, not ours
     assert ("dualmode.run: no rank made progress for 2 s (--timeout): rank 1 at faults.py:"
             in proc.stderr)
     assert "in stuck_here; rank 0 waiting in the MPI collective all_reduce" in proc.stderr
@@ -198,7 +198,7 @@ def test_launcher_unreachable_host_fails_in_time_and_leaves_no_ssh(tmp_path):
     proc = launch("--ssh_timeout", 2, "--log_dir", tmp_path / "logs", _script(tmp_path),
                   cwd=tmp_path, RANK_TABLE_FILE=str(table),
                   PATH=f"{fake}:{os.environ.get('PATH', '')}")
-    assert proc.returncode == 2 and proc.seconds < 20, proc.stderr
+    assert proc.returncode == 2 and proc.seconds < TIMEOUT / 2, proc.stderr
     assert re.search(r"dualmode\.run: host '10\.0\.0\.[12]' cannot be reached over ssh \(no "
                      r"answer within --ssh_timeout=2 s\)", proc.stderr), proc.stderr
     assert no_survivors(f"sleep 300 # {tmp_path}") == []
