@@ -119,6 +119,21 @@ cdef extern from *:
         _mm256_clmulepi64_epi128((x), (k), 0x00), _mm256_clmulepi64_epi128((x), (k), 0x11)), \
         (data))
 
+    /* the eight 128-bit lanes of four 256-bit accumulators folded into one */
+    __attribute__((target("vpclmulqdq,avx2,pclmul,sse4.1")))
+    static inline __m128i dm_fold_lanes(__m256i y0, __m256i y1, __m256i y2, __m256i y3) {
+        const __m128i k = _mm_set_epi64x(0x00000000ccaa009eLL, 0x00000001751997d0LL);
+        __m128i x = _mm256_castsi256_si128(y0);
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y0, 1));
+        x = DM_FOLD(x, k, _mm256_castsi256_si128(y1));
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y1, 1));
+        x = DM_FOLD(x, k, _mm256_castsi256_si128(y2));
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y2, 1));
+        x = DM_FOLD(x, k, _mm256_castsi256_si128(y3));
+        x = DM_FOLD(x, k, _mm256_extracti128_si256(y3, 1));
+        return x;
+    }
+
     /* raw CRC register over len bytes; len >= 128 and a multiple of 16: four 256-bit
        accumulators fold 128 bytes per step, then their eight 128-bit lanes are folded
        into one, 16 bytes at a time, and the rest goes as in dm_crc_fold */
@@ -139,15 +154,9 @@ cdef extern from *:
             y3 = DM_FOLD256(y3, k4, _mm256_loadu_si256(q + 3));
             q += 4; len -= 128;
         }
+        __m128i x = dm_fold_lanes(y0, y1, y2, y3);
+        /* x^(128+32), x^(128-32) mod P: fold 16 bytes forward */
         const __m128i k = _mm_set_epi64x(0x00000000ccaa009eLL, 0x00000001751997d0LL);
-        __m128i x = _mm256_castsi256_si128(y0);
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y0, 1));
-        x = DM_FOLD(x, k, _mm256_castsi256_si128(y1));
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y1, 1));
-        x = DM_FOLD(x, k, _mm256_castsi256_si128(y2));
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y2, 1));
-        x = DM_FOLD(x, k, _mm256_castsi256_si128(y3));
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y3, 1));
         const __m128i *r = (const __m128i *)q;
         while (len >= 16) {
             x = DM_FOLD(x, k, _mm_loadu_si128(r));
@@ -182,16 +191,7 @@ cdef extern from *:
             y3 = DM_FOLD256(y3, k4, d3);
             q += 4; o += 4; len -= 128;
         }
-        const __m128i k = _mm_set_epi64x(0x00000000ccaa009eLL, 0x00000001751997d0LL);
-        __m128i x = _mm256_castsi256_si128(y0);
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y0, 1));
-        x = DM_FOLD(x, k, _mm256_castsi256_si128(y1));
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y1, 1));
-        x = DM_FOLD(x, k, _mm256_castsi256_si128(y2));
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y2, 1));
-        x = DM_FOLD(x, k, _mm256_castsi256_si128(y3));
-        x = DM_FOLD(x, k, _mm256_extracti128_si256(y3, 1));
-        return dm_crc_reduce(x);
+        return dm_crc_reduce(dm_fold_lanes(y0, y1, y2, y3));
     }
     #else
     #define DM_CLMUL_BUILT 0
