@@ -46,6 +46,18 @@ class _Net(nn.Cell):
         return ops.matmul(h, self.w3) + self.b
 
 
+def _step(net, opt, compiled):
+    """The train step (mean squared output), compiled with AutoParallel or eager."""
+    grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
+                                opt.parameters)
+
+    def step(x):
+        loss, grads = grad_fn(x)
+        opt(grads)
+        return loss
+    return AutoParallel(step, parallel_mode="semi_auto") if compiled else step
+
+
 def _train(n, compiled, fusion=None, mean=True, steps=2, sharded=True):
     settings = {"gradients_mean": mean} if n else {}
     with devices(n, **settings):
@@ -53,14 +65,7 @@ def _train(n, compiled, fusion=None, mean=True, steps=2, sharded=True):
             dm.set_auto_parallel_context(comm_fusion=fusion)
         net = _Net(sharded=sharded and bool(n))
         opt = nn.Momentum(net.trainable_params(), learning_rate=0.05, momentum=0.9)
-        grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
-                                    opt.parameters)
-
-        def step(x):
-            loss, grads = grad_fn(x)
-            opt(grads)
-            return loss
-        run = AutoParallel(step, parallel_mode="semi_auto") if compiled else step
+        run = _step(net, opt, compiled)
         losses = [float(run(Tensor(X)).asnumpy())]
         with CommReport() as report:
             losses.append(float(run(Tensor(X)).asnumpy()))
@@ -107,14 +112,7 @@ def test_without_gradients_mean_the_update_is_device_num_times_larger():
         with devices(n, **settings):
             net = _Net(sharded=False)
             opt = nn.SGD(net.trainable_params(), learning_rate=0.01 if n else 0.08)
-            grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))),
-                                        None, opt.parameters)
-
-            def step(x):
-                loss, grads = grad_fn(x)
-                opt(grads)
-                return loss
-            (AutoParallel(step, parallel_mode="semi_auto") if compiled else step)(Tensor(X))
+            _step(net, opt, compiled)(Tensor(X))
             return {p.name: p.asnumpy() for p in net.trainable_params()}
     ref, got = first_step(None, False), first_step(8, True)
     for name in ref:
@@ -142,23 +140,14 @@ def test_a_sharded_weights_gradient_moves_into_its_layout_before_the_update():
     *_, graph = _train(8, compiled=True)
     moves = {n.attrs["cause"]: n for n in graph.nodes
              if n.op == MOVE and n.attrs["reason"] == "gradient"}
-    w1 = next(p for p, v in graph.params if p.name == "w1")
-    assert moves["w1"].attrs["dst"] == graph.meta["params"][
-        next(v.id for p, v in graph.params if p is w1)].layout
+    w1 = next(v.id for p, v in graph.params if p.name == "w1")
+    assert moves["w1"].attrs["dst"] == graph.meta["params"][w1].layout
 
 
 def test_changing_fusion_or_gradients_mean_recompiles():
     with devices(8, gradients_mean=True):
         net = _Net(sharded=False)
-        opt = nn.SGD(net.trainable_params(), learning_rate=0.05)
-        grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
-                                    opt.parameters)
-
-        def step(x):
-            loss, grads = grad_fn(x)
-            opt(grads)
-            return loss
-        run = AutoParallel(step, parallel_mode="semi_auto")
+        run = _step(net, nn.SGD(net.trainable_params(), learning_rate=0.05), compiled=True)
         run(Tensor(X))
         first = run.compiled
         dm.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "index",

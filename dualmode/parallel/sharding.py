@@ -167,12 +167,17 @@ def op_strategy_layouts(prim, tensors, device_num: int) -> tuple:
     shapes = tuple(tuple(x.shape) for x in tensors)
     shared = tuple(tuple(p) for p in shared_dims(prim, tensors))
     strategy = prim.in_strategy
-    exact = isinstance(strategy, tuple) and all(
-        type(st) is tuple and all(type(v) is int for v in st) for st in strategy)
-    # only exact int tuples are cached: 2.0, True or np.int64(2) hash like 2 and must
-    # still reach the checks that refuse (or accept) them by name
-    build = _op_strategy_layouts if exact else _op_strategy_layouts.__wrapped__
+    build = _op_strategy_layouts if cacheable_strategy(strategy) else \
+        _op_strategy_layouts.__wrapped__
     return build(prim.name, strategy, shapes, int(device_num), shared)
+
+
+def cacheable_strategy(strategy) -> bool:
+    """Is `strategy` made of exact int tuples? Only those may key a cache: 2.0, True or
+    np.int64(2) hash like 2 and must still reach the checks that refuse (or accept)
+    them by name."""
+    return isinstance(strategy, tuple) and all(
+        type(st) is tuple and all(type(v) is int for v in st) for st in strategy)
 
 
 @functools.lru_cache(maxsize=4096)

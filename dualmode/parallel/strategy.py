@@ -27,7 +27,7 @@ from .devices import device_num, live_backend, parallel_active
 from .moves import moved
 from .tensor_layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
-from .sharding import op_strategy_layouts, same_placement
+from .sharding import cacheable_strategy, op_strategy_layouts, same_placement
 from .strategy_checks import check_strategy_for
 
 _MODES = ("semi_auto_parallel", "auto_parallel")
@@ -161,9 +161,7 @@ def strategy_layouts(prim, args, tensors):
     if lays is None:
         check_strategy_for(prim, args)
         lays = op_strategy_layouts(prim, tensors, n)
-        exact = isinstance(strategy, tuple) and all(
-            type(st) is tuple and all(type(v) is int for v in st) for st in strategy)
-        if key is not None and exact:    # 2.0 or np.int64(2) entries are checked each time
+        if key is not None and cacheable_strategy(strategy):
             cache[key] = lays
     return lays
 

@@ -20,6 +20,8 @@ a sharded weight's layout) after.
 """
 from __future__ import annotations
 
+import math
+
 from ..grad_reduce import bucket_name, fusion_buckets, is_dp_partial
 from .ir import FUSED, MOVE, Graph, Node, verify
 
@@ -72,11 +74,7 @@ def fuse_gradients(graph: Graph, buckets=fusion_buckets) -> Graph:
 
 
 def _device_bytes(node) -> int:
-    src = node.attrs["src"]
-    n = 1
-    for s in src.local_shape:
-        n *= s
-    return n * node.outputs[0].dtype.itemsize
+    return math.prod(node.attrs["src"].local_shape) * node.outputs[0].dtype.itemsize
 
 
 def _fused_node(members, name) -> Node:
