@@ -20,6 +20,7 @@ outside ``members`` unchanged.
 from __future__ import annotations
 
 import abc
+import itertools
 import math
 import numbers
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -129,6 +130,21 @@ def fusion_offsets(stacks: Sequence[np.ndarray]) -> Tuple[List[int], int]:
     return offsets, total
 
 
+def _split_shape(local, axis: int, n: int) -> tuple:
+    """`local` with dim `axis` cut in (n, local[axis] // n)."""
+    return tuple(local[:axis]) + (n, local[axis] // n) + tuple(local[axis + 1:])
+
+
+def _parted(local, axis: int, n: int) -> tuple:
+    """The shape of one of the `n` parts of a buffer `local` along `axis`, dims kept."""
+    return tuple(local[:axis]) + (local[axis] // n,) + tuple(local[axis + 1:])
+
+
+def _gathered(local, axis: int, n: int) -> tuple:
+    """`local` with dim `axis` n times longer (an AllGather's result)."""
+    return tuple(local[:axis]) + (local[axis] * n,) + tuple(local[axis + 1:])
+
+
 class Backend(abc.ABC):
     """The devices this process holds and the collectives among all devices.
 
@@ -226,6 +242,46 @@ class Backend(abc.ABC):
         self._record("AllReduce", plan, stack, out)
         return out
 
+    def _check_fused(self, func: str, stacks) -> list:
+        """`stacks` as a list of stacks of one dtype, each with the device leading dim."""
+        stacks = list(stacks)
+        rows = len(self._local_ranks)
+        for i, s in enumerate(stacks):
+            if not isinstance(s, np.ndarray):
+                raise TypeError(f"{func}: stacks[{i}] must be a numpy array, got "
+                                f"{type(s).__name__}")
+            if s.dtype != stacks[0].dtype:
+                raise TypeError(f"{func}: stacks[{i}] has dtype {s.dtype} but stacks[0] has "
+                                f"{stacks[0].dtype}; fuse buffers of one dtype per call")
+            if s.ndim < 1 or s.shape[0] != rows:
+                raise ValueError(f"{func}: stacks[{i}] has shape {s.shape}; every stack needs "
+                                 f"the leading (device) dim {rows} (the devices this "
+                                 f"process holds)")
+        return stacks
+
+    def _check_fused_axes(self, func: str, stacks, axis) -> List[int]:
+        """One validated buffer axis per stack (`axis`: an int for all, or one each)."""
+        if _is_int(axis):
+            axes = [axis] * len(stacks)
+        else:
+            try:
+                axes = list(axis)
+            except TypeError:
+                raise TypeError(f"{func}: axis={axis!r} is not valid; expected an int or a "
+                                f"sequence of ints, one per stack") from None
+            if len(axes) != len(stacks):
+                raise ValueError(f"{func}: axis has {len(axes)} entries for {len(stacks)} "
+                                 f"stacks; give one axis per stack (or one int for all)")
+        return [_check_axis(func, f"axis[{i}]", a, s.shape[1:])
+                for i, (a, s) in enumerate(zip(axes, stacks))]
+
+    def _record_fused(self, kind: str, plan: GroupPlan, stacks, outs) -> None:
+        """One record of `kind` for a fused collective: the summed input bytes."""
+        if trace._STATE.reports:
+            nbytes = sum(self._device_bytes(s) for s in stacks)
+            trace.record(kind, plan.group_size, plan.num_groups, nbytes, None)
+            trace.note_memory(nbytes + sum(self._device_bytes(o) for o in outs))
+
     def all_reduce_fused(self, stacks: Sequence[np.ndarray], members=None,
                          op: str = "sum") -> list:
         """AllReduce many stacks of one dtype as ONE collective (a fusion buffer).
@@ -235,28 +291,13 @@ class Backend(abc.ABC):
         stacks into a buffer and runs one ``_all_reduce``; a backend may override
         ``_all_reduce_fused`` to reach the same result without the packing copy."""
         f = "fused_all_reduce"
-        stacks = list(stacks)
+        stacks = self._check_fused(f, stacks)
         if not stacks:
             return []
-        rows = len(self._local_ranks)
-        for i, s in enumerate(stacks):
-            if not isinstance(s, np.ndarray):
-                raise TypeError(f"{f}: stacks[{i}] must be a numpy array, got "
-                                f"{type(s).__name__}")
-            if s.dtype != stacks[0].dtype:
-                raise TypeError(f"{f}: stacks[{i}] has dtype {s.dtype} but stacks[0] has "
-                                f"{stacks[0].dtype}; fuse buffers of one dtype per call")
-            if s.ndim < 1 or s.shape[0] != rows:
-                raise ValueError(f"{f}: stacks[{i}] has shape {s.shape}; every stack needs "
-                                 f"the leading (device) dim {rows} (the devices this "
-                                 f"process holds)")
         plan = self.plan(f, members)
         op = _check_op(f, op, stacks[0].dtype)
         outs = self._all_reduce_fused(stacks, plan, op)
-        if trace._STATE.reports:
-            nbytes = sum(self._device_bytes(s) for s in stacks)
-            trace.record("AllReduce", plan.group_size, plan.num_groups, nbytes, None)
-            trace.note_memory(2 * nbytes)
+        self._record_fused("AllReduce", plan, stacks, outs)
         return outs
 
     def _all_reduce_fused(self, stacks, plan: GroupPlan, op: str) -> list:
@@ -266,6 +307,82 @@ class Backend(abc.ABC):
         red = self._all_reduce(buf, plan, op, "direct")
         return [red[:, o:o + math.prod(s.shape[1:])].reshape(s.shape)
                 for s, o in zip(stacks, offsets)]
+
+    def reduce_scatter_fused(self, stacks: Sequence[np.ndarray], members=None, axis=0,
+                             op: str = "sum") -> list:
+        """ReduceScatter many stacks of one dtype as ONE collective: for each stack
+        ``i``, the result of ``reduce_scatter(stacks[i], members, axis[i], op)``.
+
+        ``axis`` is an int for every stack or one per stack. Recorded as one
+        ReduceScatter of the summed input bytes. The base implementation packs each
+        device's ``n`` parts of every stack part-major into one buffer ``(n, total)``
+        and runs one ``_reduce_scatter`` on it (so it works for any backend); a
+        backend may override ``_reduce_scatter_fused`` to skip the packing copy."""
+        f = "fused_reduce_scatter"
+        stacks = self._check_fused(f, stacks)
+        if not stacks:
+            return []
+        plan = self.plan(f, members)
+        op = _check_op(f, op, stacks[0].dtype)
+        axes = self._check_fused_axes(f, stacks, axis)
+        for i, (s, a) in enumerate(zip(stacks, axes)):
+            _check_divisible(f, f"axis[{i}]", a, s.shape[1:], plan.group_size)
+        if plan.group_size > 1:
+            _check_full(f, plan, "ReduceScatter changes the buffer shape")
+        outs = self._reduce_scatter_fused(stacks, plan, axes, op)
+        self._record_fused("ReduceScatter", plan, stacks, outs)
+        return outs
+
+    def _reduce_scatter_fused(self, stacks, plan: GroupPlan, axes, op: str) -> list:
+        n = plan.group_size
+        rows = stacks[0].shape[0]
+        chunks = [math.prod(s.shape[1:]) // n for s in stacks]
+        offsets = list(itertools.accumulate(chunks, initial=0))
+        buf = np.empty((rows, n, offsets[-1]), dtype=stacks[0].dtype)
+        for s, a, o, c in zip(stacks, axes, offsets, chunks):
+            # part j of every device's buffer along `a` -> row j of its slot in buf
+            slot = np.reshape(buf[:, :, o:o + c], (rows, n) + _parted(s.shape[1:], a, n),
+                              copy=False)                   # a view: written in place
+            parts = s.reshape((rows,) + _split_shape(s.shape[1:], a, n))
+            slot[...] = np.moveaxis(parts, 1 + a, 1)
+        red = self._reduce_scatter(buf, plan, 0, op)          # (rows, 1, total)
+        return [red[:, 0, o:o + c].reshape((rows,) + _parted(s.shape[1:], a, n))
+                for s, a, o, c in zip(stacks, axes, offsets, chunks)]
+
+    def all_gather_fused(self, stacks: Sequence[np.ndarray], members=None, axis=0) -> list:
+        """AllGather many stacks of one dtype as ONE collective: for each stack ``i``,
+        the result of ``all_gather(stacks[i], members, axis[i])``.
+
+        ``axis`` is an int for every stack or one per stack. Recorded as one AllGather
+        of the summed input bytes. The base implementation packs the stacks into one
+        buffer, runs one ``_all_gather`` and cuts each result from the members' slots;
+        a backend may override ``_all_gather_fused`` to skip the packing copy."""
+        f = "fused_all_gather"
+        stacks = self._check_fused(f, stacks)
+        if not stacks:
+            return []
+        plan = self.plan(f, members)
+        axes = self._check_fused_axes(f, stacks, axis)
+        if plan.group_size > 1:
+            _check_full(f, plan, "AllGather changes the buffer shape")
+        outs = self._all_gather_fused(stacks, plan, axes)
+        self._record_fused("AllGather", plan, stacks, outs)
+        return outs
+
+    def _all_gather_fused(self, stacks, plan: GroupPlan, axes) -> list:
+        n = plan.group_size
+        rows = stacks[0].shape[0]
+        offsets, total = fusion_offsets(stacks)
+        buf = np.empty((rows, total), dtype=stacks[0].dtype)
+        _comm.pack([np.ascontiguousarray(s) for s in stacks], buf, offsets)
+        got = self._all_gather(buf[:, None], plan, 0)          # (rows, n, total)
+        outs = []
+        for s, a, o in zip(stacks, axes, offsets):
+            local = s.shape[1:]
+            slots = got[:, :, o:o + math.prod(local)].reshape((rows, n) + local)
+            # member j's buffer is part j along `a` of the gathered buffer
+            outs.append(np.moveaxis(slots, 1, 1 + a).reshape((rows,) + _gathered(local, a, n)))
+        return outs
 
     def all_gather(self, stack: np.ndarray, members=None, axis: int = 0) -> np.ndarray:
         """Every member gets the members' buffers concatenated (member order) along ``axis``

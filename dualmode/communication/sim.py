@@ -213,6 +213,16 @@ class SimBackend(Backend):
         full = self._replicated(row, (n, total))
         return [full[:, o:o + s[0].size].reshape(s.shape) for s, o in zip(stacks, offsets)]
 
+    def _reduce_scatter_fused(self, stacks, plan, axes, op):
+        """Each stack reduce-scattered on its own (one numpy pass each, no packing copy:
+        every device's buffers are in this process); recorded as one collective."""
+        return [self._reduce_scatter(s, plan, a, op) for s, a in zip(stacks, axes)]
+
+    def _all_gather_fused(self, stacks, plan, axes):
+        """Each stack gathered on its own (a stride-0 view of one gathered buffer over
+        one group of every device, no packing copy); recorded as one collective."""
+        return [self._all_gather(s, plan, a) for s, a in zip(stacks, axes)]
+
     @staticmethod
     def _replicated(value: np.ndarray, shape) -> np.ndarray:
         """A read-only (N, *local) view of one buffer (stride 0 on the device axis)."""

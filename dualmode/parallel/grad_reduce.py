@@ -11,7 +11,9 @@ Gradients are packed into buckets, one AllReduce per bucket:
 ``all_reduce_fusion_config=[20, 35]`` splits gradients 0-19 / 20-34 / 35-; the
 ``comm_fusion={"allreduce": {"mode": ..., "config": ...}}`` modes are "index" (the
 same list), "size" (buckets of `config` MB) and "auto" (64 MB buckets). Without
-either, every gradient has its own AllReduce.
+either, every gradient has its own AllReduce. :func:`fusion_buckets` also buckets the
+ReduceScatters and AllGathers a compiled graph fuses (``comm_fusion["reducescatter"]``
+/ ``["allgather"]``, modes "size" and "auto"; graph/fuse.py).
 """
 from __future__ import annotations
 
@@ -29,14 +31,23 @@ __all__ = ["reduce_gradients", "fusion_buckets", "broadcast_parameters", "is_dp_
 _AUTO_MB = 64
 
 
-def fusion_buckets(sizes_bytes):
-    """Split gradient positions 0..len-1 into buckets per the fusion settings."""
+def fusion_buckets(sizes_bytes, op: str = "allreduce"):
+    """Split positions 0..len-1 (of collectives of kind `op`: "allreduce",
+    "reducescatter" or "allgather", with those bytes per device) into buckets per the
+    fusion settings, in order.
+
+    ``comm_fusion[op]`` with mode "size" closes a bucket before the member that would
+    take it past ``config`` MB (a member larger than that is a bucket of its own); "auto"
+    does so at 64 MB; "index" (AllReduce only, as ``all_reduce_fusion_config``) cuts
+    before the given positions. Without a setting for `op`, every collective is a bucket
+    of its own (no fusion)."""
     n = len(sizes_bytes)
     if n == 0:
         return []
-    idx = context.get_auto_parallel_context("all_reduce_fusion_config")
-    fusion = (context.get_auto_parallel_context("comm_fusion") or {}).get("allreduce")
+    fusion = (context.get_auto_parallel_context("comm_fusion") or {}).get(op)
     mode, config = (fusion["mode"], fusion.get("config")) if fusion else (None, None)
+    idx = context.get_auto_parallel_context("all_reduce_fusion_config") \
+        if op == "allreduce" else None
     if mode == "index":
         idx = config
     if idx:
@@ -102,12 +113,12 @@ def reduce_gradients(grads, params=None):
     return grads
 
 
-def bucket_name(names) -> str:
-    """What a fused AllReduce carries, for reports: 'a, b, c' or 'a .. z (k gradients)'."""
+def bucket_name(names, what: str = "gradients") -> str:
+    """What a fused collective carries, for reports: 'a, b, c' or 'a .. z (k <what>)'."""
     names = [str(x) for x in names]
     if len(names) <= 3:
         return ", ".join(names)
-    return f"{names[0]} .. {names[-1]} ({len(names)} gradients)"
+    return f"{names[0]} .. {names[-1]} ({len(names)} {what})"
 
 
 def broadcast_parameters(params, root=0):

@@ -234,8 +234,10 @@ class CommReport:
 # ------------------------------------------------------- compiled graphs: time per op
 
 #: lowered-graph node ops that communicate (dualmode.parallel.graph.ir MOVE / REDUCE /
-#: FUSED)
+#: FUSED / FUSED_RS / FUSED_AG)
 _MOVE, _REDUCE, _FUSED = "Move", "AllReduce", "FusedAllReduce"
+_FUSED_RS, _FUSED_AG = "FusedReduceScatter", "FusedAllGather"
+_COMM_NODES = (_MOVE, _REDUCE, _FUSED, _FUSED_RS, _FUSED_AG)
 _STEP_KIND = {"AllGather": "AllGather", "AllToAll": "AlltoAll", "AlltoAll": "AlltoAll",
               "ReduceScatter": "ReduceScatter", "AllReduce": "AllReduce"}
 
@@ -260,6 +262,13 @@ def _node_collectives(node) -> list:
         return [("AllReduce", _axes_size(src, src.partial),
                  sum(_local_bytes(s, v.dtype.itemsize)
                      for s, v in zip(node.attrs["srcs"], node.outputs)))]
+    if node.op in (_FUSED_RS, _FUSED_AG):  # one collective of the whole bucket: n is the
+        # reduced buffer of a ReduceScatter, the gathered buffer of an AllGather
+        side = "srcs" if node.op == _FUSED_RS else "dsts"
+        return [("ReduceScatter" if node.op == _FUSED_RS else "AllGather",
+                 int(node.attrs["members"].shape[1]),
+                 sum(_local_bytes(lay, v.dtype.itemsize)
+                     for lay, v in zip(node.attrs[side], node.outputs)))]
     plan, src, kind = node.attrs.get("plan"), node.attrs.get("src"), node.attrs.get("kind")
     out = []
     if plan is not None:
@@ -323,12 +332,12 @@ def compiled_comm_times(compiled, alpha_s: Optional[float] = None,
     alpha, beta = model
     out: dict = {}
     for node in graph.nodes:
-        if node.op not in (_MOVE, _REDUCE, _FUSED):
+        if node.op not in _COMM_NODES:
             continue
         coll = _node_collectives(node)
         if not coll:
             continue
-        owner = node.attrs.get("for") if node.op in (_MOVE, _FUSED) else \
+        owner = node.attrs.get("for") if node.op != _REDUCE else \
             node.name.split("/")[0]
         owner = owner or node.attrs.get("cause") or node.name
         entry = out.setdefault(owner, {"time": 0.0, "collectives": [],

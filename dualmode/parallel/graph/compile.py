@@ -16,10 +16,12 @@ Passes (each returns a new, verified Graph):
 3. :func:`~.lower.insert_communication` — every value's layout is now known, so each
    redistribution, pending-sum AllReduce and rule collective becomes an IR node (MOVE,
    REDUCE) and each op node records how it runs on the stacks (lower.py).
-4. :func:`~.fuse.fuse_gradients` — the data-parallel gradient AllReduces lowering put
-   before an optimizer update are packed into buckets per the ``comm_fusion`` /
+4. :func:`~.fuse.fuse_communication` — the gradient AllReduces lowering put before an
+   optimizer update are packed into buckets per the ``comm_fusion`` /
    ``all_reduce_fusion_config`` settings: one FUSED node (one collective) per bucket,
-   the buckets the eager optimizer would make.
+   the buckets the eager optimizer would make; likewise the gradient ReduceScatters
+   (``comm_fusion["reducescatter"]``, FUSED_RS) and the AllGathers of sharded
+   parameters (``comm_fusion["allgather"]``, FUSED_AG, hoisted to the first member).
 5. :func:`derive_backward` — for a graph without its own backward nodes, the
    vector-Jacobian product of the graph, traced once and lowered like the forward: what
    runs when a caller differentiates through the block.
@@ -47,8 +49,8 @@ from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
 from ..devices import some_devices
 from .executor import Program
-from .ir import CALL, FUSED, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, map_leaves, verify
-from .fuse import fuse_gradients
+from .ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, map_leaves, verify
+from .fuse import fuse_communication
 from .lower import insert_communication
 from .search import PlanTable, search
 from .trace import trace
@@ -443,7 +445,7 @@ def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name=
         lowered = insert_communication(graph, n, arg_sources=arg_sources,
                                        some_devices=some_devices(), name=name,
                                        gradients_mean=gradients_mean)
-        compiled = CompiledGraph(graph, sharded, Program(fuse_gradients(lowered)))
+        compiled = CompiledGraph(graph, sharded, Program(fuse_communication(lowered)))
     else:
         compiled = CompiledGraph(graph, sharded)
     if sharded and not any(node.backward for node in graph.nodes):
@@ -602,8 +604,12 @@ def _move_costs(lowered: Graph) -> dict:
     out = {}
     for node in lowered.nodes:
         if node.op == MOVE and node.attrs["plan"] is not None:
-            plan = node.attrs["plan"]
-            key = node.attrs.get("for")
+            moves = ((node.attrs["plan"], node.attrs.get("for")),)
+        elif node.op in (FUSED_RS, FUSED_AG):      # a fused bucket: each member's share
+            moves = zip(node.attrs["plans"], node.attrs["fors"])
+        else:
+            continue
+        for plan, key in moves:
             out[key] = out.get(key, 0.0) + redistribution_cost(plan.src, plan.dst,
                                                                plan.itemsize, model)
     return out
@@ -642,8 +648,11 @@ def _dot(g: Graph, chosen: dict) -> str:
         elif node.op == REDUCE:
             lines.append(f'  {nid} [label="AllReduce({node.attrs["op"]}) over axes '
                          f'{node.attrs["axes"]}", color=red, fontcolor=red{style}];')
-        elif node.op == FUSED:
-            lines.append(f'  {nid} [label="fused AllReduce of {len(node.inputs)} gradients\\n'
+        elif node.op in (FUSED, FUSED_RS, FUSED_AG):
+            kind = {FUSED: "AllReduce of", FUSED_RS: "ReduceScatter of",
+                    FUSED_AG: "AllGather of"}[node.op]
+            what = "parameters" if node.op == FUSED_AG else "gradients"
+            lines.append(f'  {nid} [label="fused {kind} {len(node.inputs)} {what}\\n'
                          f'{node.attrs["cause"]}", color=red, fontcolor=red{style}];')
         else:
             st = chosen.get(node.name, {}).get("strategy") if node.op != CALL else None

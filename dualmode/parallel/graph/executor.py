@@ -7,7 +7,8 @@ objects, no tape, no layout decided at run time. Each node is one step:
 * MOVE: the redistribution plan made at compile time, run through the backend
   (collectives recorded for CommReport), or a local slice / view;
 * REDUCE: one AllReduce through the backend;
-* FUSED: one AllReduce for a bucket of gradients (fuse.py);
+* FUSED, FUSED_RS, FUSED_AG: one AllReduce / ReduceScatter for a bucket of gradients,
+  one AllGather for a bucket of parameters (fuse.py);
 * an op: its kernel on the global values ("global", "plain") or its sharding rule's
   local computation on the stacks ("rule", "once");
 * CALL: the opaque call (an optimizer update), given Tensors and the Parameters.
@@ -31,7 +32,7 @@ from ..redistribute import execute, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
 from ..strategy import _to
-from .ir import CALL, FUSED, MOVE, REDUCE, Ref, map_leaves
+from .ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref, map_leaves
 
 __all__ = ["Program"]
 
@@ -66,6 +67,8 @@ class Program:
                 yield (node.op, node.attrs, ins, outs, reason)
             elif node.op == FUSED:
                 yield (FUSED, node.attrs, ins, outs, "gradient")
+            elif node.op in (FUSED_RS, FUSED_AG):
+                yield (node.op, node.attrs, ins, outs, node.attrs["reason"])
             elif node.op == CALL:
                 yield (CALL, node.attrs, ins, outs,
                        tuple(self.layouts.get(x.id) if isinstance(x, Ref) else None
@@ -114,6 +117,16 @@ class Program:
                         xs, members=src.group_members(src.partial), op="sum")
                 for vid, out, dst, scale in zip(outs, res, what["dsts"], what["scales"]):
                     env[vid] = _scaled(out if dst is not None else np.asarray(out[0]), scale)
+            elif kind == FUSED_RS:
+                with op_cause(what["cause"], extra):
+                    res = _backend().reduce_scatter_fused(xs, what["members"], what["axes"])
+                for vid, out in zip(outs, res):
+                    env[vid] = out
+            elif kind == FUSED_AG:
+                with op_cause(what["cause"], extra):
+                    res = _backend().all_gather_fused(xs, what["members"], what["axes"])
+                for vid, out in zip(outs, res):
+                    env[vid] = out
             elif kind == CALL:
                 what["fn"](*self._tensors(ins, xs, extra))
             else:

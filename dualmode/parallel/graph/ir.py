@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 __all__ = ["Value", "Ref", "Const", "Node", "Graph", "GraphError", "verify", "CALL", "MOVE",
-           "REDUCE", "FUSED", "flatten_refs", "map_leaves"]
+           "REDUCE", "FUSED", "FUSED_RS", "FUSED_AG", "flatten_refs", "map_leaves"]
 
 #: ``Node.op`` of an opaque call (an optimizer update): ``attrs["fn"](*inputs)``.
 CALL = "Call"
@@ -30,6 +30,13 @@ REDUCE = "AllReduce"
 #: ``Node.op`` of one fused AllReduce(sum) resolving the pending sums of several values
 #: (a fusion bucket, made by the fusion pass from MOVE nodes): input i -> output i.
 FUSED = "FusedAllReduce"
+#: ``Node.op`` of one fused ReduceScatter(sum) of several gradients into their weights'
+#: layouts over one device group ``attrs["members"]``, each along its dim
+#: ``attrs["axes"][i]`` of the local buffer (fuse.py): input i -> output i.
+FUSED_RS = "FusedReduceScatter"
+#: ``Node.op`` of one fused AllGather of several sharded parameters over one device
+#: group ``attrs["members"]``, each along its dim ``attrs["axes"][i]`` (fuse.py).
+FUSED_AG = "FusedAllGather"
 
 
 class GraphError(RuntimeError):
