@@ -29,14 +29,16 @@ stays on its own, as unfused):
   backward pass). Per group of devices and dtype, and between two optimizer updates
   (which change the parameters), each bucket becomes one :data:`~.ir.FUSED_AG` node
   (:meth:`Backend.all_gather_fused`) placed where its first member was: every member's
-  input is a parameter, available from the start. The same parameter gathered into the
-  same layout twice (forward and backward) is gathered once; its later uses read that
+  input is a parameter, available from the start. With ``"allgather"`` configured, the
+  same parameter gathered into the same layout twice between two updates (by two
+  consumers, or again in the backward pass) is gathered once; its later uses read that
   result. A bucket's size is the members' gathered bytes per device.
 """
 from __future__ import annotations
 
 import math
 
+from ... import context
 from ..grad_reduce import bucket_name, fusion_buckets, is_dp_partial
 from ..tensor_layout import TensorLayout
 from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, Graph, Node, Ref, map_leaves,
@@ -171,6 +173,7 @@ def fuse_parameter_gathers(graph: Graph, buckets=fusion_buckets) -> Graph:
     """`graph` with each bucket of parameter AllGathers one FUSED_AG node (see the
     module docstring); unchanged when every bucket holds one gather."""
     names = {v.id: p.name for p, v in graph.params}
+    configured = "allgather" in (context.get_auto_parallel_context("comm_fusion") or {})
     nodes = graph.nodes
     segments, cur = [], {}
     for node in nodes:                           # candidates per segment, group, dtype
@@ -196,21 +199,22 @@ def fuse_parameter_gathers(graph: Graph, buckets=fusion_buckets) -> Graph:
                 unique.append(n)
             for bucket in buckets([_device_bytes(n) for n in unique], "allgather"):
                 chosen = [unique[i] for i in bucket]
-                if len(chosen) == 1:
+                if len(chosen) > 1:
+                    fused = _fused_collective(FUSED_AG, chosen, group, "parameters",
+                                              f"{FUSED_AG}-{made}",
+                                              [names[n.inputs[0].id] for n in chosen])
+                    made += 1
+                    place[id(chosen[0])] = fused
+                    drop.update(id(n) for n in chosen)
+                elif not configured:
                     continue                     # as unfused
-                fused = _fused_collective(FUSED_AG, chosen, group, "parameters",
-                                          f"{FUSED_AG}-{made}",
-                                          [names[n.inputs[0].id] for n in chosen])
-                made += 1
-                place[id(chosen[0])] = fused
-                drop.update(id(n) for n in chosen)
                 keep = {(n.inputs[0].id, n.attrs["dst"]): n.outputs[0].id for n in chosen}
                 for n in cands:
                     key = (n.inputs[0].id, n.attrs["dst"])
                     if key in keep and n.outputs[0].id != keep[key]:
                         drop.add(id(n))          # a repeated gather: read the first's
                         rename[n.outputs[0].id] = keep[key]
-    if not place:
+    if not place and not rename:
         return graph
     out = []
     for node in nodes:
