@@ -1,27 +1,49 @@
-"""MatMul whose every device axis is contracted: one GEMM over all devices' blocks, kept
-as equal shares of the pending sum (the per-device products' sum is the oracle)."""
+"""MatMul whose contracted dim is split over device axes: one GEMM per group of devices
+that share a sum, kept as equal shares of the pending sum (the per-device products,
+summed over each group, are the oracle)."""
 import numpy as np
 import pytest
 
 import dualmode as dm
 from dualmode import Tensor, communication, ops
 from dualmode.parallel import CommReport
-from dualmode.parallel.rules import contract_all, stack_matmul
+from dualmode.parallel.rules import contract_groups, stack_matmul
 
 
-@pytest.mark.parametrize("n,m,k,c", [(8, 5, 3, 4), (4, 2, 6, 1), (2, 3, 1, 7)])
-def test_contract_all_equals_the_sum_of_per_device_products(n, m, k, c):
-    rng = np.random.default_rng(n)
-    a = rng.standard_normal((n, m, k))
-    b = rng.standard_normal((n, k, c))
-    out = contract_all(a, b)
-    assert out.shape == (n, m, c) and out.strides[0] == 0
-    np.testing.assert_allclose(out.sum(axis=0), stack_matmul(a, b).sum(axis=0), rtol=1e-12)
+def _per_device_sums(a, b, dm, axes):
+    """The oracle: every device's own product, each group's products (devices that
+    differ only along `axes`) added up and split into equal shares."""
+    nd = len(dm)
+    full_a = np.broadcast_to(a, dm + a.shape[nd:]).reshape((-1,) + a.shape[nd:])
+    full_b = np.broadcast_to(b, dm + b.shape[nd:]).reshape((-1,) + b.shape[nd:])
+    prods = stack_matmul(full_a, full_b).reshape(dm + (a.shape[-2], b.shape[-1]))
+    parts = np.prod([dm[i] for i in axes])
+    total = prods.sum(axis=tuple(axes), keepdims=True) / parts
+    return np.broadcast_to(total, prods.shape).reshape((-1,) + prods.shape[nd:])
+
+
+@pytest.mark.parametrize("dm,axes", [((8,), (0,)), ((2, 4), (1,)), ((2, 4), (0,)),
+                                     ((2, 4), (0, 1)), ((2, 4), (1, 0)),
+                                     ((2, 2, 2), (0, 2))])
+@pytest.mark.parametrize("b_repeats", [False, True])
+def test_contract_groups_equals_the_per_device_products_summed(dm, axes, b_repeats):
+    rng = np.random.default_rng(len(dm) * 10 + len(axes))
+    m, k, c = 3, 5, 4
+    a = rng.standard_normal(dm + (m, k))
+    # b_repeats: b is the same on every device of the other axes (a grid of size 1
+    # there), the case where every group's rows are one GEMM
+    b = rng.standard_normal(tuple(1 if b_repeats and i not in axes else d
+                                  for i, d in enumerate(dm)) + (k, c))
+    out = contract_groups(a, b, dm, axes)
+    assert out.shape == (np.prod(dm), m, c)
+    np.testing.assert_allclose(out, _per_device_sums(a, b, dm, axes), rtol=1e-12)
+    if len(axes) == len(dm):
+        assert out.strides[0] == 0          # one total, every device a view of it
     # transposed (non-contiguous) operands, as the MatMul rule passes them
-    at = np.swapaxes(rng.standard_normal((n, k, m)), -1, -2)
-    bt = np.swapaxes(rng.standard_normal((n, c, k)), -1, -2)
-    np.testing.assert_allclose(contract_all(at, bt).sum(axis=0),
-                               np.matmul(at, bt).sum(axis=0), rtol=1e-12)
+    at = np.swapaxes(rng.standard_normal(dm + (k, m)), -1, -2)
+    bt = np.swapaxes(rng.standard_normal(dm + (c, k)), -1, -2)
+    np.testing.assert_allclose(contract_groups(at, bt, dm, axes),
+                               _per_device_sums(at, bt, dm, axes), rtol=1e-12)
 
 
 def test_matmul_1x8_8x1_equals_one_device_and_moves_one_reduce():

@@ -193,7 +193,8 @@ def _contract_plan(op, spec, combine, attrs, lays):
     if combine == "add":
         local = _broadcast_add(ins, out_sub)
     else:
-        local = _matmul_local(op, ins, out_sub, dm, len(summed) == len(dm))
+        k = next(c for c in ins[0] if c not in out_sub)
+        local = _matmul_local(op, ins, out_sub, dm, ref.get(k, ()))
     return ShardPlan(need, (out,), local)
 
 
@@ -215,23 +216,32 @@ def _broadcast_add(ins, out_sub):
     return local
 
 
-def _matmul_local(op, ins, out_sub, dm, every_axis_summed):
+def _matmul_local(op, ins, out_sub, dm, summed):
+    """The local product of a (batched) matrix product whose contracted letter is split
+    over the device axes `summed` (in order). A 2-d product with `summed` axes, run
+    where this process holds every device, is one GEMM per group of devices (see
+    :func:`contract_groups`); otherwise one product per device."""
     ta, tb = _matmul_form(op, ins, out_sub)
     rank = len(out_sub)
     devices = math.prod(dm)
-    every_axis_summed = every_axis_summed and devices > 1
     grid_ndim = len(dm) + 2
+    grouped = bool(summed) and devices > 1
 
     def local(attrs, stacks):
         sa = _swap(expand_stack(stacks[0], rank), ta)
         sb = _swap(expand_stack(stacks[1], rank), tb)
         if rank > 2:
             return np.matmul(sa, sb)
-        if sa.ndim == grid_ndim and sb.ndim == grid_ndim and grid_ndim > 3:
+        grids = sa.ndim == grid_ndim and sb.ndim == grid_ndim and grid_ndim > 3
+        if grouped and sa.dtype.kind in "fc" and sb.dtype.kind in "fc" and (
+                grids or (sa.shape[0] == devices and sb.shape[0] == devices)):
+            if not grids:
+                sa = sa.reshape(dm + sa.shape[1:])
+                sb = sb.reshape(dm + sb.shape[1:])
+            return contract_groups(sa, sb, dm, summed)
+        if grids:
             # device grids: the per-device products broadcast over repeated blocks
             return grid_to_stack(np.matmul(sa, sb), dm)
-        if every_axis_summed and sa.shape[0] == devices:
-            return contract_all(sa, sb)
         return stack_matmul(sa, sb)
 
     return accepts_grids(local) if rank == 2 else local
@@ -251,16 +261,61 @@ def stack_matmul(a, b):
     return np.matmul(a, b)
 
 
-def contract_all(a, b):
-    """The stack of pending sums of sum_d a[d] @ b[d] when the stacks (n, m, k) and
-    (n, k, c) hold every device: the devices' blocks of the contracted dim are
-    concatenated (in device order for both, so the total is the same) into one GEMM,
-    and the total is kept as n equal shares (a stride-0 view; any split of a pending
-    sum is valid)."""
-    n, m, k = a.shape
-    total = np.matmul(np.moveaxis(a, 0, 1).reshape(m, n * k), b.reshape(n * k, b.shape[-1]))
-    np.true_divide(total, n, out=total)
-    return np.broadcast_to(total[None], (n,) + total.shape)
+def _merge_blocks(grid, axes, before):
+    """`grid` (device axes, x, y) with the device `axes` (in order) moved in front of
+    local dim `before` (0: x, 1: y) and merged into it: the blocks of that dim
+    concatenated in the order the axes split it. A view when the strides allow."""
+    nd = grid.ndim - 2
+    others = [i for i in range(nd) if i not in axes]
+    order = others + ([nd] if before == 1 else []) + list(axes) + [nd + before] + \
+        ([nd + 1] if before == 0 else [])
+    g = grid.transpose(order)
+    shape = [grid.shape[i] for i in others]
+    merged = math.prod(grid.shape[i] for i in axes) * grid.shape[nd + before]
+    shape += [grid.shape[nd], merged] if before == 1 else [merged, grid.shape[nd + 1]]
+    return g.reshape(shape)
+
+
+def _rows_view(x):
+    """`x` (..., r, k) viewed as one matrix (rows, k) without a copy, or None when its
+    strides do not allow it."""
+    lead = [(n, st) for n, st in zip(x.shape[:-1], x.strides[:-1]) if n != 1]
+    for (n0, s0), (n1, s1) in zip(lead, lead[1:]):
+        if s0 != n1 * s1:
+            return None
+    return x.reshape((-1, x.shape[-1]))
+
+
+def contract_groups(a, b, dm, axes):
+    """The stack of pending sums of a device-local matrix product whose contracted dim is
+    split over the device `axes` (in order), computed as one GEMM per group of devices.
+
+    `a` and `b` are device grids ``dm + (m, k)`` and ``dm + (k, c)`` (size 1 along a
+    device axis where the operand is replicated; full along `axes`). The devices that
+    differ only along `axes` hold the blocks of one sum: their blocks of the contracted
+    dim are concatenated (in the order the axes split it) into one GEMM whose result is
+    that group's total, kept as equal shares of the pending sum (any split of a pending
+    sum that adds up to the total is valid). When `b` repeats over every other device
+    axis, all groups are one GEMM over their stacked rows. Returns a stack
+    ``(prod(dm), m, c)``; with every axis summed it is a stride-0 view of one total."""
+    nd = len(dm)
+    others = [i for i in range(nd) if i not in axes]
+    a2 = _merge_blocks(a, axes, 1)                   # (others..., m, |axes| k)
+    b2 = _merge_blocks(b, axes, 0)                   # (others..., |axes| k, c)
+    total = None
+    if others and all(b2.shape[i] == 1 for i in range(len(others))):
+        rows = _rows_view(a2)                        # every group's rows, one GEMM
+        if rows is not None:
+            total = np.matmul(rows, b2.reshape(b2.shape[-2:]))
+            total = total.reshape(a2.shape[:-1] + total.shape[-1:])
+    if total is None:
+        total = np.matmul(a2, b2)
+    np.true_divide(total, _parts(dm, axes), out=total)
+    lead = total.shape[:-2]
+    grid_shape = [1] * nd
+    for i, s in zip(others, lead):
+        grid_shape[i] = s
+    return grid_to_stack(total.reshape(tuple(grid_shape) + total.shape[-2:]), dm)
 
 
 def _contract_rule(op):
