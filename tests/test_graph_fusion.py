@@ -12,7 +12,7 @@ import dualmode as dm
 from dualmode import Parameter, Tensor, nn, ops
 from dualmode.parallel import CommReport
 from dualmode.parallel.auto_parallel import AutoParallel
-from dualmode.parallel.graph.ir import CALL, FUSED, MOVE
+from dualmode.parallel.graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE
 
 from _devices import devices
 
@@ -177,3 +177,26 @@ def test_a_sharded_networks_gradient_all_reduces_fuse_per_device_group():
     assert fused_rep.bytes("AllReduce", reason="gradient") == \
         unfused_rep.bytes("AllReduce", reason="gradient")
     assert [n.attrs["cause"] for n in graph.nodes if n.op == FUSED] == ["w2, w3, b"]
+
+
+def test_gather_and_scatter_fusion_leave_the_all_reduce_buckets_alone():
+    """Adding allgather / reducescatter fusion changes no gradient AllReduce and no
+    number. The only parameter gathered here is w1 (stored column-split by mm1, read
+    whole by a MatMul of the forward and again of the backward pass): with allgather
+    fusion configured it is gathered once and both read it."""
+    only = {"allreduce": {"mode": "size", "config": 32}}
+    every = dict(only, allgather={"mode": "auto"}, reducescatter={"mode": "auto"})
+    losses, w, rep, graph = _train(8, compiled=True, fusion=only)
+    e_losses, e_w, e_rep, e_graph = _train(8, compiled=True, fusion=every)
+
+    def records(r, kind):
+        return [(x.kind, x.op, x.group_size, x.bytes_per_device) for x in r.records
+                if x.kind == kind]
+    assert records(e_rep, "AllReduce") == records(rep, "AllReduce")
+    assert e_rep.count("AllGather") == rep.count("AllGather") - 1
+    assert not [n for n in e_graph.nodes if n.op in (FUSED_AG, FUSED_RS)]
+    np.testing.assert_allclose(e_losses, losses, rtol=1e-6)
+    ref_losses, ref_w, _, _ = _train(None, compiled=False)
+    np.testing.assert_allclose(e_losses, ref_losses, rtol=1e-5)
+    for name in ref_w:
+        np.testing.assert_allclose(e_w[name], ref_w[name], rtol=1e-5, atol=1e-6)
