@@ -24,7 +24,7 @@ import pytest
 
 import dualmode as dm
 from dualmode import Parameter, Tensor, communication, nn, ops
-from dualmode.communication import SimBackend
+from dualmode.communication import SimBackend, fusion
 from dualmode.communication.backend import Backend, register_backend
 from dualmode.parallel import CommReport
 from dualmode.parallel.graph.ir import CALL, FUSED_AG, FUSED_RS, MOVE
@@ -441,3 +441,13 @@ def test_fused_step_under_mpi_equals_stand_alone(tmp_path):
         np.testing.assert_allclose(data[f"losses{k}"], ref_losses, rtol=1e-5)
         for i, w in enumerate(ref_weights):
             np.testing.assert_allclose(data[f"w{k}_{i}"], w, rtol=1e-5, atol=1e-6)
+
+
+def test_module_functions_use_the_live_backend():
+    with devices(4):
+        stacks = [np.arange(32, dtype=np.float32).reshape(4, 8), np.ones((4, 4), np.float32)]
+        rs = fusion.fused_reduce_scatter(stacks)
+        np.testing.assert_array_equal(rs[1], np.full((4, 1), 4, np.float32))
+        np.testing.assert_array_equal(rs[0][1], stacks[0].sum(axis=0)[2:4])
+        ag = fusion.fused_all_gather(rs, axis=[0, 0])
+        np.testing.assert_array_equal(ag[0][3], stacks[0].sum(axis=0))
