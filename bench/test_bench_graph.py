@@ -4,11 +4,18 @@ step of the seed network next to the eager sharded step and the numpy step.
 Targets (issue 5): first-call compile of the seed MLP train step <= 50 ms (JAX:
 0.2-0.35 s); a cached call <= 100 us above the execution (the eager step of the same
 program is the execution baseline).
+
+Fusion (issue 17): a train step whose weights are stored sharded and gathered whole
+(parameter AllGathers, gradient ReduceScatters), fused by ``comm_fusion`` vs unfused on
+8 simulated devices: never slower (<= 1.0x).
 """
+import time
+
 import numpy as np
 import pytest
 
-from dualmode import Tensor
+import dualmode as dm
+from dualmode import Parameter, Tensor, communication, nn, ops
 from dualmode.parallel.auto_parallel import AutoParallel
 
 from test_bench_operator_parallel import NumpySeed, _data
@@ -63,3 +70,77 @@ def test_graph_step(benchmark, record, parallel_context, batch, hidden, impl):
     if impl == "graph-8dev":
         record(benchmark, f"graph/eager seed step B{batch} H{hidden}",
                f"eager-8dev seed step B{batch} H{hidden}")
+
+
+class _ShardedWeights(nn.Cell):
+    """`k` data-parallel MatMuls whose (h, h) weights live split on dim 0."""
+
+    def __init__(self, k, h, n):
+        super().__init__()
+        rng = np.random.default_rng(3)
+        self.names = [f"w{i}" for i in range(k)]
+        for name in self.names:
+            w = (rng.standard_normal((h, h)) / np.sqrt(h)).astype(np.float32)
+            setattr(self, name, Parameter(Tensor(w), name=name))
+        self.mm = ops.MatMul().shard(((n, 1), (1, 1)))
+
+    def construct(self, x):
+        for name in self.names:
+            x = ops.tanh(self.mm(x, getattr(self, name)))
+        return x
+
+
+def _sharded_weights_step(fusion, k, h, n, x):
+    """The compiled step (its CompiledGraph, called directly) and its first loss."""
+    dm.reset_auto_parallel_context()
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=n,
+                                 gradients_mean=True)
+    if fusion is not None:
+        dm.set_auto_parallel_context(comm_fusion=fusion)
+    communication.init()
+    net = _ShardedWeights(k, h, n)
+    opt = nn.SGD(net.trainable_params(), learning_rate=0.01)
+    grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
+                                opt.parameters)
+
+    def step(x):
+        loss, grads = grad_fn(x)
+        opt(grads)
+        return loss
+    run = ops.shard(step, in_strategy=((n, 1),),
+                    parameter_plan={name: (n, 1) for name in net.names})
+    loss = float(run(x).asnumpy())
+    return run.compiled, loss
+
+
+@pytest.mark.parametrize("k,h", [(16, 128), (8, 512)], ids=["16x64KiB", "8x1MiB"])
+def test_fused_gather_scatter_step(benchmark, record_value, k, h):
+    """Fused (one AllGather and one ReduceScatter a step) and unfused (k of each)
+    compiled steps alternate call by call, so both see the same machine; the ratio is
+    of the medians."""
+    benchmark.group = f"sharded-weights train step, {k} weights ({h}x{h}), 8 devices"
+    n = 8
+    x = Tensor(np.random.default_rng(4).standard_normal((64, h)).astype(np.float32))
+    fusion = {"allgather": {"mode": "auto"}, "reducescatter": {"mode": "auto"}}
+    try:
+        steps, first = {}, {}
+        for name, setting in (("unfused", None), ("fused", fusion)):
+            steps[name], first[name] = _sharded_weights_step(setting, k, h, n, x)
+        benchmark.extra_info["correct"] = bool(np.isclose(first["fused"], first["unfused"],
+                                                          rtol=1e-6))
+        times = {name: [] for name in steps}
+        for _ in range(20):
+            for name, compiled in steps.items():
+                t = time.perf_counter()
+                compiled([x])
+                times[name].append(time.perf_counter() - t)
+        benchmark.pedantic(steps["fused"], args=([x],), rounds=3, warmup_rounds=0)
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()
+    unfused, fused = (float(np.median(times[name])) for name in ("unfused", "fused"))
+    benchmark.extra_info["median_unfused_s"] = unfused
+    benchmark.extra_info["median_fused_s"] = fused
+    record_value(f"unfused gather/scatter step {k}x{h}", unfused)
+    record_value(f"fused gather/scatter step {k}x{h}", fused,
+                 f"unfused gather/scatter step {k}x{h}", target=1.0)
