@@ -451,3 +451,24 @@ def test_module_functions_use_the_live_backend():
         np.testing.assert_array_equal(rs[0][1], stacks[0].sum(axis=0)[2:4])
         ag = fusion.fused_all_gather(rs, axis=[0, 0])
         np.testing.assert_array_equal(ag[0][3], stacks[0].sum(axis=0))
+
+
+def test_dump_and_strategies_show_the_fused_collectives():
+    """dump() draws one node per bucket; strategies() still charges each MatMul the
+    redistribution of its own weight, so the planned costs do not change with fusion."""
+    def compiled(fusion):
+        with devices(8, gradients_mean=True):
+            if fusion:
+                dm.set_auto_parallel_context(comm_fusion=fusion)
+            net = _Net(8)
+            run = _step(net, nn.SGD(net.trainable_params(), learning_rate=0.1), 8)
+            run(Tensor(X))
+            return run.dump(), run.strategies()
+    dot, fused = compiled(SIZED)
+    assert dot.count("fused AllGather of 2 parameters") == 1
+    assert dot.count("fused ReduceScatter of 2 gradients") == 1
+    _, unfused = compiled(None)
+    assert fused.keys() == unfused.keys()
+    for name in unfused:
+        assert fused[name]["cost"] == pytest.approx(unfused[name]["cost"]), name
+    assert any(entry["cost"] > 0 for entry in fused.values())
