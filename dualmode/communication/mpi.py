@@ -50,11 +50,12 @@ import os
 import sys
 import time
 from collections import Counter
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .backend import Backend, register_backend
+from .._core import _comm
+from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
 from .rank_table import load_rank_table
 
@@ -65,6 +66,8 @@ _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
 _RING_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64))
 _LAUNCH_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _MAX_DEVICE_NUM = 4096
+_FUSION_POOL = 8       # fusion buffers kept for reuse (MPIBackend._fusion_buffer)
+_POOL_ONLY = 2         # sys.getrefcount(pool[k]) of a buffer only the pool holds
 
 
 def load_mpi():
@@ -182,6 +185,7 @@ class MPIBackend(Backend):
         self._rank = rank
         self._calls: Counter = Counter()
         self._subs: Dict[tuple, Tuple[object, int]] = {}
+        self._fusion_pool: List[np.ndarray] = []
         if size > 1:
             _install_abort_hook(mpi)
         self.node_ids = self._find_nodes()
@@ -237,11 +241,13 @@ class MPIBackend(Backend):
         return ids
 
     def close(self) -> None:
-        """Free the cached sub-communicators (collective: every rank calls it)."""
+        """Free the cached sub-communicators (collective: every rank calls it) and drop
+        the fusion-buffer pool."""
         for comm, _ in self._subs.values():
             if comm is not None and comm != self._comm:
                 comm.Free()
         self._subs.clear()
+        self._fusion_pool.clear()
 
     @property
     def comm(self):
@@ -337,6 +343,52 @@ class MPIBackend(Backend):
             self._calls["Allreduce"] += 1
             comm.Allreduce(send.reshape(-1), red.reshape(-1), op=mop)
         return self._finish_mean(red, op, n)[None]
+
+    def _all_reduce_fused(self, stacks, plan, op):
+        """The stacks packed (``_comm.pack``, GIL released) into one fusion buffer that
+        MPI reduces in place (``Allreduce(MPI.IN_PLACE, ...)``): one copy in, none out,
+        and MPI makes no send-to-receive copy of its own. The results are views into that
+        buffer, taken from the fusion-buffer pool (:meth:`_fusion_buffer`) so that its
+        pages are not faulted in anew on every call. Dtypes MPI cannot reduce go the
+        generic way (gathered, reduced with numpy)."""
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        mop = self._mpi_op(op, stacks[0].dtype)
+        if comm is not None and mop is None:
+            return super()._all_reduce_fused(stacks, plan, op)
+        offsets, total = fusion_offsets(stacks)
+        buf = self._fusion_buffer(stacks[0].dtype, total)
+        _comm.pack([np.ascontiguousarray(s) for s in stacks], buf, offsets)
+        if comm is not None:                 # in no group: my own buffer
+            self._calls["Allreduce"] += 1
+            comm.Allreduce(self._mpi.IN_PLACE, buf.reshape(-1), op=mop)
+            self._finish_mean(buf, op, n)
+        return [buf[:, o:o + s.size].reshape(s.shape) for s, o in zip(stacks, offsets)]
+
+    def _fusion_buffer(self, dtype: np.dtype, total: int) -> np.ndarray:
+        """A ``(1, total)`` fusion buffer of ``dtype`` that nothing else references.
+
+        In an MPI rank a fresh multi-megabyte numpy buffer is mapped anew on every call
+        and faulted in page by page (measured on 4 ranks for 6.4 MB: 1,347 minor faults
+        per call, which doubled the time of the fused AllReduce). So the backend keeps
+        up to ``_FUSION_POOL`` buffers and hands one out again once every view of the
+        previous result taken from it is gone -- its only references are then the pool's
+        own -- so a result the caller still holds (reduced gradients) is never
+        overwritten. Otherwise a new buffer is made and pooled in place of a free one."""
+        pool = self._fusion_pool
+        free = None
+        for k in range(len(pool)):
+            if sys.getrefcount(pool[k]) > _POOL_ONLY:   # a result's views still use it
+                continue
+            if pool[k].dtype == dtype and pool[k].shape[1] == total:
+                return pool[k]
+            free = k if free is None else free
+        buf = np.empty((1, total), dtype=dtype)
+        if len(pool) < _FUSION_POOL:
+            pool.append(buf)
+        elif free is not None:
+            pool[free] = buf
+        return buf
 
     def _all_gather(self, stack, plan, axis):
         n = plan.group_size
