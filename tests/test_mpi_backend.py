@@ -71,6 +71,17 @@ def test_mpi_collectives_match_sim_row_by_row(n, tmp_path):
     assert "collectives ok:" in proc.stdout and f"on {n} ranks" in proc.stdout
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpi_fused_all_reduce_matches_sim_and_never_overwrites_a_held_result(n, tmp_path):
+    """fused_all_reduce under "mpi" (packed into a pooled buffer, one Allreduce in place)
+    equals the sim result row by row for every op, dtype (float16 by the gathered
+    fallback) and group spec; a pooled buffer is reused only once every view of its
+    previous result is gone, and the pool stays bounded."""
+    proc = mpiexec(n, "fused_all_reduce.py", n, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fused ok:" in proc.stdout and f"on {n} ranks" in proc.stdout
+
+
 def test_mpi_rank_that_raises_aborts_plain_mpiexec_job(tmp_path):
     proc = mpiexec(4, "fail.py", 2, cwd=tmp_path)
     assert proc.returncode != 0
