@@ -6,17 +6,26 @@ same dualmode optimizer class over its shard of that parameter. The classes are 
 up in a registry that :class:`dualmode.nn.Optimizer` fills as its subclasses are
 defined (the nn layer sits above this package). State (momentum, Adam moments, step
 counter) lives on the server.
+
+Plain SGD and Momentum (no weight decay, loss scale 1, no Nesterov) run **fused** on a
+server (:func:`fused_step`): the workers' gradients are summed, averaged and applied in
+one pass (:func:`dualmode._core._ps_kernels.sgd_update`), and the new weight is written
+into the first worker's received gradient buffer instead of over the old weight, which
+may still be on its way to a worker (sent without a copy). The numbers are exactly the
+optimizer's own (:func:`fused_update_reference` is its sequence of numpy operations).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._core import _ps_kernels
 from ..tensor import Parameter
 
 __all__ = ["register_optimizer_class", "optimizer_spec", "build_optimizer", "state_arrays",
-           "optimizer_meta", "restore_optimizer"]
+           "optimizer_meta", "restore_optimizer", "fusable", "fused_step",
+           "fused_update_reference"]
 
 #: optimizer class name -> class (registered by dualmode.nn.Optimizer.__init_subclass__)
 _CLASSES: Dict[str, type] = {}
@@ -115,3 +124,59 @@ def unswap_rows(saved, rows: np.ndarray) -> None:
         full[rows] = t._data
         t._data = full
         t._shape = full.shape
+
+
+def fusable(opt) -> bool:
+    """Whether a server runs `opt`'s step fused (:func:`fused_step`): plain SGD (no
+    momentum) or Momentum without Nesterov, with loss scale 1 and no weight decay."""
+    if opt._inv_scale != 1.0 or any(opt._decay) or len(opt._groups) != 1:
+        return False
+    name = type(opt).__name__
+    if name == "SGD" and _CLASSES.get(name) is type(opt):
+        return opt.momentum == 0.0
+    if name == "Momentum" and _CLASSES.get(name) is type(opt):
+        return not opt.use_nesterov
+    return False
+
+
+def fused_update_reference(out: np.ndarray, w: np.ndarray, grads: Sequence[np.ndarray],
+                           lr: float, mean: bool, v: Optional[np.ndarray] = None,
+                           momentum: float = 0.0) -> None:
+    """The numpy form of :func:`dualmode._core._ps_kernels.sgd_update` (what the server
+    did before the fused kernel, and the reference the kernel is tested against): the
+    gradients summed in order into a copy of the first, divided by their count when
+    `mean`; with `v` (Momentum's state): ``v *= momentum; v += s``; then
+    ``out = w - lr * v`` (or ``- lr * s``)."""
+    s = np.array(grads[0], copy=True)
+    for g in grads[1:]:
+        np.add(s, g, out=s)
+    if mean and len(grads) > 1:
+        np.divide(s, len(grads), out=s)
+    if v is not None:
+        v *= momentum
+        v += s
+        s = v
+    out[...] = w - lr * s
+
+
+def fused_step(opt, keys: Sequence[Tuple[Parameter, int, List[np.ndarray]]],
+               mean: bool) -> None:
+    """One step of the fusable optimizer `opt` (:func:`fusable`) on its shards: `keys`
+    lists each shard's parameter, its index in ``opt.parameters`` and the workers'
+    gradients for it (in worker order; the sum is used, or the mean with `mean`). Each
+    new weight is written into the first gradient's buffer when it is writable (a
+    received frame), else into a new array, and becomes the parameter's storage: the
+    old weight array is never written again."""
+    lr = opt._groups[0].lr(opt.global_step)
+    momentum = opt.__dict__.get("moments")
+    for param, slot, grads in keys:
+        w = param._data
+        first = grads[0]
+        out = first if first.flags.writeable and first.dtype == w.dtype and \
+            first.shape == w.shape and first.flags.c_contiguous else np.empty_like(w)
+        v = None if momentum is None else momentum[slot]._value()
+        m = opt.momentum if momentum is not None else 0.0
+        if not _ps_kernels.sgd_update(out, w, grads, lr, mean, v, m):
+            fused_update_reference(out, w, grads, lr, mean, v, m)
+        param._data = out
+    opt.global_step += 1

@@ -18,10 +18,15 @@ A **group** is the set of shards one optimizer of the workers owns on this serve
                values (for a sparse table: the rows the step changed).
 ``pull_rows``  rows of a sparse table by id.
 
-No copies on the way: a push's arrays are views of the received frames; a sync step's
-gradients are summed into the first worker's buffer (in worker order); the shards that
-share an optimizer spec share one optimizer, which updates them in place; the answer
-sends the shards' own buffers, tracked until ZeroMQ has sent them, and a shard still
+No copies on the way: a push's arrays are views of the received frames, and the answer
+sends the shards' own buffers. The shards that share an optimizer spec share one
+optimizer (one call per step updates them all). Plain SGD and Momentum run fused
+(:func:`.optim.fused_step`): the workers' gradients are summed in worker order,
+averaged and applied in one pass whose result is written into the first worker's
+received gradient buffer, which becomes the shard's storage; the old storage, possibly
+still being sent, is never written again, so these replies are not tracked. Any other
+optimizer updates its shards in place, after the gradients are summed into the first
+worker's buffer; its replies are tracked until ZeroMQ has sent them, and a shard still
 being sent when the next update comes (a slow or lost worker, an async push) is given a
 copy to update instead.
 
@@ -45,8 +50,8 @@ from safetensors.numpy import save as st_save
 from .. import context
 from ..tensor import Parameter, Tensor
 from .env import ClusterEnv
-from .optim import (build_optimizer, optimizer_meta, restore_optimizer, state_arrays,
-                    swap_rows, unswap_rows)
+from .optim import (build_optimizer, fusable, fused_step, optimizer_meta, restore_optimizer,
+                    state_arrays, swap_rows, unswap_rows)
 from .scheduler import log
 from .transport import PSError, local_host, recv, send, send_tracked
 
@@ -64,6 +69,7 @@ class _Key:
     param: Parameter
     opt: Any                          # the optimizer updating this shard
     slot: int                         # the shard's index in opt.parameters
+    fused: bool = False               # updated by fused_step (never in place)
     changed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     sending: list = field(default_factory=list)      # trackers of replies of param._data
 
@@ -103,8 +109,9 @@ def _make_keys(specs: List[Dict[str, Any]], values: List[np.ndarray]):
     for idx in buckets.values():
         opt = build_optimizer(specs[idx[0]]["opt"], [params[k] for k in idx])
         opts.append((opt, idx))
+        fused = not specs[idx[0]].get("sparse") and fusable(opt)
         for slot, k in enumerate(idx):
-            keys[k] = _Key(specs[k], params[k], opt, slot)
+            keys[k] = _Key(specs[k], params[k], opt, slot, fused)
     return keys, opts
 
 
@@ -286,7 +293,7 @@ class _Server:
                                           "the first worker's; seed every worker alike "
                                           "(dm.set_seed) before building the network")
         self.reply(ident, head, {"op": "init_ok", "version": g.version},
-                   [k.param._data for k in g.keys], g.keys)
+                   [k.param._data for k in g.keys], [None if k.fused else k for k in g.keys])
 
     def on_push(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
         gid, worker, step = head["group"], head["worker"], head["step"]
@@ -325,46 +332,47 @@ class _Server:
 
     def apply(self, g: _Group, pushes: list, mean: bool) -> None:
         """One step of `g`'s optimizers with the sum (`mean`: the mean) of `pushes`
-        (each the split arrays of one push, in worker order). A dense gradient is summed
-        into the first push's received buffer, and each optimizer updates its shards in
-        place (one call for all of them); a shard still being sent to a worker is first
-        given a copy to update."""
+        (each the split arrays of one push, in worker order): fused (see the module
+        docstring), or in place with the gradients summed into the first push's
+        received buffer (one optimizer call for all its shards; a shard still being
+        sent to a worker is first given a copy to update)."""
         n = len(pushes)
-        grads = []
-        for k, key in enumerate(g.keys):
-            make_writable(key)
-            if key.sparse:
-                ids = np.concatenate([p[k][0] for p in pushes])
-                rows = np.concatenate([p[k][1] for p in pushes])
+        for opt, idx in g.opts:
+            first = g.keys[idx[0]]
+            if first.fused:
+                fused_step(opt, [(g.keys[k].param, g.keys[k].slot, [p[k] for p in pushes])
+                                 for k in idx], mean)
+            elif first.sparse:
+                make_writable(first)
+                ids = np.concatenate([p[idx[0]][0] for p in pushes])
+                rows = np.concatenate([p[idx[0]][1] for p in pushes])
                 uniq, inv = np.unique(ids, return_inverse=True)
                 grad = np.zeros((len(uniq),) + rows.shape[1:], rows.dtype)
                 np.add.at(grad, inv, rows)
                 if mean and n > 1:
                     grad /= n
-                grads.append((uniq, grad))
-            else:
-                grad = np.asarray(pushes[0][k], key.param._data.dtype)
-                if n > 1:
-                    if not grad.flags.writeable:
-                        grad = grad.copy()
-                    for p in pushes[1:]:
-                        np.add(grad, p[k], out=grad)
-                    if mean:
-                        np.divide(grad, n, out=grad)
-                grads.append(grad)
-        for opt, idx in g.opts:
-            key = g.keys[idx[0]]
-            if key.sparse:
-                uniq, grad = grads[idx[0]]
-                local = uniq - key.spec["rows"][0]
-                saved = swap_rows(opt, key.slot, local)
+                local = uniq - first.spec["rows"][0]
+                saved = swap_rows(opt, first.slot, local)
                 try:
                     opt((Tensor._from_array(grad),))
                 finally:
                     unswap_rows(saved, local)
-                key.changed = uniq
+                first.changed = uniq
             else:
-                opt(tuple(Tensor._from_array(grads[k]) for k in idx))
+                grads = []
+                for k in idx:
+                    key = g.keys[k]
+                    make_writable(key)
+                    grad = np.asarray(pushes[0][k], key.param._data.dtype)
+                    if n > 1:
+                        if not grad.flags.writeable:
+                            grad = grad.copy()
+                        for p in pushes[1:]:
+                            np.add(grad, p[k], out=grad)
+                        if mean:
+                            np.divide(grad, n, out=grad)
+                    grads.append(Tensor._from_array(grad))
+                opt(tuple(grads))
         g.version += 1
         g.since_checkpoint += 1
         if g.since_checkpoint >= self.cfg.recovery_interval:
@@ -385,7 +393,7 @@ class _Server:
                     sent += [None, None]
             else:
                 arrays.append(key.param._data)
-                sent.append(key)
+                sent.append(None if key.fused else key)
         self.reply(ident, head, {"op": "pulled", "version": g.version}, arrays, sent)
 
     def on_pull_rows(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
@@ -400,9 +408,11 @@ class _Server:
 
     def reply(self, ident: bytes, req: dict, head: dict, arrays=(), keys=None) -> None:
         """Answer request `req`; `keys` (aligned with `arrays`): the key whose shard an
-        array is (sent without a copy: tracked until ZeroMQ is done with it), or None."""
+        array is, when the optimizer writes that shard in place (sent without a copy:
+        tracked until ZeroMQ is done with it), or None."""
         head["req"] = req.get("req")
-        nbytes, trackers = send_tracked(self.data, head, arrays, ident, keys is not None)
+        track = [k is not None for k in keys] if keys is not None else False
+        nbytes, trackers = send_tracked(self.data, head, arrays, ident, track)
         self.pull_bytes += nbytes
         if keys is not None:
             for key, tracker in zip(keys, trackers):

@@ -5,8 +5,9 @@ A message is ``[header, buf_0, buf_1, ...]``: the header is a JSON object whose
 their own buffers (``send_multipart(..., copy=False)``: no copy on send, and the
 received frames are wrapped with ``np.frombuffer``, no copy on receive). Nothing is
 pickled. A received array is a view of its frame, which belongs to the receiver (it
-may be written, or kept as a parameter's storage). The header is small: the request's
-fields and the arrays' specs.
+may be written, or kept as a parameter's storage); sent on, the whole of a received
+frame goes as the frame itself (ZeroMQ shares the message). The header is small: the
+request's fields and the arrays' specs.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 import math
 import socket
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import zmq
@@ -36,21 +37,30 @@ _DTYPE_OF = {name: np.dtype(name) for name in _DTYPES}
 _NAME_OF = {dt: name for name, dt in _DTYPE_OF.items()}
 
 
-def _frames(header: Dict[str, Any], arrays: Sequence[np.ndarray], track: bool):
+def _frames(header: Dict[str, Any], arrays: Sequence[np.ndarray],
+            track: Union[bool, Sequence[bool]]):
     """(frames, array bytes, trackers): the JSON header listing ``[dtype, shape]`` per
     array, then each array as its own frame. The arrays go as they are (their buffers,
-    no copy; a non-contiguous one is made contiguous first); with `track`, the trackers
-    (one per array) report when ZeroMQ no longer reads an array (None: it was copied,
-    being small or not contiguous)."""
+    no copy; a non-contiguous one is made contiguous first); `track` (for all arrays,
+    or one flag per array): the trackers (one per array) report when ZeroMQ no longer
+    reads an array (None: not tracked, or it was copied, being small or not
+    contiguous)."""
     bufs, specs, trackers, nbytes = [], [], [], 0
-    for a in arrays:
+    flags = [track] * len(arrays) if isinstance(track, bool) else track
+    for a, track in zip(arrays, flags):
         a = np.asarray(a)
         copied = not a.flags.c_contiguous
         if copied:
             a = np.ascontiguousarray(a)
         specs.append((_NAME_OF.get(a.dtype) or a.dtype.name, a.shape))
         nbytes += a.nbytes
-        if track and not copied and a.nbytes >= _COPY_THRESHOLD:  # smaller: copied
+        frame = _received_frame(a)
+        if frame is not None:
+            # goes out as a reference to the received message: no copy, and nothing
+            # for pyzmq's garbage-collector thread to do when ZeroMQ is done with it
+            trackers.append(None)
+            bufs.append(frame)
+        elif track and not copied and a.nbytes >= _COPY_THRESHOLD:  # smaller: copied
             frame = zmq.Frame(a, track=True, copy=False)
             trackers.append(frame.tracker)
             bufs.append(frame)
@@ -59,6 +69,19 @@ def _frames(header: Dict[str, Any], arrays: Sequence[np.ndarray], track: bool):
             bufs.append(a)
     head = dict(header, arrays=specs)
     return [json.dumps(head, separators=(",", ":")).encode("utf-8")] + bufs, nbytes, trackers
+
+
+def _received_frame(a: np.ndarray) -> Optional[zmq.Frame]:
+    """The received frame whose whole buffer `a` (C-contiguous) is, or None. Sending
+    the frame itself shares ZeroMQ's message; sending `a` without a copy would hand
+    ZeroMQ a Python buffer, released later through pyzmq's garbage-collector thread
+    (which takes the GIL: a wait for the sender's next Python step on a busy machine)."""
+    base = a.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, zmq.Frame) and a.nbytes == len(base) and a.nbytes:
+        return base
+    return None
 
 
 def encode(header: Dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> List[Any]:
@@ -113,9 +136,11 @@ def send(sock: zmq.Socket, header: Dict[str, Any], arrays: Sequence[np.ndarray] 
 
 
 def send_tracked(sock: zmq.Socket, header: Dict[str, Any], arrays: Sequence[np.ndarray],
-                 ident: Optional[bytes] = None, track: bool = True) -> Tuple[int, list]:
+                 ident: Optional[bytes] = None,
+                 track: Union[bool, Sequence[bool]] = True) -> Tuple[int, list]:
     """:func:`send`, also returning a tracker per array (``tracker.done``: ZeroMQ has
-    finished reading that array, it may be written again; None: it was copied)."""
+    finished reading that array, it may be written again; None: it was copied, or not
+    tracked: `track` may name the arrays to track, one flag each)."""
     frames, nbytes, trackers = _frames(header, arrays, track)
     if ident is not None:
         frames.insert(0, ident)
