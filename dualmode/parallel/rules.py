@@ -244,7 +244,7 @@ def _matmul_local(op, ins, out_sub, dm, summed):
             return grid_to_stack(np.matmul(sa, sb), dm)
         return stack_matmul(sa, sb)
 
-    return accepts_grids(local) if rank == 2 else local
+    return accepts_grids(local, prefer=grouped) if rank == 2 else local
 
 
 def _swap(x, flag):

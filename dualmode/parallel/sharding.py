@@ -423,11 +423,13 @@ def once_per_replica_set(op, attrs, plan, stacks, dm, reps):
     return outs
 
 
-def accepts_grids(local):
+def accepts_grids(local, prefer: bool = False):
     """Mark a rule's `local` as also accepting device grids: inputs shaped
     ``device_matrix + local_shape`` with size 1 along device axes where the input is
-    replicated (broadcast, never written per replica); it still returns stacks."""
+    replicated (broadcast, never written per replica); it still returns stacks. With
+    `prefer`, grids are given whenever this process holds every device."""
     local.accepts_grids = True
+    local.prefers_grids = prefer
     return local
 
 
@@ -436,6 +438,10 @@ def _wants_grids(plan, lays, inputs, dm) -> bool:
     over some (not all) device axes, and this process holds every device."""
     if not getattr(plan.local, "accepts_grids", False) or plan.post or len(dm) < 2:
         return False
+    if getattr(plan.local, "prefers_grids", False):
+        # the local computation reads blocks as views of whole values (e.g. one GEMM per
+        # group of devices): every input as a grid, however it is laid out
+        return holds_all_devices(math.prod(dm))
     found = False
     for x, have, need in zip(inputs, lays, plan.inputs):
         if need is None:
@@ -450,7 +456,11 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     grids = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
-            grids.append(x._data.reshape(dm + need.local_shape))
+            # replicas hold equal blocks: the first along each replicated axis stands for
+            # all (size 1 there, as a grid is)
+            first = tuple(slice(0, 1) if a in need.replicated_axes and not need.partial
+                          else slice(None) for a in range(len(dm)))
+            grids.append(x._data.reshape(dm + need.local_shape)[first])
             continue
         grid = redistribute_grid(x, need, op.name)
         if grid is None:                            # cannot happen with every device local
