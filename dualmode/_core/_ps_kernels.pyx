@@ -25,35 +25,50 @@ cdef void _update(floating_t* out, const floating_t* w, const floating_t** g, Py
                   floating_t momentum) noexcept nogil:
     """out = w - lr * d with s = g[0] + ... + g[n-1] (in order), s /= n when `mean`,
     d = s, or with `v`: v = v * momentum + s and d = v. Every operation is rounded to
-    the dtype, as the optimizers' numpy calls are."""
-    cdef Py_ssize_t lo, hi, i, j, k
+    the dtype, as the optimizers' numpy calls are. Block by block (several gradients
+    are summed into a block kept in cache), each loop over plain local pointers so
+    that the compiler vectorises it."""
+    cdef Py_ssize_t lo = 0, m, j, k
     cdef floating_t s, t, nf = <floating_t>n
     cdef floating_t acc[BLOCK]
-    cdef bint divide = mean and n > 1
-    lo = 0
+    cdef const floating_t* src
+    cdef const floating_t* ga
+    cdef const floating_t* gb
+    cdef const floating_t* wp
+    cdef floating_t* op
+    cdef floating_t* vp
     while lo < size:
-        hi = lo + BLOCK if lo + BLOCK < size else size
-        for j in range(hi - lo):
-            acc[j] = g[0][lo + j]
-        for k in range(1, n):
-            for j in range(hi - lo):
-                acc[j] = acc[j] + g[k][lo + j]
-        if divide:
-            for j in range(hi - lo):
-                acc[j] = acc[j] / nf
-        if v != NULL:
-            for j in range(hi - lo):
-                i = lo + j
-                s = v[i] * momentum
-                v[i] = s + acc[j]
-                t = lr * v[i]
-                out[i] = w[i] - t
+        m = BLOCK if lo + BLOCK < size else size - lo
+        if n == 1:
+            src = g[0] + lo
         else:
-            for j in range(hi - lo):
-                i = lo + j
-                t = lr * acc[j]
-                out[i] = w[i] - t
-        lo = hi
+            ga = g[0] + lo
+            gb = g[1] + lo
+            for j in range(m):
+                acc[j] = ga[j] + gb[j]
+            for k in range(2, n):
+                ga = g[k] + lo
+                for j in range(m):
+                    acc[j] = acc[j] + ga[j]
+            if mean:
+                for j in range(m):
+                    acc[j] = acc[j] / nf
+            src = acc
+        op = out + lo
+        wp = w + lo
+        if v != NULL:
+            vp = v + lo
+            for j in range(m):
+                s = vp[j] * momentum
+                s = s + src[j]
+                vp[j] = s
+                t = lr * s
+                op[j] = wp[j] - t
+        else:
+            for j in range(m):
+                t = lr * src[j]
+                op[j] = wp[j] - t
+        lo += m
 
 
 cdef bint _qualifies(a, dtype, shape, bint writable):
