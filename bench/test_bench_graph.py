@@ -5,11 +5,17 @@ Targets (issue 5): first-call compile of the seed MLP train step <= 50 ms (JAX:
 0.2-0.35 s); a cached call <= 100 us above the execution (the eager step of the same
 program is the execution baseline).
 
+Buffers (issue 17): the compiled seed step drops each value after its last reader, so
+the allocator hands its memory to the next values of the step, vs keeping every value
+to the end of the step (the executor before): peak traced memory and time, paired.
+
 Fusion (issue 17): a train step whose weights are stored sharded and gathered whole
 (parameter AllGathers, gradient ReduceScatters), fused by ``comm_fusion`` vs unfused on
 8 simulated devices: never slower (<= 1.0x).
 """
+import functools
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -17,6 +23,7 @@ import pytest
 import dualmode as dm
 from dualmode import Parameter, Tensor, communication, nn, ops
 from dualmode.parallel.auto_parallel import AutoParallel
+from dualmode.parallel.graph.executor import Program
 
 from test_bench_operator_parallel import NumpySeed, _data
 from test_bench_operator_parallel import _dualmode_step as _step_fn
@@ -144,3 +151,49 @@ def test_fused_gather_scatter_step(benchmark, record_value, k, h):
     record_value(f"unfused gather/scatter step {k}x{h}", unfused)
     record_value(f"fused gather/scatter step {k}x{h}", fused,
                  f"unfused gather/scatter step {k}x{h}", target=1.0)
+
+
+@pytest.mark.parametrize("batch,hidden", [(256, 512), (2048, 2048)],
+                         ids=["B256-H512", "B2048-H2048"])
+def test_graph_step_value_release(benchmark, record_value, parallel_context, batch, hidden):
+    """The same compiled program run releasing values after their last reader (the
+    default) and keeping every value (``keep=True``), call by call alternating; plus the
+    peak memory traced by tracemalloc for one step of each."""
+    parallel_context("semi_auto_parallel", 8)
+    benchmark.group = f"graph seed step: values released vs kept, B={batch} H={hidden}"
+    x, y, ws = _data(batch, hidden)
+    _, step = _step_fn(ws)
+    step = AutoParallel(step, parallel_mode="semi_auto")
+    xt, yt = Tensor(x), Tensor(y)
+    step(xt, yt)
+    prog = step.compiled.program
+    modes = {"kept": functools.partial(Program.run, prog, keep=True),
+             "released": functools.partial(Program.run, prog, keep=False)}
+    times, peaks = {m: [] for m in modes}, {}
+    try:
+        for mode, run in modes.items():
+            prog.run = run                   # this program only: the executor's two ways
+            tracemalloc.start()
+            step(xt, yt)
+            peaks[mode] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        for _ in range(12 if batch > 1000 else 30):
+            for mode, run in modes.items():
+                prog.run = run
+                t = time.perf_counter()
+                step(xt, yt)
+                times[mode].append(time.perf_counter() - t)
+        prog.run = modes["released"]
+        benchmark.pedantic(step, args=(xt, yt), rounds=3, warmup_rounds=0)
+    finally:
+        del prog.run
+    kept, released = (float(np.median(times[m])) for m in ("kept", "released"))
+    benchmark.extra_info.update(median_kept_s=kept, median_released_s=released,
+                                peak_kept_bytes=peaks["kept"],
+                                peak_released_bytes=peaks["released"])
+    record_value(f"graph step keep values B{batch} H{hidden}", kept)
+    record_value(f"graph step release values B{batch} H{hidden}", released,
+                 f"graph step keep values B{batch} H{hidden}", target=1.0)
+    record_value(f"graph step kept peak B{batch} H{hidden}", float(peaks["kept"]))
+    record_value(f"graph step released peak B{batch} H{hidden}", float(peaks["released"]),
+                 f"graph step kept peak B{batch} H{hidden}", target=1.0)

@@ -8,8 +8,9 @@ from dualmode import Parameter, Tensor, nn, ops
 from dualmode._core import _tensor as _core
 from dualmode.parallel import CommReport, compile_count
 from dualmode.parallel.auto_parallel import AutoParallel
-from dualmode.parallel.graph.ir import MOVE, REDUCE
+from dualmode.parallel.graph.ir import MOVE, REDUCE, flatten_refs
 from dualmode.parallel import set_layerwise_slices
+from dualmode.parallel.inputs import distribute_inputs
 
 from _devices import devices
 
@@ -171,3 +172,49 @@ def test_stop_gradient_keeps_the_value_and_cuts_the_gradient(mode):
         loss, gx = dm.value_and_grad(net, 0)(Tensor(X))
     np.testing.assert_allclose(loss.asnumpy(), 2 * np.sum(X * X), rtol=1e-5)
     np.testing.assert_allclose(gx.asnumpy(), 2 * X, rtol=1e-5)
+
+
+def test_values_are_dropped_after_their_last_reader_with_the_same_results():
+    """Run with liveness release (the default) and keeping every value: bit-identical
+    losses and weights; afterwards the environment holds only the graph's outputs and
+    the arguments / parameters no node reads, and a forward block's environment still
+    has what its backward nodes read."""
+    def train(keep):
+        with devices(8):
+            net = _Net()
+            net.matmul.shard(((2, 4), (4, 1)))
+            opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
+            grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))),
+                                        None, opt.parameters)
+
+            def step(x):
+                loss, grads = grad_fn(x)
+                opt(grads)
+                return loss
+            step = AutoParallel(step, parallel_mode="semi_auto")
+            step(Tensor(X))
+            prog = step.compiled.program
+            losses, envs = [], []
+            for _ in range(3):
+                env = prog.run(prog.bind(distribute_inputs((Tensor(X),))), keep=keep)
+                losses.append(np.asarray(prog.outputs(env).asnumpy()))
+                envs.append(env)
+            return losses, net.w.asnumpy(), net.b.asnumpy(), envs[-1], prog
+    kept, released = train(True), train(False)
+    for a, b in zip(released[:3], kept[:3]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    env, prog = released[3], released[4]
+    g = prog.graph
+    read = {x.id for n in g.nodes for x in n.inputs if hasattr(x, "id")}
+    outputs = {x.id for x in flatten_refs(g.outputs) if hasattr(x, "id")}
+    unread = {v.id for v in g.args} | {v.id for _, v in g.params}
+    assert set(env) == outputs | (unread - read)
+    assert len(kept[3]) > 3 * len(env)                  # everything, when kept
+
+    with devices(8, "auto_parallel"):                   # a block: forward, then backward
+        w = Parameter(Tensor(W.copy()), name="w")
+        f = _block(w)
+        x = Tensor(X)
+        grad = dm.grad(lambda x: ops.reduce_sum(f(x)), None, [w])
+        got = grad(x)
+        np.testing.assert_allclose(got[0].asnumpy(), _expected()[2], rtol=1e-5, atol=1e-5)

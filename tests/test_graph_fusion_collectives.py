@@ -304,7 +304,7 @@ def test_fused_buffers_equal_the_unfused_ones_per_member():
             run = _step(net, opt, 8)
             run(Tensor(X))                                # compiles; updates the weights
             prog = run.compiled.program
-            envs.append(prog.run(prog.bind([Tensor(X)])))
+            envs.append(prog.run(prog.bind([Tensor(X)]), keep=True))
             graphs.append(prog.graph)
     fused_nodes = [n for n in graphs[1].nodes if n.op in (FUSED_AG, FUSED_RS)]
     assert len(fused_nodes) == 2

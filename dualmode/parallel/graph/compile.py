@@ -566,7 +566,7 @@ class Block:
         env = node.attrs["env"]
         for v, g, lay in zip(self.cots, douts, self.cot_layouts):
             env[v.id] = _cotangent(g, lay, prog.name)
-        prog.run(env, self.split)
+        prog.run(env, self.split, keep=True)     # the tape may ask again: keep the env
         return tuple(prog.outputs(env, x) for x in self.grads)
 
 

@@ -32,7 +32,8 @@ from ..redistribute import execute, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
 from ..strategy import _to
-from .ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref, map_leaves
+from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref, flatten_refs,
+                 map_leaves)
 
 __all__ = ["Program"]
 
@@ -54,7 +55,8 @@ class Program:
         self.param_plans = graph.meta["params"]
         self.name = graph.meta.get("name", "graph")
         self.params = {v.id: p for p, v in graph.params}   # what Call nodes are given
-        self.steps = tuple(self._prepare(graph))
+        self.steps = tuple(step + (done,) for step, done in
+                           zip(self._prepare(graph), _releases(graph)))
 
     def _prepare(self, graph):
         for node in graph.nodes:
@@ -98,9 +100,13 @@ class Program:
         return env
 
     # ---- running -----------------------------------------------------------------------
-    def run(self, env, start=0, stop=None):
+    def run(self, env, start=0, stop=None, keep=False):
+        """Run the steps ``start:stop`` on `env` (value id -> stack or whole value) and
+        return it. A value is dropped from `env` after its last reader (its memory goes
+        back to the allocator for the next values of the step) unless it is an output
+        of the graph, or `keep` (every value kept, for inspection)."""
         steps = self.steps if stop is None and start == 0 else self.steps[start:stop]
-        for kind, what, ins, outs, extra in steps:
+        for kind, what, ins, outs, extra, done in steps:
             xs = [env[x] if is_ref else x for is_ref, x in ins]
             if kind == MOVE:
                 env[outs[0]] = _move(what, xs[0], extra)
@@ -133,6 +139,9 @@ class Program:
                 res = _run_op(kind, what, xs, extra)
                 for vid, o in zip(outs, res):
                     env[vid] = o
+            if done and not keep:
+                for vid in done:
+                    del env[vid]
         return env
 
     def _tensors(self, ins, xs, lays):
@@ -152,6 +161,25 @@ class Program:
         return map_leaves(self.graph.outputs if tree is None else tree,
                           lambda x: _core.wrap_dist(env[x.id], lays[x.id])
                           if isinstance(x, Ref) else x.value)
+
+
+def _releases(graph):
+    """Per node, the ids of the values no later node reads (its inputs read for the
+    last time, its outputs nobody reads), outputs of the graph excepted: what the
+    executor drops after running it."""
+    kept = {x.id for x in flatten_refs(graph.outputs) if isinstance(x, Ref)}
+    last = {}
+    for k, node in enumerate(graph.nodes):
+        for v in node.outputs:
+            last[v.id] = k
+        for x in node.inputs:
+            if isinstance(x, Ref):
+                last[x.id] = k
+    out = [[] for _ in graph.nodes]
+    for vid, k in last.items():
+        if vid not in kept:
+            out[k].append(vid)
+    return [tuple(ids) for ids in out]
 
 
 def _move(attrs, x, reason):
