@@ -13,7 +13,7 @@ import pytest
 
 from _ps import Cluster, base_env, program
 
-pytest.importorskip("zmq", reason="parameter server mode needs pyzmq")
+zmq = pytest.importorskip("zmq", reason="parameter server mode needs pyzmq")
 
 FLOATS = 16 * 8 + 16 + 4 * 16 + 4          # the weights of the test network
 
@@ -43,13 +43,18 @@ def test_ps_sync_equals_single_device(opt, tmp_path):
         assert "Start the scheduler node is successful!" in c.log("scheduler")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_ps_large_frames_equal_single_device(mode, tmp_path):
-    """fc1's weights are 128 KiB: sent without copies both ways (tracked on the
-    servers, the pulled frames kept as the workers' weights). sync equals one device;
-    async, with one worker, too (its pushes apply in order)."""
+@pytest.mark.parametrize("mode,opt", [("sync", "momentum"), ("async", "momentum"),
+                                      ("async", "adam")])
+def test_ps_large_frames_equal_single_device(mode, opt, tmp_path):
+    """fc1's weights are 128 KiB: sent without copies both ways, the pulled frames kept
+    as the workers' weights. Momentum runs fused on the servers (the new weights
+    written into the first worker's received gradient frame, which is sent back as
+    it is); Adam updates in place (its replies tracked). sync equals one device;
+    async, with one worker, too (its pushes apply in order; Adam runs there, where the
+    gradients are the single device's own: the mean of two workers' halves rounds
+    differently, and Adam's normalisation makes that visible)."""
     workers = 2 if mode == "sync" else 1
-    cfg = {"opt": "momentum", "steps": 4, "hidden": 4096, "mode": mode}
+    cfg = {"opt": opt, "steps": 4, "hidden": 4096, "mode": mode}
     with Cluster(tmp_path, cfg, workers=workers) as c:
         c.start_all()
         codes = c.wait()
@@ -196,7 +201,6 @@ def test_ps_dead_scheduler_ends_job(tmp_path):
 @pytest.fixture
 def zmq_pair():
     """A DEALER connected to a ROUTER over TCP loopback (closed afterwards)."""
-    import zmq
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -231,6 +235,27 @@ def test_ps_transport_round_trip(zmq_pair):
     np.testing.assert_array_equal(back, big)
     trackers[0].wait(timeout=10)
     assert trackers[0].done
+
+
+def test_ps_transport_sends_a_received_frame_on(zmq_pair):
+    """A received array sent on whole goes as its frame (no tracker: ZeroMQ shares the
+    message) and arrives equal, also after the receiver wrote into it; a reshaped view
+    of the whole goes as the frame too, a part of it like any other array."""
+    from dualmode.ps import transport
+    dealer, router = zmq_pair
+    big = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)
+    transport.send(dealer, {"op": "push"}, [big])
+    ident, _, (got,) = transport.recv(router, "test", router=True)
+    got += 1                                       # the receiver's own buffer
+    frames, _, _ = transport._frames({}, [got, got.reshape(-1), got[:128]], True)
+    assert isinstance(frames[1], zmq.Frame) and frames[1] is frames[2]
+    assert frames[3] is not frames[1] and len(frames[3]) == got[:128].nbytes   # a part
+    n, trackers = transport.send_tracked(router, {"op": "pulled"}, [got, got[:128]], ident)
+    assert trackers[0] is None and trackers[1] is not None
+    assert n == got.nbytes + got[:128].nbytes
+    _, (back, part) = transport.recv(dealer, "test")
+    np.testing.assert_array_equal(back, big + 1)
+    np.testing.assert_array_equal(part, big[:128] + 1)
 
 
 def test_ps_make_writable_copies_a_shard_still_being_sent():
