@@ -12,6 +12,7 @@ Every collective is one MPI collective on the raw, contiguous numpy buffer of th
 collective     MPI call (on the group's sub-communicator)
 ============== ===========================================================
 all_reduce     ``Allreduce`` (``algorithm="ring"`` too: MPI picks its algorithm)
+fused buckets  one ``Allreduce(IN_PLACE)`` on the packed (pooled) fusion buffer
 all_gather     ``Allgather``, then the parts concatenated along ``axis``
 reduce_scatter ``Reduce_scatter_block`` on the parts moved to a leading axis
 all_to_all     ``Alltoall`` on the parts moved to a leading axis
