@@ -6,10 +6,13 @@
                                  # optimizer call (push the gradients, pull the weights),
                                  # alternating with raw ZeroMQ round trips of the same
                                  # frames to an echo process (the baseline, timed in the
-                                 # same process and the same seconds)
+                                 # same process and the same seconds), and with round
+                                 # trips to an echo that also applies the same SGD step
+                                 # (the floor of any server: transfer + update)
 
 The JSON line has ``times`` (each timed step after two warm-up steps) and ``median_s``;
-pushpull adds ``raw_times`` and ``raw_median_s``.
+pushpull adds ``raw_times`` / ``raw_median_s`` and ``update_times`` /
+``update_median_s``.
 """
 import json
 import socket
@@ -31,17 +34,29 @@ WARMUP = 2
 ECHO = ("import zmq,sys\nctx=zmq.Context();s=ctx.socket(zmq.ROUTER);s.bind(sys.argv[1])\n"
         "print('ready',flush=True)\n"
         "while True:\n    f=s.recv_multipart(copy=False);s.send_multipart(f,copy=False)\n")
+#: the same, applying plain SGD to weights it keeps (``w = w - lr * g`` with the
+#: servers' kernel, written into the received frame, which is sent back): what a server
+#: must at least do, with none of the parameter server's bookkeeping
+ECHO_UPDATE = (
+    "import zmq,sys,numpy as np\nfrom dualmode._core._ps_kernels import sgd_update\n"
+    "ctx=zmq.Context();s=ctx.socket(zmq.ROUTER);s.bind(sys.argv[1])\n"
+    "print('ready',flush=True)\nw={}\n"
+    "while True:\n    f=s.recv_multipart(copy=False)\n"
+    "    for i,fr in enumerate(f[2:]):\n        g=np.frombuffer(fr,np.float32)\n"
+    "        if i not in w:\n            w[i]=np.zeros_like(g)\n"
+    "        sgd_update(g,w[i],[g],0.01,False);w[i]=g\n"
+    "    s.send_multipart(f,copy=False)\n")
 
 
 class RawEcho:
     """A DEALER talking to an echo process: ``round_trip(frames)`` sends a message of
     numpy frames and waits for it to come back (as a push and its pull would)."""
 
-    def __init__(self):
+    def __init__(self, program=ECHO):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        self.proc = subprocess.Popen([sys.executable, "-c", ECHO, addr],
+        self.proc = subprocess.Popen([sys.executable, "-c", program, addr],
                                      stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             self.proc.kill()
@@ -90,14 +105,18 @@ def main():
     y = Tensor(rng.integers(0, OUT, rows).astype(np.int32))
     grads = tuple(Tensor(np.zeros(p.shape, np.float32)) for p in opt.parameters)
     raw = RawEcho() if mode == "pushpull" and rank == 0 else None
+    upd = RawEcho(ECHO_UPDATE) if raw is not None else None
     payload = [np.zeros(p.shape, np.float32) for p in opt.parameters]
-    times, raw_times = [], []
+    times, raw_times, update_times = [], [], []
     try:
         for _ in range(steps + WARMUP):
             if raw is not None:
                 t = time.perf_counter()
                 raw.round_trip(payload)
                 raw_times.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                upd.round_trip(payload)
+                update_times.append(time.perf_counter() - t)
             t = time.perf_counter()
             if mode == "pushpull":
                 opt(grads)
@@ -106,15 +125,18 @@ def main():
                 opt(g)
             times.append(time.perf_counter() - t)
     finally:
-        if raw is not None:
-            raw.close()
+        for echo in (raw, upd):
+            if echo is not None:
+                echo.close()
     nbytes = sum(p.asnumpy().nbytes for p in opt.parameters)
     if rank == 0:
         out = {"median_s": float(np.median(times[WARMUP:])), "times": times[WARMUP:],
                "bytes": nbytes}
         if raw is not None:
             out.update(raw_median_s=float(np.median(raw_times[WARMUP:])),
-                       raw_times=raw_times[WARMUP:])
+                       raw_times=raw_times[WARMUP:],
+                       update_median_s=float(np.median(update_times[WARMUP:])),
+                       update_times=update_times[WARMUP:])
         print(json.dumps(out), flush=True)
 
 
