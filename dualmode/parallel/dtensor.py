@@ -42,6 +42,7 @@ import numpy as np
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
 from .devices import device_num, parallel_active
+from .devices import live_backend as _live_backend
 from .devices import some_devices as _some_devices
 from .moves import REDISTRIBUTE, gather_global, gather_stack, moved, resolve_partial
 from .rules import pending_sums
@@ -77,9 +78,44 @@ def register_layout_kind(layout_cls, apply_fn) -> None:
     LAYOUT_KINDS[layout_cls] = apply_fn
 
 
+#: call signature -> the data-parallel route taken for it (see :func:`_dp_signature`)
+_DP_ROUTES: dict = {}
+_DP_ROUTES_MAX = 4096
+
+
+def _dp_signature(op, attrs, inputs, layouts):
+    """A key for this call that fixes the data-parallel route (path 3): the op, its
+    attrs, the inputs' layouts (by identity: the route keeps them alive), dtypes and the
+    shapes of whole values, and the live backend. None when an attribute is unhashable."""
+    try:
+        key = (op, tuple(attrs.items()) if attrs else (),
+               tuple(map(id, layouts)), _live_backend_id(),
+               tuple((x._data.dtype, None if lay is not None else x._data.shape)
+                     if isinstance(x, TensorBase) else (np.result_type(x), np.shape(x))
+                     for x, lay in zip(inputs, layouts)))
+        hash(key)
+    except (TypeError, AttributeError):      # an unhashable attribute; a lazy value
+        return None
+    return key
+
+
+def _live_backend_id():
+    b = _live_backend()
+    return (id(b), b.world_size, len(b.local_ranks)) if b is not None else None
+
+
 def dist_apply(op, attrs, inputs, rec):
     """Run `op` when at least one input is distributed (see the module docstring)."""
     layouts = [x._layout if isinstance(x, TensorBase) else None for x in inputs]
+    key = _dp_signature(op, attrs, inputs, layouts)
+    route = _DP_ROUTES.get(key) if key is not None else None
+    if route is not None:
+        return _run_dp_route(op, attrs, inputs, rec, route)
+    out = _dist_apply(op, attrs, inputs, rec, layouts, key)
+    return out
+
+
+def _dist_apply(op, attrs, inputs, rec, layouts, key):
     for lay in layouts:
         kind = LAYOUT_KINDS.get(type(lay))
         if kind is not None:
@@ -101,7 +137,7 @@ def dist_apply(op, attrs, inputs, rec):
     if all(is_batch_layout(lay) for lay in dist) and not _some_devices():
         # data parallel: the stacks are every device's rows, so each input's global value
         # is a free view of its stack (a process holding some devices runs the rules)
-        out = _batch_global(op, attrs, inputs, layouts, rec)
+        out = _batch_global(op, attrs, inputs, layouts, rec, key)
         if out is not None:
             return out
     out = _sharded(op, attrs, inputs, rec, layouts)
@@ -151,7 +187,7 @@ def _shares(total, n):
     return np.broadcast_to(share[None], (n,) + share.shape)
 
 
-def _batch_global(op, attrs, inputs, layouts, rec):
+def _batch_global(op, attrs, inputs, layouts, rec, key=None):
     """Run `op` once on the global values when its sharding rule, given these
     batch-split inputs, moves no data and needs no collective: the op's own kernel over
     every device's rows in one call, its outputs stored in the rule's output layouts
@@ -174,32 +210,78 @@ def _batch_global(op, attrs, inputs, layouts, rec):
         out = _run(op, attrs, merged)
         found[6] = True
     arrays, out_lays = batch_global_outputs(out, op, plan, merged)
+    if key is not None:       # the same signature takes this route again, checks done
+        if len(_DP_ROUTES) >= _DP_ROUTES_MAX:
+            _DP_ROUTES.clear()
+        _DP_ROUTES[key] = (plan, tuple(layouts), tuple(
+            lay.device_matrix[0] if lay is not None else 0 for lay in layouts),
+            output_kinds(plan))
     return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
                         rec, tuple(out_lays))
 
 
-def batch_global_outputs(out, op, plan, merged=()):
-    """The outputs of `op`'s kernel run once on the global values (`out`) stored in the
-    layouts of its rule's `plan`: ``(arrays, layouts)``, a layout None for a replicated
-    result kept as one plain value."""
-    outs = out if op.multi_output else (out,)
-    arrays, out_lays = [], []
-    for o, lay in zip(outs, plan.outputs):
-        o = np.asarray(o)
+def _run_dp_route(op, attrs, inputs, rec, route):
+    """Path 3 for a call signature that took it before: the stacks merged into global
+    values, the kernel, the outputs stored in the plan's layouts."""
+    plan, _, rows, kinds = route
+    merged = [x._data.reshape((x._data.shape[0] * x._data.shape[1],) + x._data.shape[2:])
+              if n else (x._value() if isinstance(x, TensorBase) else x)
+              for x, n in zip(inputs, rows)]
+    out = op.kernel(attrs, *merged) if op.kind == KIND_GENERIC else op.kernel(*merged)
+    arrays, out_lays = batch_global_outputs(out, op, plan, merged, kinds)
+    return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
+                        rec, tuple(out_lays))
+
+
+def output_kinds(plan) -> tuple:
+    """How :func:`batch_global_outputs` stores each output of `plan`: ``("partial", n)``
+    (n equal shares of a pending sum), ``("whole", 0)`` (replicated: one plain value),
+    ``("batch", n)`` (a batch split: a view) or ``("blocks", 0)`` (cut into blocks)."""
+    kinds = []
+    for lay in plan.outputs:
         if lay.partial:
-            n = lay.device_num
+            kinds.append(("partial", lay.device_num))
+        elif not any(lay.tensor_map):
+            kinds.append(("whole", 0))
+        elif is_batch_layout(lay):
+            kinds.append(("batch", lay.device_matrix[0]))
+        else:
+            kinds.append(("blocks", 0))
+    return tuple(kinds)
+
+
+def _equal_shares_view(o, n):
+    """A read-only stack of n views of `o` (stride 0 on the device axis)."""
+    if not o.flags.c_contiguous:
+        return np.broadcast_to(o[None], (n,) + o.shape)
+    view = np.ndarray((n,) + o.shape, o.dtype, o, 0, (0,) + o.strides)
+    view.flags.writeable = False
+    return view
+
+
+def batch_global_outputs(out, op, plan, merged=(), kinds=None):
+    """The outputs of `op`'s kernel run once on the global values (`out`) stored in the
+    layouts of its rule's `plan` (`kinds`: :func:`output_kinds` of it, when known):
+    ``(arrays, layouts)``, a layout None for a replicated result kept as one plain
+    value."""
+    outs = out if op.multi_output else (out,)
+    if kinds is None:
+        kinds = output_kinds(plan)
+    arrays, out_lays = [], []
+    for o, lay, (kind, n) in zip(outs, plan.outputs, kinds):
+        o = np.asarray(o)
+        if kind == "partial":
             if n > 1 and o.flags.owndata and o.flags.writeable and o.dtype.kind == "f" \
                     and not any(o is m for m in merged):
                 # a fresh result: its n equal shares are made in place, no second array
                 np.true_divide(o, n, out=o)
-                arrays.append(np.broadcast_to(o[None], (n,) + o.shape))
+                arrays.append(_equal_shares_view(o, n))
             else:
                 arrays.append(_shares(o, n))
-        elif not any(lay.tensor_map):
+        elif kind == "whole":
             arrays.append(o)                        # replicated: one plain value
             lay = None
-        elif is_batch_layout(lay):
-            n = lay.device_matrix[0]
+        elif kind == "batch":
             arrays.append(o.reshape((n, o.shape[0] // n) + o.shape[1:]))
         else:
             arrays.append(lay.local_blocks(o))
