@@ -366,3 +366,25 @@ def test_numpy_reads_a_pending_scalar_loss():
     finally:
         dm.reset_auto_parallel_context()
         communication.init()
+
+
+def test_repeated_calls_take_the_remembered_route_with_the_same_numbers():
+    """A call signature seen before runs its remembered one-kernel route: the results
+    stay equal to numpy for repeated calls, for attrs that differ only in value (each its
+    own route), and after the backend changes to another device count."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 6)).astype(np.float32)
+    w = rng.standard_normal((6, 3)).astype(np.float32)
+    for devices in (8, 4, 8):
+        _setup(devices)
+        (a,) = dm.parallel.inputs.distribute_inputs((Tensor(x),))
+        for _ in range(3):
+            out = ops.relu(ops.matmul(a, Tensor(w)))
+            assert out.layout is not None and local_shape(out) == (16 // devices, 3)
+            np.testing.assert_allclose(out.asnumpy(), np.maximum(x @ w, 0), rtol=1e-5,
+                                       atol=1e-6)
+            for axis in (0, 1):                      # same op, attrs differ in value
+                np.testing.assert_allclose(ops.ReduceSum(keep_dims=True)(a, axis).asnumpy(),
+                                           x.sum(axis=axis, keepdims=True), rtol=1e-5,
+                                           atol=1e-5)
+    _setup(1)
