@@ -67,3 +67,51 @@ def test_matmul_1x8_8x1_equals_one_device_and_moves_one_reduce():
     finally:
         dm.reset_auto_parallel_context()
         communication.init()
+
+
+def test_grouped_matmul_and_its_gradients_equal_one_device():
+    """Products large enough to run as one GEMM per group of devices (the contracted
+    dim split over one axis of two): forward value and both gradients equal numpy's,
+    and the grouping changes nothing that CommReport sees."""
+    from dualmode.parallel import rules
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 128)).astype(np.float32)
+    assert (64 // 2) * 128 * (256 // 4) >= rules.GROUPED_MIN_MACS
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8)
+    communication.init()
+    calls = []
+    real = rules.contract_groups
+
+    def spy(*args):
+        calls.append(args[3])
+        return real(*args)
+
+    try:
+        rules.contract_groups = spy
+        mm = ops.MatMul().shard(((2, 4), (4, 1)))
+        wp = dm.Parameter(Tensor(w), name="w")
+
+        def loss(a):
+            return ops.ReduceSum()(ops.relu(mm(a, wp)) * 0.5)
+
+        with CommReport() as grouped_rep:
+            value, (gx, (gw,)) = dm.value_and_grad(loss, 0, [wp])(Tensor(x))
+            got = [value.asnumpy(), gx.asnumpy(), gw.asnumpy()]
+        assert (1,) in calls                 # the forward product: grouped over axis 1
+        h = x @ w
+        mask = (h > 0).astype(np.float32) * 0.5
+        np.testing.assert_allclose(got[0], (np.maximum(h, 0) * 0.5).sum(), rtol=1e-4)
+        np.testing.assert_allclose(got[1], mask @ w.T, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got[2], x.T @ mask, rtol=1e-4, atol=1e-4)
+        # the same program with per-device products: the same collectives
+        rules.contract_groups = lambda a, b, d, axes: rules.grid_to_stack(np.matmul(a, b), d)
+        with CommReport() as plain_rep:
+            value, (gx, (gw,)) = dm.value_and_grad(loss, 0, [wp])(Tensor(x))
+            np.testing.assert_allclose(gw.asnumpy(), got[2], rtol=1e-4, atol=1e-4)
+        assert [(r.kind, r.group_size) for r in grouped_rep.records] == \
+            [(r.kind, r.group_size) for r in plain_rep.records]
+    finally:
+        rules.contract_groups = real
+        dm.reset_auto_parallel_context()
+        communication.init()

@@ -193,8 +193,12 @@ def _contract_plan(op, spec, combine, attrs, lays):
     if combine == "add":
         local = _broadcast_add(ins, out_sub)
     else:
-        k = next(c for c in ins[0] if c not in out_sub)
-        local = _matmul_local(op, ins, out_sub, dm, ref.get(k, ()))
+        k = next((c for c in ins[0] if c not in out_sub), None)
+        summed_axes = ref.get(k, ())
+        # grouping pays for its bookkeeping only on products of some size
+        macs = math.prod(out.local_shape) * size.get(k, 1) // _parts(dm, summed_axes)
+        grouped = len(summed_axes) == len(dm) or macs >= GROUPED_MIN_MACS
+        local = _matmul_local(op, ins, out_sub, dm, summed_axes if grouped else ())
     return ShardPlan(need, (out,), local)
 
 
@@ -214,6 +218,12 @@ def _broadcast_add(ins, out_sub):
                 next(dims) if c in sub else 1 for c in out_sub)))
         return functools.reduce(np.add, aligned)
     return local
+
+
+#: per-device multiply-adds from which a partially contracted MatMul runs as one GEMM
+#: per group of devices (below it the per-device products are cheaper than the
+#: grouping's bookkeeping); a product contracted over every device axis always is
+GROUPED_MIN_MACS = 1 << 18
 
 
 def _matmul_local(op, ins, out_sub, dm, summed):
@@ -244,7 +254,8 @@ def _matmul_local(op, ins, out_sub, dm, summed):
             return grid_to_stack(np.matmul(sa, sb), dm)
         return stack_matmul(sa, sb)
 
-    return accepts_grids(local, prefer=grouped) if rank == 2 else local
+    prefer = grouped and len(summed) < len(dm)
+    return accepts_grids(local, prefer=prefer) if rank == 2 else local
 
 
 def _swap(x, flag):
