@@ -49,7 +49,8 @@ from .candidates import op_candidates
 from .cost import CostModel, allreduce_cost, redistribution_cost
 from ..devices import some_devices
 from .executor import Program
-from .ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Graph, Ref, flatten_refs, map_leaves, verify
+from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Graph, Ref,
+                 flatten_refs, map_leaves, verify)
 from .fuse import fuse_communication
 from .lower import insert_communication
 from .search import PlanTable, search
