@@ -57,10 +57,12 @@ def _elementwise_plan(op, attrs, lays, dtypes):
     for lay in dist:
         out_shape = broadcast_shapes(op.name, out_shape, lay.shape)
     rank = len(out_shape)
-    # the first input that splits a dim decides it; nothing is split along the axes of
-    # a pending sum (a factor must be whole where the terms of the sum differ)
+    # the input split over the most devices decides first (the others are then cut
+    # from it, often locally, and nothing is computed twice), then the next; nothing
+    # is split along the axes of a pending sum (a factor must be whole where the terms
+    # of the sum differ)
     ref, used = [()] * rank, set(pending)
-    for lay in dist:
+    for lay in sorted(dist, key=lambda lay: -_parts(lay.device_matrix, lay.split_axes)):
         off = rank - lay.ndim
         for d, axes in enumerate(lay.tensor_map):
             od = d + off
