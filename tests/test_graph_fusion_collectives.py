@@ -472,3 +472,32 @@ def test_dump_and_strategies_show_the_fused_collectives():
     for name in unfused:
         assert fused[name]["cost"] == pytest.approx(unfused[name]["cost"]), name
     assert any(entry["cost"] > 0 for entry in fused.values())
+
+
+def test_a_block_differentiated_eagerly_fuses_its_parameter_gathers():
+    """ops.shard over the network only, the gradient and the update eager: the block's
+    forward and backward program gathers each sharded weight twice (forward, backward)
+    unfused, once and in one bucket fused."""
+    def train(n, fusion=None):
+        with devices(n, gradients_mean=True):
+            if fusion:
+                dm.set_auto_parallel_context(comm_fusion=fusion)
+            net = _Net(n)
+            f = ops.shard(net, in_strategy=((n, 1),), parameter_plan=PLAN) if n else net
+            opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
+            grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(f(x))), None,
+                                        opt.parameters)
+            losses = []
+            for k in range(2):
+                with CommReport() as rep:
+                    loss, grads = grad_fn(Tensor(X))
+                opt(grads)
+                losses.append(float(loss.asnumpy()))
+            return losses, {p.name: p.asnumpy() for p in net.trainable_params()}, rep
+    ref_losses, ref_w, _ = train(None)
+    for fusion, gathers in ((None, 6), ({"allgather": {"mode": "auto"}}, 1)):
+        losses, w, rep = train(8, fusion)
+        assert rep.count("AllGather", reason="redistribution") == gathers
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for name in ref_w:
+            np.testing.assert_allclose(w[name], ref_w[name], rtol=1e-5, atol=1e-6)

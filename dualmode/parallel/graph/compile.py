@@ -23,8 +23,9 @@ Passes (each returns a new, verified Graph):
    (``comm_fusion["reducescatter"]``, FUSED_RS) and the AllGathers of sharded
    parameters (``comm_fusion["allgather"]``, FUSED_AG, hoisted to the first member).
 5. :func:`derive_backward` — for a graph without its own backward nodes, the
-   vector-Jacobian product of the graph, traced once and lowered like the forward: what
-   runs when a caller differentiates through the block.
+   vector-Jacobian product of the graph, traced once and lowered like the forward (its
+   parameter AllGathers fused as in 4.): what runs when a caller differentiates through
+   the block.
 
 The executor (executor.py) runs the lowered IR on this process's stacks. A graph that is
 not sharded runs its nodes through the dispatcher on whole values.
@@ -51,7 +52,7 @@ from ..devices import some_devices
 from .executor import Program
 from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Graph, Ref,
                  flatten_refs, map_leaves, verify)
-from .fuse import fuse_communication
+from .fuse import fuse_communication, fuse_parameter_gathers
 from .lower import insert_communication
 from .search import PlanTable, search
 from .trace import trace
@@ -511,7 +512,9 @@ def derive_backward(compiled: CompiledGraph, n: int, *, arg_sources=None, name="
     sources.update({v.id: lay for v, lay in zip(both.args[nargs:], cot_lays)})
     lowered = insert_communication(both, n, arg_sources=sources,
                                    some_devices=some_devices(), name=name)
-    block = Block(Program(lowered), nargs, positions, weights, diff, cot_lays, g.outputs)
+    # the parameter AllGathers fuse as in the forward program (comm_fusion["allgather"])
+    block = Block(Program(fuse_parameter_gathers(lowered)), nargs, positions, weights, diff,
+                  cot_lays, g.outputs)
     return lowered, block
 
 
