@@ -531,3 +531,34 @@ def test_numpy_input_keeps_its_strategy_slot():
     a, b = _f32(8, 12), _f32(12, 4)
     out = ops.MatMul().shard(((8, 1), (1, 1)))(a, Tensor(b))
     np.testing.assert_allclose(out.asnumpy(), a @ b, rtol=1e-5, atol=1e-6)
+
+
+def test_elementwise_takes_the_layout_split_over_more_devices_when_it_moves_less():
+    """Mul of a value split over 2 of 8 devices (repeated 4 times) and one split over
+    all 8, in either order: the output takes the 8-way split, the 2-way input being
+    cut from each device's own block (no collective, nothing computed twice). When the
+    finer split does not nest in the coarser one (rows over axes (0, 1) vs over axis
+    1), the finer one still decides only because it moves no more bytes per device
+    than letting the first input decide. The numbers are numpy's."""
+    from dualmode.parallel.redistribution.planner import plan_redistribution
+    _setup(8)
+    try:
+        a, b = _f32(16, 6), _f32(16, 6)
+        fine = distribute(Tensor(b), TensorLayout((8,), ((0,), ()), (16, 6)))
+        coarse = distribute(Tensor(a), TensorLayout((2, 4), ((0,), ()), (16, 6)))
+        for x, y in ((coarse, fine), (fine, coarse)):
+            with CommReport() as rep:
+                out = ops.Mul()(x, y)
+            assert rep.records == []
+            assert out.layout.dim_parts == (8, 1)
+            np.testing.assert_allclose(out.asnumpy(), a * b, rtol=1e-6)
+        other = distribute(Tensor(a), TensorLayout((2, 4), ((1,), ()), (16, 6)))
+        with CommReport() as rep:
+            out = ops.Mul()(other, fine)
+        np.testing.assert_allclose(out.asnumpy(), a * b, rtol=1e-6)
+        moved = sum(r.bytes_per_device for r in rep.records)
+        fine_on_grid = TensorLayout((2, 4), ((0, 1), ()), (16, 6))
+        assert out.layout.dim_parts == (8, 1)
+        assert moved <= plan_redistribution(fine_on_grid, other.layout, 4).bytes
+    finally:
+        _setup(1)

@@ -19,6 +19,7 @@ from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
 from .shared_dims import elementwise_pairs
 from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
                        register_rule, run_kernel)
+from .redistribution.planner import plan_redistribution
 from .tensor_layout import stand_in
 
 
@@ -57,18 +58,43 @@ def _elementwise_plan(op, attrs, lays, dtypes):
     for lay in dist:
         out_shape = broadcast_shapes(op.name, out_shape, lay.shape)
     rank = len(out_shape)
-    # the input split over the most devices decides first (the others are then cut
-    # from it, often locally, and nothing is computed twice), then the next; nothing
-    # is split along the axes of a pending sum (a factor must be whole where the terms
-    # of the sum differ)
+    # the first input that splits a dim decides it; nothing is split along the axes of
+    # a pending sum (a factor must be whole where the terms of the sum differ). When
+    # letting the input split over the most devices decide first moves no more bytes
+    # per device, it decides first: nothing is then computed twice.
+    ref = _elementwise_refs(dist, rank, out_shape, pending)
+    need = _elementwise_needs(lays, dm, ref, out_shape, pending, carriers)
+    most = sorted(dist, key=lambda lay: -_parts(lay.device_matrix, lay.split_axes))
+    if [id(lay) for lay in most] != [id(lay) for lay in dist]:
+        ref2 = _elementwise_refs(most, rank, out_shape, pending)
+        need2 = _elementwise_needs(lays, dm, ref2, out_shape, pending, carriers)
+        if ref2 != ref and _moved_bytes(lays, need2) <= _moved_bytes(lays, need):
+            ref, need = ref2, need2
+    out = layout(dm, ref, out_shape, pending)
+
+    def local(attrs, stacks):
+        args = [expand_stack(s, rank) if lay is not None else s for s, lay in zip(stacks, need)]
+        return run_kernel(op, attrs, args)
+
+    return ShardPlan(tuple(need), (out,), local)
+
+
+def _elementwise_refs(order, rank, out_shape, pending):
+    """Per output dim, the device axes splitting it: each input in `order` claims the
+    dims it splits that no earlier input claimed, on axes not used yet."""
     ref, used = [()] * rank, set(pending)
-    for lay in sorted(dist, key=lambda lay: -_parts(lay.device_matrix, lay.split_axes)):
+    for lay in order:
         off = rank - lay.ndim
         for d, axes in enumerate(lay.tensor_map):
             od = d + off
             if axes and not ref[od] and lay.shape[d] == out_shape[od] and not set(axes) & used:
                 ref[od] = axes
                 used |= set(axes)
+    return ref
+
+
+def _elementwise_needs(lays, dm, ref, out_shape, pending, carriers):
+    rank = len(out_shape)
     need = []
     for i, lay in enumerate(lays):
         if lay is None:
@@ -78,13 +104,13 @@ def _elementwise_plan(op, attrs, lays, dtypes):
         need.append(layout(dm, [ref[d + off] if lay.shape[d] == out_shape[d + off] else ()
                                 for d in range(lay.ndim)], lay.shape,
                            pending if i in carriers else ()))
-    out = layout(dm, ref, out_shape, pending)
+    return need
 
-    def local(attrs, stacks):
-        args = [expand_stack(s, rank) if lay is not None else s for s, lay in zip(stacks, need)]
-        return run_kernel(op, attrs, args)
 
-    return ShardPlan(tuple(need), (out,), local)
+def _moved_bytes(lays, needs) -> float:
+    """Bytes per device (4-byte items) that moving `lays` into `needs` communicates."""
+    return sum(plan_redistribution(have, want, 4).bytes
+               for have, want in zip(lays, needs) if have is not None and have != want)
 
 
 def _elementwise_rule(op):
