@@ -349,12 +349,18 @@ def contract_groups(a, b, dm, axes):
             total = total.reshape(a2.shape[:-1] + total.shape[-1:])
     if total is None:
         total = np.matmul(a2, b2)
-    np.true_divide(total, _parts(dm, axes), out=total)
-    lead = total.shape[:-2]
+    parts = _parts(dm, axes)
     grid_shape = [1] * nd
-    for i, s in zip(others, lead):
+    for i, s in zip(others, total.shape[:-2]):
         grid_shape[i] = s
-    return grid_to_stack(total.reshape(tuple(grid_shape) + total.shape[-2:]), dm)
+    total = total.reshape(tuple(grid_shape) + total.shape[-2:])
+    if all(g == 1 for g in grid_shape):             # one total: every device a view of it
+        np.true_divide(total, parts, out=total)
+        return grid_to_stack(total, dm)
+    # the shares written straight into every device's block (one pass)
+    out = np.empty((math.prod(dm),) + total.shape[-2:], dtype=total.dtype)
+    np.true_divide(total, parts, out=out.reshape(tuple(dm) + total.shape[-2:]))
+    return out
 
 
 def _contract_rule(op):
