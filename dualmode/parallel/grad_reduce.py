@@ -14,8 +14,19 @@ same list), "size" (buckets of `config` MB) and "auto" (64 MB buckets). Without
 either, every gradient has its own AllReduce. :func:`fusion_buckets` also buckets the
 ReduceScatters and AllGathers a compiled graph fuses (``comm_fusion["reducescatter"]``
 / ``["allgather"]``, modes "size" and "auto"; graph/fuse.py).
+
+A sharded weight's gradient moves into the weight's layout before its update. Eagerly
+(:func:`fuse_gradient_moves`, called by the optimizer) as in a compiled step
+(graph/fuse.py), the moves that are one collective are bucketed with the same helpers:
+the AllReduces of pending sums over a group of devices (:func:`resolve_key`, per
+``comm_fusion["allreduce"]``) and the one-step ReduceScatters (:func:`single_step`,
+:func:`step_group`, per ``comm_fusion["reducescatter"]``), each bucket of several
+gradients ONE collective; so a program reports the same collectives run eagerly and
+compiled.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -24,9 +35,12 @@ from .._core import _tensor as _core
 from .._core._tensor import TensorBase
 from ..communication.trace import comm_cause
 from .devices import backend as _backend
+from .redistribute import plan_redistribution
+from .tensor_layout import TensorLayout
 
 __all__ = ["reduce_gradients", "fusion_buckets", "broadcast_parameters", "is_dp_partial",
-           "bucket_name"]
+           "bucket_name", "single_step", "step_group", "resolve_key", "grouped_buckets",
+           "fused_bucket", "fuse_gradient_moves"]
 
 _AUTO_MB = 64
 
@@ -73,6 +87,110 @@ def is_dp_partial(lay) -> bool:
     split (its AllReduce is the one ``gradients_mean`` and fusion apply to)?"""
     return lay is not None and lay.partial == (0,) and len(lay.device_matrix) == 1 and \
         all(m == () for m in lay.tensor_map)
+
+
+def single_step(plan, kind: str):
+    """The step of the redistribution `plan` when it is exactly one `kind` collective
+    ("ReduceScatter", "AllGather"), else None: the moves fusion packs into buckets."""
+    if plan is None or len(plan) != 1 or plan[0].kind != kind:
+        return None
+    return plan[0]
+
+
+def step_group(plan, step, dtype):
+    """(key, members) of the one-step `plan`: the device groups `step` runs over (ranks
+    of the plan's unified device matrix), with the dtype, as a hashable key; and those
+    groups (the ``members`` of the fused collective)."""
+    members = TensorLayout(plan.device_matrix, (), ()).group_members(step.axes)
+    return (members.shape, members.tobytes(), np.dtype(dtype).str), members
+
+
+def resolve_key(src):
+    """The key bucketing the AllReduces of pending sums (a move from `src` to
+    ``src.without_partial()``, or to a whole value when nothing is split): one bucket
+    holds AllReduces over the same groups of devices."""
+    return src.device_matrix, src.partial
+
+
+def grouped_buckets(keys, sizes, op: str, buckets=fusion_buckets):
+    """Buckets of the positions whose key is not None: per key (keys in order of first
+    appearance) ``buckets(sizes of its positions, op)``, as lists of positions."""
+    groups = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    return [[members[k] for k in bucket] for members in groups.values()
+            for bucket in buckets([sizes[i] for i in members], op)]
+
+
+def fused_bucket(dtypes) -> bool:
+    """Does a bucket of collectives of these dtypes run as one fused collective (more
+    than one member, one dtype)? Otherwise each member runs alone, as unfused."""
+    return len(dtypes) > 1 and len(set(dtypes)) == 1
+
+
+def fuse_gradient_moves(grads, params):
+    """`grads` (aligned with `params`) with the moves of an eager optimizer update that
+    are one collective done in fused buckets, as a compiled step fuses them
+    (graph/fuse.py): a gradient pending over some devices resolved by an AllReduce
+    (into its sharded weight's layout, or whole for a weight kept whole; not the
+    data-parallel ones, :func:`reduce_gradients`) per ``comm_fusion["allreduce"]``
+    (or ``all_reduce_fusion_config``), per group of devices; a gradient moved into its
+    sharded weight's layout by one ReduceScatter per ``comm_fusion["reducescatter"]``,
+    per group of devices and dtype. Each bucket of several gradients is ONE collective
+    (reported as "gradient", named after its weights) and its gradients come back in
+    their targets' layouts; the others are left as they are (the optimizer moves each
+    alone). Without fusion settings `grads` is returned unchanged."""
+    grads = list(grads)
+    fusion = context.get_auto_parallel_context("comm_fusion") or {}
+    if not ("allreduce" in fusion or "reducescatter" in fusion or
+            context.get_auto_parallel_context("all_reduce_fusion_config")):
+        return grads
+    n = len(grads)
+    ar_keys, rs_keys, sizes, dtypes = [None] * n, [None] * n, [0] * n, [None] * n
+    dsts, steps = [None] * n, [None] * n
+    for i, (g, p) in enumerate(zip(grads, params)):
+        src = getattr(g, "_layout", None)
+        if not isinstance(g, TensorBase) or not isinstance(src, TensorLayout) or \
+                not p.requires_grad or getattr(p, "layerwise_parallel", False):
+            continue
+        lay = p._layout
+        dst = lay if isinstance(lay, TensorLayout) and any(lay.tensor_map) else None
+        if src == dst or dst is not None and dst.device_num != src.device_num:
+            continue
+        dtypes[i], dsts[i] = g._data.dtype, dst
+        sizes[i] = math.prod(src.local_shape) * g._data.dtype.itemsize
+        if src.partial and (dst == src.without_partial() or
+                            dst is None and not any(src.tensor_map)):
+            if not is_dp_partial(src):           # those: reduce_gradients
+                ar_keys[i] = resolve_key(src)
+        elif dst is not None and "reducescatter" in fusion:
+            plan = plan_redistribution(src, dst, g._data.itemsize or 1)
+            step = single_step(plan, "ReduceScatter")
+            if step is not None:
+                rs_keys[i], members = step_group(plan, step, g._data.dtype)
+                steps[i] = (members, step.dim)
+    backend = _backend()
+    for bucket in grouped_buckets(ar_keys, sizes, "allreduce"):
+        if not fused_bucket([dtypes[i] for i in bucket]):
+            continue
+        src = grads[bucket[0]]._layout
+        with comm_cause(bucket_name(params[i].name for i in bucket), "gradient"):
+            outs = backend.all_reduce_fused([grads[i]._data for i in bucket],
+                                            src.group_members(src.partial), "sum")
+        for i, out in zip(bucket, outs):
+            grads[i] = _core.wrap_dist(out if dsts[i] is not None else np.asarray(out[0]),
+                                       dsts[i])
+    for bucket in grouped_buckets(rs_keys, sizes, "reducescatter"):
+        if not fused_bucket([dtypes[i] for i in bucket]):
+            continue
+        with comm_cause(bucket_name(params[i].name for i in bucket), "gradient"):
+            outs = backend.reduce_scatter_fused([grads[i]._data for i in bucket],
+                                                steps[bucket[0]][0],
+                                                [steps[i][1] for i in bucket])
+        for i, out in zip(bucket, outs):
+            grads[i] = _core.wrap_dist(out, dsts[i])
+    return grads
 
 
 def reduce_gradients(grads, params=None):

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..._core import _kernels
 from ..._core._tensor import TensorBase
-from ...parallel.grad_reduce import reduce_gradients
+from ...parallel.grad_reduce import fuse_gradient_moves, reduce_gradients
 from ...parallel.graph.trace import current_trace
 from ...parallel.tensor_layout import TensorLayout
 from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
@@ -234,8 +234,13 @@ class Optimizer(Cell):
             raise ValueError(f"{owner}: got {len(gradients)} gradients for {len(params)} "
                              f"parameters; they must be aligned with optimizer.parameters")
         _check_gradients(owner, gradients, params)         # all of them, before any effect
-        gradients = reduce_gradients(gradients, params)   # data-parallel AllReduce
         worker = active_worker()
+        if worker is None:
+            # the sharded weights' gradient ReduceScatters and AllReduces, in fused
+            # buckets per comm_fusion (as a compiled step fuses them); the others move
+            # one by one below
+            gradients = fuse_gradient_moves(gradients, params)
+        gradients = reduce_gradients(gradients, params)   # data-parallel AllReduce
         # parameter server mode: the servers update the weights they hold (push the
         # gradients, pull the new values); this optimizer updates the others
         on_servers = worker.step(self, gradients) if worker is not None else ()

@@ -12,13 +12,15 @@ stays on its own, as unfused):
   costs no packing copy): the data-parallel gradients (pending over every device)
   exactly as the eager optimizer buckets them, in parameter order, so a compiled
   data-parallel step makes the same collectives as the same step run eagerly; the
-  others (a sharded network's gradients pending over some device axes; the eager
-  optimizer resolves those one by one) per group of devices, in parameter order.
+  others (a sharded network's gradients pending over some device axes) per group of
+  devices, in parameter order, as the eager optimizer buckets them too.
 * **Gradient ReduceScatters** (``"reducescatter"``): a gradient pending over some
   devices that moves into its weight's layout split over the same devices is one
   ReduceScatter (a plan of that one step). Per group of devices and dtype, each bucket
   becomes one :data:`~.ir.FUSED_RS` node (:meth:`Backend.reduce_scatter_fused`). A
-  bucket's size is the members' input (unreduced) bytes per device.
+  bucket's size is the members' input (unreduced) bytes per device. The eager optimizer
+  makes the same buckets with the same helpers
+  (:func:`~dualmode.parallel.grad_reduce.fuse_gradient_moves`).
 
   The gradient moves before one update read values computed before them, so they may
   be reordered freely: the fused AllReduces come first, then the fused ReduceScatters,
@@ -39,8 +41,8 @@ from __future__ import annotations
 import math
 
 from ... import context
-from ..grad_reduce import bucket_name, fusion_buckets, is_dp_partial
-from ..tensor_layout import TensorLayout
+from ..grad_reduce import (bucket_name, fused_bucket, fusion_buckets, grouped_buckets,
+                           is_dp_partial, resolve_key, single_step, step_group)
 from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, Graph, Node, Ref, map_leaves,
                  verify)
 
@@ -71,23 +73,19 @@ def _one_step(node, kind):
     """The step of a MOVE whose plan is exactly one `kind` collective, else None."""
     if node.op != MOVE or node.attrs["kind"] != "move":
         return None
-    plan = node.attrs["plan"]
-    if plan is None or len(plan) != 1 or plan[0].kind != kind:
-        return None
-    return plan[0]
+    return single_step(node.attrs["plan"], kind)
 
 
 def _group(node, step):
-    """(key, members): the device groups `step` runs over (ranks of the plan's unified
-    device matrix), with the dtype, as a hashable key."""
-    plan = node.attrs["plan"]
-    members = TensorLayout(plan.device_matrix, (), ()).group_members(step.axes)
-    return (members.shape, members.tobytes(), node.outputs[0].dtype.str), members
+    """(key, members): the device groups `step` runs over, with the dtype, as a
+    hashable key (grad_reduce.step_group, shared with the eager optimizer)."""
+    return step_group(node.attrs["plan"], step, node.outputs[0].dtype)
 
 
 def fuse_gradients(graph: Graph, buckets=fusion_buckets) -> Graph:
     """`graph` with each bucket of gradient AllReduces one FUSED node and each bucket of
-    gradient ReduceScatters one FUSED_RS node."""
+    gradient ReduceScatters one FUSED_RS node (buckets made by the helpers of
+    grad_reduce.py the eager optimizer uses too)."""
     nodes, out, k = list(graph.nodes), [], 0
     count = {FUSED: 0, FUSED_RS: 0}
     while k < len(nodes):
@@ -99,37 +97,33 @@ def fuse_gradients(graph: Graph, buckets=fusion_buckets) -> Graph:
         while k < len(nodes) and _gradient_move(nodes[k]):
             run.append(nodes[k])
             k += 1
-        dp = [n for n in run if _data_parallel(n)]
-        groups = {}                              # the other resolves, per device group
-        scatters = {}                            # the ReduceScatters, per group and dtype
-        for n in run:
-            if _resolve(n) and not _data_parallel(n):
-                src = n.attrs["src"]
-                groups.setdefault((src.device_matrix, src.partial), []).append(n)
-            step = _one_step(n, "ReduceScatter")
-            if step is not None:
-                key, members = _group(n, step)
-                scatters.setdefault(key, (members, []))[1].append(n)
+        sizes = [_device_bytes(n) for n in run]
+        dp = [0 if _data_parallel(n) else None for n in run]
+        # the other resolves, per device group; the ReduceScatters, per group and dtype
+        others = [resolve_key(n.attrs["src"]) if _resolve(n) and not _data_parallel(n)
+                  else None for n in run]
+        groups = [_group(n, step) if (step := _one_step(n, "ReduceScatter")) is not None
+                  else None for n in run]
         fusible = set()
-        for members in [dp] + list(groups.values()):
-            fusible.update(id(n) for n in members)
-            for bucket in buckets([_device_bytes(n) for n in members], "allreduce"):
-                chosen = [members[i] for i in bucket]
-                if len(chosen) == 1 or len({n.outputs[0].dtype for n in chosen}) > 1:
-                    out.extend(chosen)           # one AllReduce each, as unfused
-                    continue
-                out.append(_fused_node(chosen, f"{FUSED}-{count[FUSED]}"))
-                count[FUSED] += 1
-        for group, members in scatters.values():
-            fusible.update(id(n) for n in members)
-            for bucket in buckets([_device_bytes(n) for n in members], "reducescatter"):
-                chosen = [members[i] for i in bucket]
-                if len(chosen) == 1:
-                    out.extend(chosen)
-                    continue
-                out.append(_fused_collective(FUSED_RS, chosen, group, "gradients",
-                                             f"{FUSED_RS}-{count[FUSED_RS]}"))
-                count[FUSED_RS] += 1
+        for bucket in grouped_buckets(dp, sizes, "allreduce", buckets) + \
+                grouped_buckets(others, sizes, "allreduce", buckets):
+            chosen = [run[i] for i in bucket]
+            fusible.update(id(n) for n in chosen)
+            if not fused_bucket([n.outputs[0].dtype for n in chosen]):
+                out.extend(chosen)               # one AllReduce each, as unfused
+                continue
+            out.append(_fused_node(chosen, f"{FUSED}-{count[FUSED]}"))
+            count[FUSED] += 1
+        keys = [g[0] if g is not None else None for g in groups]
+        for bucket in grouped_buckets(keys, sizes, "reducescatter", buckets):
+            chosen = [run[i] for i in bucket]
+            fusible.update(id(n) for n in chosen)
+            if len(chosen) == 1:
+                out.extend(chosen)
+                continue
+            out.append(_fused_collective(FUSED_RS, chosen, groups[bucket[0]][1], "gradients",
+                                         f"{FUSED_RS}-{count[FUSED_RS]}"))
+            count[FUSED_RS] += 1
         out.extend(n for n in run if id(n) not in fusible)
     return verify(graph.replace(nodes=tuple(out)))
 
