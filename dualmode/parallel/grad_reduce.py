@@ -26,6 +26,7 @@ compiled.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -101,8 +102,13 @@ def step_group(plan, step, dtype):
     """(key, members) of the one-step `plan`: the device groups `step` runs over (ranks
     of the plan's unified device matrix), with the dtype, as a hashable key; and those
     groups (the ``members`` of the fused collective)."""
-    members = TensorLayout(plan.device_matrix, (), ()).group_members(step.axes)
-    return (members.shape, members.tobytes(), np.dtype(dtype).str), members
+    return _step_group(plan.device_matrix, step.axes, np.dtype(dtype).str)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_group(device_matrix, axes, dtype):
+    members = TensorLayout(device_matrix, (), ()).group_members(axes)
+    return (members.shape, members.tobytes(), dtype), members
 
 
 def resolve_key(src):
@@ -160,8 +166,9 @@ def fuse_gradient_moves(grads, params):
             continue
         dtypes[i], dsts[i] = g._data.dtype, dst
         sizes[i] = math.prod(src.local_shape) * g._data.dtype.itemsize
-        if src.partial and (dst == src.without_partial() or
-                            dst is None and not any(src.tensor_map)):
+        if src.partial and (dst is None and not any(src.tensor_map) or dst is not None and
+                            dst.tensor_map == src.tensor_map and
+                            dst == src.without_partial()):
             if not is_dp_partial(src):           # those: reduce_gradients
                 ar_keys[i] = resolve_key(src)
         elif dst is not None and "reducescatter" in fusion:
