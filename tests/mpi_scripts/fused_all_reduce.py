@@ -3,9 +3,10 @@ backend's, and its pooled fusion buffers never overwrite a result still held.
 
 Each rank builds the same global stacks (N, *shape) from one seed, fuses them with
 SimBackend on the full stacks and with the live "mpi" backend on its own rows, and
-compares its rows: every op, MPI dtypes and the gathered fallback (float16), world,
-permuted, axis and partial groups, non-contiguous and empty stacks. Then the pool:
-one ``Allreduce`` per bucket, a held result survives later buckets of the same size
+compares its rows: every op, MPI dtypes and float16, world, permuted, axis and partial
+groups, through node shared memory (one shared AllReduce per bucket) and through MPI's
+``Allreduce`` (one per bucket; float16 gathered), non-contiguous and empty stacks. Then
+the pool: a held result survives later buckets of the same size
 (whose buffers are new), a dropped one's buffer is handed out again, the pool stays
 bounded. Any mismatch raises, which aborts the whole job. Prints
 "fused ok: <count> checks on <N> ranks" on rank 0.
@@ -62,11 +63,9 @@ def check(what, full, mine):
 
 
 def both(what, stacks, members=None, op="sum"):
-    before = B.mpi_calls.get("Allreduce", 0)
     mine = fused_all_reduce([s[R:R + 1] for s in stacks], members, op, backend=B)
-    calls = B.mpi_calls.get("Allreduce", 0) - before
     check(what, fused_all_reduce(stacks, members, op, backend=SIM), mine)
-    return mine, calls
+    return mine
 
 
 FULL = [None, [list(range(N))[::-1]], [[r] for r in range(N)]]
@@ -76,18 +75,26 @@ if N >= 4:
     PARTIAL += [[[0, 2]], [[3, 1]]]
 
 seed = 0
-for members in FULL + PARTIAL:
-    in_group = members is None or any(R in row for row in members)
-    grouped = in_group and (members is None or len(next(r for r in members if R in r)) > 1)
-    for dtype in ["float32", "float64", "int32", "bool", "float16"]:
-        kind = np.dtype(dtype).kind
-        ops = ["sum", "max", "min", "prod"] + (["mean"] if kind == "f" else [])
-        for op in ops:
-            seed += 1
-            tag = f"fused(members={members}, {dtype}, {op})"
-            mine, calls = both(tag, data(SHAPES, dtype, seed), members, op)
-            if dtype != "float16":         # MPI reduces it: ONE Allreduce, or none alone
-                assert calls == (1 if grouped else 0), f"{tag}: {calls} Allreduce calls"
+NODE_LOCAL = B._node_local
+for path in ("shared_allreduce", "Allreduce"):      # node shared memory, then plain MPI
+    if path == "Allreduce":                          # as when the ranks span machines
+        B._node_local = lambda c: False
+    for members in FULL + PARTIAL:
+        in_group = members is None or any(R in row for row in members)
+        grouped = in_group and (members is None or
+                                len(next(r for r in members if R in r)) > 1)
+        for dtype in ["float32", "float64", "int32", "bool", "float16"]:
+            kind = np.dtype(dtype).kind
+            ops = ["sum", "max", "min", "prod"] + (["mean"] if kind == "f" else [])
+            for op in ops:
+                seed += 1
+                tag = f"fused[{path}](members={members}, {dtype}, {op})"
+                before = B.mpi_calls.get(path, 0)
+                both(tag, data(SHAPES, dtype, seed), members, op)
+                calls = B.mpi_calls.get(path, 0) - before
+                if path == "shared_allreduce" or dtype != "float16":   # else: gathered
+                    assert calls == (1 if grouped else 0), f"{tag}: {calls} {path} calls"
+    B._node_local = NODE_LOCAL
 
 # a non-contiguous stack, an empty one; the inputs are left as they were
 x = data([(4, 6), (3,)], "float32", 500)
@@ -100,19 +107,19 @@ assert fused_all_reduce([], backend=B) == []
 
 # the pool: a held result is never overwritten, a dropped one's buffer comes back
 a, b = data([(64,), (8, 8)], "float32", 600), data([(64,), (8, 8)], "float32", 601)
-held, _ = both("fused(a)", a)
+held = both("fused(a)", a)
 want_a = [h.copy() for h in held]
-later, _ = both("fused(b), a held", b)     # same sizes: must not reuse a's buffer
+later = both("fused(b), a held", b)     # same sizes: must not reuse a's buffer
 assert not np.shares_memory(held[0], later[0]), "a held result's buffer was reused"
 for h, w in zip(held, want_a):
     assert np.array_equal(h, w), "a later bucket overwrote a result still held"
 pooled = len(B._fusion_pool)
 del held, later, h
-again, _ = both("fused(a) again", a)
+again = both("fused(a) again", a)
 assert any(again[0].base is p for p in B._fusion_pool), "a free pooled buffer was not reused"
 assert len(B._fusion_pool) == pooled, (len(B._fusion_pool), pooled)
 del again
-many = [both(f"fused(held {k})", data([(16,), (4,)], "float64", 700 + k))[0]
+many = [both(f"fused(held {k})", data([(16,), (4,)], "float64", 700 + k))
         for k in range(2 * mpi_backend._FUSION_POOL)]       # all held at once
 assert len(B._fusion_pool) == mpi_backend._FUSION_POOL, len(B._fusion_pool)
 for k, got in enumerate(many):                              # none overwritten by another
