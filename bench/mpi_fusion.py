@@ -2,12 +2,13 @@
 ways, round by round in the same job. Rank 0 prints the medians as JSON on its last line.
 
 * ``unfused``: ``backend.all_reduce`` on each gradient (one MPI ``Allreduce`` each);
-* ``fused``: ``fused_all_reduce`` on all of them (packed into one buffer, one ``Allreduce``
-  in place);
+* ``fused``: ``fused_all_reduce`` on all of them (packed into one buffer, reduced at once:
+  through node shared memory when the ranks share a machine, else one ``Allreduce``);
 * ``raw_unfused`` / ``raw_fused``: the same two with no dualmode code at all -- mpi4py's
   ``Allreduce`` on each preallocated gradient into a preallocated result, and ONE
   ``Allreduce(MPI.IN_PLACE)`` on a preallocated buffer of all of them (no packing). Their
-  ratio is the floor of fused / unfused on this machine: what fusing can gain at best.
+  ratio is what fusing gains with MPI's own collective alone, the reference beside
+  fused / unfused.
 
 Each round runs the four once each, after a ``Barrier``, starting at a different one each
 round (so none always runs first after the barrier); a round's time for a variant is the
