@@ -12,7 +12,8 @@ Every collective is one MPI collective on the raw, contiguous numpy buffer of th
 collective     MPI call (on the group's sub-communicator)
 ============== ===========================================================
 all_reduce     ``Allreduce`` (``algorithm="ring"`` too: MPI picks its algorithm)
-fused buckets  one ``Allreduce(IN_PLACE)`` on the packed (pooled) fusion buffer
+fused buckets  the packed bucket reduced in node shared memory (ranks on one machine),
+               else one ``Allreduce(IN_PLACE)`` on it
 all_gather     ``Allgather``, then the parts concatenated along ``axis``
 reduce_scatter ``Reduce_scatter_block`` on the parts moved to a leading axis
 all_to_all     ``Alltoall`` on the parts moved to a leading axis
@@ -362,7 +363,7 @@ class MPIBackend(Backend):
         (``Allreduce(MPI.IN_PLACE, ...)``, no send-to-receive copy). Dtypes MPI cannot
         reduce go the generic way there (gathered, reduced with numpy)."""
         n = plan.group_size
-        comm, me = self._group(plan) if n > 1 else (None, 0)
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
         offsets, total = fusion_offsets(stacks)
         dtype = stacks[0].dtype
         shared = comm is not None and total > 0 and self._node_local(comm)
@@ -372,7 +373,7 @@ class MPIBackend(Backend):
         buf = self._fusion_buffer(dtype, total)
         flat = [np.ascontiguousarray(s) for s in stacks]
         if shared:
-            self._shared_all_reduce(comm, me, flat, offsets, buf, op)
+            self._shared_all_reduce(comm, flat, offsets, buf, op)
         else:
             _comm.pack(flat, buf, offsets)
             if comm is not None:             # in no group: my own buffer
@@ -395,8 +396,7 @@ class MPIBackend(Backend):
             self._node_local_comms[key] = hit
         return hit
 
-    def _shared_all_reduce(self, comm, me: int, stacks, offsets, out: np.ndarray,
-                           op: str) -> None:
+    def _shared_all_reduce(self, comm, stacks, offsets, out: np.ndarray, op: str) -> None:
         """AllReduce through node shared memory, result into ``out`` (1, total).
 
         Every member packs its stacks into its row of one shared window ``(n, total)``
@@ -404,10 +404,10 @@ class MPIBackend(Backend):
         member ``j`` reduces column block ``j`` of the window over the rows with one
         numpy call (rows in member order, as the "sim" backend adds them) into a shared
         result row; after a second barrier each member copies the result row out. Bytes
-        touched per rank: the packing, a quarter of the window read four times, the copy
-        out -- against MPI's reduce-scatter/allgather, which moves and reduces through
-        private buffers; two barriers instead of 2 log2(n) exchanges."""
-        n = comm.Get_size()
+        touched per rank: the packing, its column block of every row, the copy out --
+        against MPI's reduce-scatter/allgather, which moves and reduces through private
+        buffers; two barriers instead of 2 log2(n) pairwise exchanges."""
+        n, me = comm.Get_size(), comm.Get_rank()      # the group rank is the member order
         dtype, total = out.dtype, out.shape[1]
         win, rwin, rows, res = self._shared_windows(comm, total * dtype.itemsize)
         nbytes = total * dtype.itemsize
