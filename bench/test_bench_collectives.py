@@ -11,23 +11,15 @@
   AllReduce call here) dominates. "packed" is the textbook form for comparison:
   ``_comm.pack`` into a preallocated buffer, one AllReduce, ``_comm.unpack`` -- it
   touches every byte twice more, so it loses at 1 MB.
-* Under MPI (4 real ranks, 100 x 64 KiB per rank): one packed Allreduce vs 100;
-  target >= 2x faster.
-"""
-import json
-import os
-import shutil
-import subprocess
-import sys
 
+The MPI form (4 real ranks, 100 x 64 KiB per rank) is in test_bench_mpi.py.
+"""
 import numpy as np
 import pytest
 
 from dualmode._core import _comm
 from dualmode.communication import SimBackend, fused_all_reduce
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 N = 8
 ALLREDUCE_ELEMS = 4 * 1024 * 1024          # 16 MiB of float32 per device
@@ -121,22 +113,3 @@ def test_fused_vs_unfused_gradients(benchmark, record, label, elems, impl):
     else:
         record(benchmark, f"{impl} 100x{label} allreduce", f"unfused 100x{label} allreduce",
                target=1.0 if label == "1MB" else 0.33)
-
-
-def test_fused_vs_unfused_gradients_mpi(benchmark, record_value):
-    """4 MPI ranks, 100 gradients x 64 KiB: timed inside rank 0 (see mpi_fusion.py)."""
-    if shutil.which("mpiexec") is None:
-        pytest.skip("mpiexec not found (pip install -e '.[mpi]')")
-    benchmark.group = "100 gradients x 64KiB per rank, 4 MPI ranks"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "RANK_"))}
-    env["PYTHONPATH"] = ROOT
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(["mpiexec", "-n", "4", sys.executable,
-                           os.path.join(HERE, "mpi_fusion.py"), "16384", "100", "30"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)   # the timing is rank 0's
-    record_value("unfused 100x64KiB allreduce, 4 MPI ranks", got["unfused_s"])
-    record_value("fused 100x64KiB allreduce, 4 MPI ranks", got["fused_s"],
-                 "unfused 100x64KiB allreduce, 4 MPI ranks", target=0.5)
