@@ -48,6 +48,7 @@ from .moves import REDISTRIBUTE, gather_global, gather_stack, moved, resolve_par
 from .rules import pending_sums
 from .sharding import decide, sharded_apply
 from .stacks import assemble, distribute, is_batch_layout, local_rows
+from .tensor_layout import TensorLayout
 
 __all__ = ["distribute", "dist_apply", "assemble", "parallel_active", "device_num",
            "is_batch_layout", "resolve_partial", "register_layout_kind", "local_rows",
@@ -107,12 +108,21 @@ def _live_backend_id():
 def dist_apply(op, attrs, inputs, rec):
     """Run `op` when at least one input is distributed (see the module docstring)."""
     layouts = [x._layout if isinstance(x, TensorBase) else None for x in inputs]
-    key = _dp_signature(op, attrs, inputs, layouts)
-    route = _DP_ROUTES.get(key) if key is not None else None
-    if route is not None:
-        return _run_dp_route(op, attrs, inputs, rec, route)
-    out = _dist_apply(op, attrs, inputs, rec, layouts, key)
-    return out
+    key = None
+    if all(lay is None or _batch_split(lay) for lay in layouts):
+        key = _dp_signature(op, attrs, inputs, layouts)
+        route = _DP_ROUTES.get(key) if key is not None else None
+        if route is not None:
+            return _run_dp_route(op, attrs, inputs, rec, route)
+    return _dist_apply(op, attrs, inputs, rec, layouts, key)
+
+
+def _batch_split(lay) -> bool:
+    """:func:`is_batch_layout`, kept on the (immutable) layout after the first ask."""
+    found = lay.__dict__.get("_batch_split") if type(lay) is TensorLayout else False
+    if found is None:
+        found = lay.__dict__["_batch_split"] = is_batch_layout(lay)
+    return found
 
 
 def _dist_apply(op, attrs, inputs, rec, layouts, key):
