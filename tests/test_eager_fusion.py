@@ -40,6 +40,7 @@ from dualmode.parallel.redistribute import plan_redistribution
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
+from _steps import mean_square_step
 
 
 class PackedSim(SimBackend):
@@ -112,13 +113,7 @@ def _train_scatters(n, fusion=None, compiled=False, backend=None):
         f = ops.shard(net, in_strategy=((n, 1),), parameter_plan=PLAN) \
             if n and not compiled else net
         opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
-        grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(f(x))), None,
-                                    opt.parameters)
-
-        def step(x):
-            loss, grads = grad_fn(x)
-            opt(grads)
-            return loss
+        step = mean_square_step(f, opt)
         run = ops.shard(step, in_strategy=((n, 1),), parameter_plan=PLAN) \
             if compiled else step
         losses, report = [], None
@@ -224,13 +219,7 @@ def _train_reduces(n, fusion=None, compiled=False):
             dm.set_auto_parallel_context(comm_fusion=fusion)
         net = RowSplit(n)
         opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
-        grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
-                                    opt.parameters)
-
-        def step(x):
-            loss, grads = grad_fn(x)
-            opt(grads)
-            return loss
+        step = mean_square_step(net, opt)
         run = AutoParallel(step, parallel_mode="semi_auto") if compiled else step
         losses, report = [], None
         for k in range(STEPS):

@@ -13,6 +13,7 @@ from dualmode.parallel import set_layerwise_slices
 from dualmode.parallel.inputs import distribute_inputs
 
 from _devices import devices
+from _steps import mean_square_step
 
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal((8, 16)).astype(np.float32)
@@ -110,13 +111,7 @@ def test_a_compiled_train_step_matches_stand_alone_and_skips_the_dispatcher():
             if n:
                 net.matmul.shard(((2, 4), (4, 1)))
             opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
-            grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
-                                        opt.parameters)
-
-            def step(x):
-                loss, grads = grad_fn(x)
-                opt(grads)
-                return loss
+            step = mean_square_step(net, opt)
             step = AutoParallel(step, parallel_mode="semi_auto") if n else step
             losses = [float(step(Tensor(X)).asnumpy())]
             if n:
@@ -184,13 +179,7 @@ def test_values_are_dropped_after_their_last_reader_with_the_same_results():
             net = _Net()
             net.matmul.shard(((2, 4), (4, 1)))
             opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
-            grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))),
-                                        None, opt.parameters)
-
-            def step(x):
-                loss, grads = grad_fn(x)
-                opt(grads)
-                return loss
+            step = mean_square_step(net, opt)
             step = AutoParallel(step, parallel_mode="semi_auto")
             step(Tensor(X))
             prog = step.compiled.program

@@ -15,6 +15,7 @@ from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.parallel.graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE
 
 from _devices import devices
+from _steps import mean_square_step
 
 RNG = np.random.default_rng(11)
 X = RNG.standard_normal((16, 12)).astype(np.float32)
@@ -48,13 +49,7 @@ class _Net(nn.Cell):
 
 def _step(net, opt, compiled):
     """The train step (mean squared output), compiled with AutoParallel or eager."""
-    grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
-                                opt.parameters)
-
-    def step(x):
-        loss, grads = grad_fn(x)
-        opt(grads)
-        return loss
+    step = mean_square_step(net, opt)
     return AutoParallel(step, parallel_mode="semi_auto") if compiled else step
 
 
