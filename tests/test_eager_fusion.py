@@ -18,11 +18,6 @@ the same program compiled: it reports the same gradient collectives eagerly and
 compiled.
 """
 import collections
-import importlib.util
-import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -40,6 +35,7 @@ from dualmode.parallel.redistribute import plan_redistribution
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
+from _mpi import load_mpi_script, run_mpi_script
 from _steps import mean_square_step
 
 
@@ -51,7 +47,6 @@ class PackedSim(SimBackend):
 
 register_backend("eager-packed-sim", PackedSim)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 
 # ------------------------------------------------------------------ program 1: ReduceScatters
@@ -320,22 +315,10 @@ def test_without_settings_the_gradients_are_returned_unchanged():
 def test_eager_fused_scatters_under_mpi_equal_stand_alone(tmp_path):
     """2 ranks, backend "mpi": unfused and fused (one ReduceScatter a step instead of
     two) eager updates give the stand-alone run's numbers."""
-    pytest.importorskip("mpi4py", reason="backend 'mpi' needs mpi4py")
-    if shutil.which("mpiexec") is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
-    script = os.path.join(ROOT, "tests", "mpi_scripts", "eager_fusion_step.py")
     out = tmp_path / "out.npz"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "OMPI_", "RANK_", "DEVICE_ID"))}
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, script, str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_mpi_script("eager_fusion_step.py", [out], tmp_path)
     data = np.load(out)
-    spec = importlib.util.spec_from_file_location("mpi_eager_fusion_step", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_mpi_script("eager_fusion_step.py")
     try:
         ref_losses, ref_weights, _ = mod.train(mpi=False)
     finally:

@@ -13,11 +13,6 @@ where its first member is needed. Checked against the single-device step (the or
 per bucket against hand-computed counts, per fused buffer against the unfused program,
 and for the errors and recompiles the settings imply.
 """
-import importlib.util
-import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -32,6 +27,7 @@ from dualmode.parallel.report import compiled_comm_times
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
+from _mpi import load_mpi_script, run_mpi_script
 
 
 class PackedSim(SimBackend):
@@ -43,7 +39,6 @@ class PackedSim(SimBackend):
 
 register_backend("packed-sim", PackedSim)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BACKENDS = [SimBackend, PackedSim]
 N = 8
@@ -415,22 +410,10 @@ def test_changing_the_gather_or_scatter_fusion_recompiles():
 def test_fused_step_under_mpi_equals_stand_alone(tmp_path):
     """2 ranks, backend "mpi": unfused and fused (one AllGather and one ReduceScatter a
     step instead of two each) give the stand-alone step's numbers."""
-    pytest.importorskip("mpi4py", reason="backend 'mpi' needs mpi4py")
-    if shutil.which("mpiexec") is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
-    script = os.path.join(ROOT, "tests", "mpi_scripts", "fused_collectives_step.py")
     out = tmp_path / "out.npz"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "OMPI_", "RANK_", "DEVICE_ID"))}
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, script, str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_mpi_script("fused_collectives_step.py", [out], tmp_path)
     data = np.load(out)
-    spec = importlib.util.spec_from_file_location("mpi_fused_collectives_step", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_mpi_script("fused_collectives_step.py")
     try:
         ref_losses, ref_weights, _ = mod.train(mpi=False)
     finally:
