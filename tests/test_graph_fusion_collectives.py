@@ -411,11 +411,11 @@ def test_fused_step_under_mpi_equals_stand_alone(tmp_path):
     """2 ranks, backend "mpi": unfused and fused (one AllGather and one ReduceScatter a
     step instead of two each) give the stand-alone step's numbers."""
     out = tmp_path / "out.npz"
-    run_mpi_script("fused_collectives_step.py", [out], tmp_path)
+    run_mpi_script("fusion_step.py", [out, "compiled"], tmp_path)
     data = np.load(out)
-    mod = load_mpi_script("fused_collectives_step.py")
+    mod = load_mpi_script("fusion_step.py")
     try:
-        ref_losses, ref_weights, _ = mod.train(mpi=False)
+        ref_losses, ref_weights, _ = mod.train("compiled", mpi=False)
     finally:
         dm.reset_auto_parallel_context()
         communication.init("sim")
