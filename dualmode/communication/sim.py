@@ -34,7 +34,19 @@ from .._core import _comm
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
 
-__all__ = ["SimBackend"]
+__all__ = ["SimBackend", "replicated_view"]
+
+
+def replicated_view(value: np.ndarray, n: int) -> np.ndarray:
+    """A read-only ``(n, *value.shape)`` view of one buffer (stride 0 on the device
+    axis): every device holding the same value, stored once."""
+    shape = (n,) + value.shape
+    if not value.flags.c_contiguous:
+        return np.broadcast_to(value, shape)
+    # as np.broadcast_to, without its Python-level argument handling (5x cheaper)
+    view = np.ndarray(shape, value.dtype, value, 0, (0,) + value.strides)
+    view.flags.writeable = False
+    return view
 
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
           "prod": np.multiply}
@@ -210,7 +222,7 @@ class SimBackend(Backend):
                 if op == "mean":
                     np.divide(piece, n, out=piece)
         flush()
-        full = self._replicated(row, (n, total))
+        full = replicated_view(row, n)
         return [full[:, o:o + s[0].size].reshape(s.shape) for s, o in zip(stacks, offsets)]
 
     def _reduce_scatter_fused(self, stacks, plan, axes, op):
@@ -223,16 +235,6 @@ class SimBackend(Backend):
         one group of every device, no packing copy); recorded as one collective."""
         return [self._all_gather(s, plan, a) for s, a in zip(stacks, axes)]
 
-    @staticmethod
-    def _replicated(value: np.ndarray, shape) -> np.ndarray:
-        """A read-only (N, *local) view of one buffer (stride 0 on the device axis)."""
-        if not value.flags.c_contiguous:
-            return np.broadcast_to(value, shape)
-        # as np.broadcast_to, without its Python-level argument handling (5x cheaper)
-        view = np.ndarray(shape, value.dtype, value, 0, (0,) + value.strides)
-        view.flags.writeable = False
-        return view
-
     # ---------------------------------------------------------- collectives
 
     def _all_reduce(self, stack, plan, op, algorithm):
@@ -240,7 +242,7 @@ class SimBackend(Backend):
             return self._ring_all_reduce(stack, plan, op)
         red = self._reduce_groups(stack, plan, op)
         if plan.num_groups == 1 and plan.full:
-            return self._replicated(red[0], stack.shape)
+            return replicated_view(red[0], stack.shape[0])
         out = self._new_out(stack, plan)
         self._fill(out, plan, red)
         return out
@@ -272,7 +274,7 @@ class SimBackend(Backend):
         gathered = _concat_members(self._grouped(stack, plan), axis)
         shape = (stack.shape[0],) + gathered.shape[1:]
         if plan.num_groups == 1:
-            return self._replicated(gathered[0], shape)
+            return replicated_view(gathered[0], shape[0])
         out = np.empty(shape, dtype=stack.dtype)
         self._fill(out, plan, gathered)
         return out
@@ -303,7 +305,7 @@ class SimBackend(Backend):
     def _broadcast(self, stack, plan, root):
         src = stack[plan.members[:, root]]                      # (G, *local), a copy
         if plan.num_groups == 1 and plan.full:
-            return self._replicated(src[0], stack.shape)
+            return replicated_view(src[0], stack.shape[0])
         out = self._new_out(stack, plan)
         self._fill(out, plan, src)
         return out

@@ -41,6 +41,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
+from ..communication.sim import replicated_view
 from .devices import device_num, parallel_active
 from .devices import live_backend as _live_backend
 from .devices import some_devices as _some_devices
@@ -260,15 +261,6 @@ def output_kinds(plan) -> tuple:
     return tuple(kinds)
 
 
-def _equal_shares_view(o, n):
-    """A read-only stack of n views of `o` (stride 0 on the device axis)."""
-    if not o.flags.c_contiguous:
-        return np.broadcast_to(o[None], (n,) + o.shape)
-    view = np.ndarray((n,) + o.shape, o.dtype, o, 0, (0,) + o.strides)
-    view.flags.writeable = False
-    return view
-
-
 def batch_global_outputs(out, op, plan, merged=(), kinds=None):
     """The outputs of `op`'s kernel run once on the global values (`out`) stored in the
     layouts of its rule's `plan` (`kinds`: :func:`output_kinds` of it, when known):
@@ -285,7 +277,7 @@ def batch_global_outputs(out, op, plan, merged=(), kinds=None):
                     and not any(o is m for m in merged):
                 # a fresh result: its n equal shares are made in place, no second array
                 np.true_divide(o, n, out=o)
-                arrays.append(_equal_shares_view(o, n))
+                arrays.append(replicated_view(o, n))
             else:
                 arrays.append(_shares(o, n))
         elif kind == "whole":

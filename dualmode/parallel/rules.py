@@ -16,10 +16,10 @@ import numpy as np
 from ..ops._registry import REGISTRY, linearity
 from .._core import _tensor as _core
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
+from .redistribution.planner import plan_redistribution
 from .shared_dims import elementwise_pairs
 from .sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
                        register_rule, run_kernel)
-from .redistribution.planner import plan_redistribution
 from .tensor_layout import stand_in
 
 
