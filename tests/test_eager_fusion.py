@@ -35,6 +35,7 @@ from dualmode.parallel.redistribute import plan_redistribution
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
+from _sharded_weights import ShardedWeights
 from _mpi import load_mpi_script, run_mpi_script
 from _steps import mean_square_step
 
@@ -69,26 +70,6 @@ SCATTERS = {"unfused": (None, [["w0"], ["w1"], ["w2"]]),
 KIB = {"w0": 2048, "w1": 4096, "w2": 1024}
 
 
-class ShardedWeights(nn.Cell):
-    """Three data-parallel MatMuls reading whole weights stored sharded."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.names = list(W)
-        self.mms = []
-        for name in self.names:
-            setattr(self, name, Parameter(Tensor(W[name].copy()), name=name))
-            mm = ops.MatMul()
-            if n:
-                mm.shard(((n, 1), (1, 1)))
-            self.mms.append(mm)
-
-    def construct(self, x):
-        for mm, name in zip(self.mms, self.names):
-            x = ops.tanh(mm(x, getattr(self, name)))
-        return x
-
-
 def _gradient_records(rep):
     """The multiset of the gradient collectives: (kind, group size, groups, bytes)."""
     return collections.Counter((r.kind, r.group_size, r.num_groups, r.bytes_per_device)
@@ -104,7 +85,7 @@ def _train_scatters(n, fusion=None, compiled=False, backend=None):
             communication.init(backend)
         if fusion is not None:
             dm.set_auto_parallel_context(comm_fusion=fusion)
-        net = ShardedWeights(n)
+        net = ShardedWeights(W, n)
         f = ops.shard(net, in_strategy=((n, 1),), parameter_plan=PLAN) \
             if n and not compiled else net
         opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
@@ -295,7 +276,7 @@ def test_grouped_buckets_bucket_each_key_apart_in_order_of_first_appearance():
 
 def test_without_settings_the_gradients_are_returned_unchanged():
     with devices(N):
-        net = ShardedWeights(N)
+        net = ShardedWeights(W, N)
         f = ops.shard(net, in_strategy=((N, 1),), parameter_plan=PLAN)
         params = net.trainable_params()
         _, grads = dm.value_and_grad(lambda x: ops.reduce_sum(f(x)), None, params)(Tensor(X))

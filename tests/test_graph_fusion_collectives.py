@@ -14,6 +14,8 @@ per bucket against hand-computed counts, per fused buffer against the unfused pr
 and for the errors and recompiles the settings imply.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -27,6 +29,7 @@ from dualmode.parallel.report import compiled_comm_times
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
+from _sharded_weights import ShardedWeights
 from _mpi import load_mpi_script, run_mpi_script
 
 
@@ -161,26 +164,6 @@ FUSIONS = {"unfused": None, "auto": BOTH, "size": SIZED,
            "reducescatter only": {"reducescatter": {"mode": "size", "config": 64}}}
 
 
-class _Net(nn.Cell):
-    """Three data-parallel MatMuls whose weights are stored sharded (ZeRO-3 style)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.names = list(W)
-        self.mms = []
-        for name in self.names:
-            setattr(self, name, Parameter(Tensor(W[name].copy()), name=name))
-            mm = ops.MatMul()
-            if n:
-                mm.shard(((n, 1), (1, 1)))          # every weight read whole
-            self.mms.append(mm)
-
-    def construct(self, x):
-        for mm, name in zip(self.mms, self.names):
-            x = ops.tanh(mm(x, getattr(self, name)))
-        return x
-
-
 def _step(net, opt, n, after=False):
     """The train step; `after`: it returns the network's output after the update too."""
     grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
@@ -201,7 +184,7 @@ def _train(n, fusion=None, steps=3, after=False, backend=None):
             communication.init(backend)
         if fusion is not None:
             dm.set_auto_parallel_context(comm_fusion=fusion)
-        net = _Net(n)
+        net = ShardedWeights(W, n)
         opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
         run = _step(net, opt, n, after)
         outs, report = [], None
@@ -286,18 +269,25 @@ def test_a_fused_gather_is_hoisted_to_its_first_member_and_not_past_an_update():
     assert rep.count("AllGather") == 2
 
 
+@contextlib.contextmanager
+def _stepped(fusion):
+    """On 8 devices with `fusion` as comm_fusion: the compiled train step of
+    ShardedWeights after its first call (compiled; the weights updated once)."""
+    with devices(8, gradients_mean=True):
+        if fusion:
+            dm.set_auto_parallel_context(comm_fusion=fusion)
+        net = ShardedWeights(W, 8)
+        run = _step(net, nn.SGD(net.trainable_params(), learning_rate=0.1), 8)
+        run(Tensor(X))
+        yield run
+
+
 def test_fused_buffers_equal_the_unfused_ones_per_member():
     """Both programs run from the same weights: every value a fused node computes is the
     value the unfused program's move computed (a fused node keeps its members' values)."""
     envs, graphs = [], []
     for fusion in (None, SIZED):
-        with devices(8, gradients_mean=True):
-            if fusion:
-                dm.set_auto_parallel_context(comm_fusion=fusion)
-            net = _Net(8)
-            opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
-            run = _step(net, opt, 8)
-            run(Tensor(X))                                # compiles; updates the weights
+        with _stepped(fusion) as run:
             prog = run.compiled.program
             envs.append(prog.run(prog.bind([Tensor(X)]), keep=True))
             graphs.append(prog.graph)
@@ -349,12 +339,7 @@ def test_a_parameter_gathered_twice_is_gathered_once_when_fused():
 
 def test_compiled_comm_times_count_a_bucket_once():
     def times(fusion):
-        with devices(8, gradients_mean=True):
-            if fusion:
-                dm.set_auto_parallel_context(comm_fusion=fusion)
-            net = _Net(8)
-            run = _step(net, nn.SGD(net.trainable_params(), learning_rate=0.1), 8)
-            run(Tensor(X))
+        with _stepped(fusion) as run:
             return compiled_comm_times(run, link="10GbE")
 
     def collectives(t, kind):
@@ -386,7 +371,7 @@ def test_bad_fusion_settings_are_rejected_by_name(setting, match):
 
 def test_changing_the_gather_or_scatter_fusion_recompiles():
     with devices(8, gradients_mean=True):
-        net = _Net(8)
+        net = ShardedWeights(W, 8)
         run = _step(net, nn.SGD(net.trainable_params(), learning_rate=0.05), 8)
         run(Tensor(X))
         first = run.compiled
@@ -440,12 +425,7 @@ def test_dump_and_strategies_show_the_fused_collectives():
     """dump() draws one node per bucket; strategies() still charges each MatMul the
     redistribution of its own weight, so the planned costs do not change with fusion."""
     def compiled(fusion):
-        with devices(8, gradients_mean=True):
-            if fusion:
-                dm.set_auto_parallel_context(comm_fusion=fusion)
-            net = _Net(8)
-            run = _step(net, nn.SGD(net.trainable_params(), learning_rate=0.1), 8)
-            run(Tensor(X))
+        with _stepped(fusion) as run:
             return run.dump(), run.strategies()
     dot, fused = compiled(SIZED)
     assert dot.count("fused AllGather of 2 parameters") == 1
@@ -465,7 +445,7 @@ def test_a_block_differentiated_eagerly_fuses_its_parameter_gathers():
         with devices(n, gradients_mean=True):
             if fusion:
                 dm.set_auto_parallel_context(comm_fusion=fusion)
-            net = _Net(n)
+            net = ShardedWeights(W, n)
             f = ops.shard(net, in_strategy=((n, 1),), parameter_plan=PLAN) if n else net
             opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
             grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(f(x))), None,
