@@ -82,6 +82,20 @@ def test_mpi_fused_all_reduce_matches_sim_and_never_overwrites_a_held_result(n, 
     assert "fused ok:" in proc.stdout and f"on {n} ranks" in proc.stdout
 
 
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpi_fused_reduce_scatter_and_all_gather_equal_unfused(n, tmp_path):
+    """fused_reduce_scatter / fused_all_gather under "mpi", through node shared memory
+    and through MPI's collectives: bit for bit the unfused collectives' results on
+    integer-valued data (any order is exact), the member-order sum on random floats in
+    shared memory, one collective per bucket, every op, dtype, group spec and split
+    axis; pooled buffers reused only once their results are dropped, the pool bounded
+    (tests/mpi_scripts/fused_rs_ag.py)."""
+    proc = run(["mpiexec", "-n", str(n), sys.executable, script("fused_rs_ag.py"), str(n)],
+               tmp_path, timeout=180, OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fused rs/ag ok:" in proc.stdout and f"on {n} ranks" in proc.stdout
+
 def test_mpi_rank_that_raises_aborts_plain_mpiexec_job(tmp_path):
     proc = mpiexec(4, "fail.py", 2, cwd=tmp_path)
     assert proc.returncode != 0

@@ -12,8 +12,12 @@ Every collective is one MPI collective on the raw, contiguous numpy buffer of th
 collective     MPI call (on the group's sub-communicator)
 ============== ===========================================================
 all_reduce     ``Allreduce`` (``algorithm="ring"`` too: MPI picks its algorithm)
-fused buckets  the packed bucket reduced in node shared memory (ranks on one machine),
-               else one ``Allreduce(IN_PLACE)`` on it
+fused buckets  AllReduce: the packed bucket reduced in node shared memory (ranks on one
+               machine), else one ``Allreduce(IN_PLACE)`` on it; ReduceScatter: the
+               parts packed part-major, each member reducing its block in node shared
+               memory, else one ``Reduce_scatter_block(IN_PLACE)``; AllGather: each
+               member's bucket packed into its row of node shared memory and copied out,
+               else one ``Allgather``; buffers from a pool (no fresh pages per call)
 all_gather     ``Allgather``, then the parts concatenated along ``axis``
 reduce_scatter ``Reduce_scatter_block`` on the parts moved to a leading axis
 all_to_all     ``Alltoall`` on the parts moved to a leading axis
@@ -48,6 +52,7 @@ so the other ranks never wait forever in a collective.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -57,7 +62,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .._core import _comm
-from .backend import Backend, fusion_offsets, register_backend
+from .backend import (Backend, _gathered, _parted, _split_shape, fusion_offsets,
+                      register_backend)
 from .groups import GroupPlan
 from .rank_table import load_rank_table
 
@@ -112,6 +118,50 @@ def _concat(parts: np.ndarray, axis: int) -> np.ndarray:
     n, part = parts.shape[0], parts.shape[1:]
     y = np.moveaxis(parts, 0, axis)
     return y.reshape(part[:axis] + (n * part[axis],) + part[axis + 1:])
+
+
+def _pack_parts(stacks, axes, offsets, table: np.ndarray, n: int) -> None:
+    """Pack the ``n`` parts of every stack's buffer (this rank's row) part-major into
+    ``table`` (n, total): part ``j`` of stack ``i`` along ``axes[i]``, flattened, at
+    ``table[j, offsets[i]:offsets[i + 1]]``. Stacks split along their first axis are
+    copied with one ``_comm.pack`` (GIL released: their parts are the rows of a
+    contiguous ``(n, chunk)`` view); the others with one numpy copy each."""
+    rows, at = [], []
+    for s, a, o, hi in zip(stacks, axes, offsets, offsets[1:]):
+        local = s.shape[1:]
+        if a == 0:
+            rows.append(np.ascontiguousarray(s[0]).reshape(n, hi - o))
+            at.append(o)
+            continue
+        slot = np.reshape(table[:, o:hi], (n,) + _parted(local, a, n), copy=False)
+        slot[...] = np.moveaxis(s[0].reshape(_split_shape(local, a, n)), a, 0)
+    if rows:
+        _comm.pack(rows, table, at)
+
+
+def _unpack_gathered(table: np.ndarray, stacks, axes, offsets, out: np.ndarray) -> list:
+    """The AllGather results from ``table`` (n, total), row ``j`` member ``j``'s packed
+    bucket (stack ``i`` at ``offsets[i]``), written into ``out`` (1, n * total), one
+    after the other in stack order, each concatenated along its axis; returns the views
+    ``(1, *gathered shape)``. Stacks gathered along their first axis are copied with one
+    ``_comm.unpack`` (their result is the ``(n, size)`` slots one after the other); the
+    others with one numpy copy each."""
+    n = table.shape[0]
+    res, rows, at = [], [], []
+    for s, a, o, hi in zip(stacks, axes, offsets, offsets[1:]):
+        local = s.shape[1:]
+        dst = out[0, n * o:n * hi]
+        res.append(dst.reshape((1,) + _gathered(local, a, n)))
+        if a == 0:
+            rows.append(dst.reshape(n, hi - o))
+            at.append(o)
+            continue
+        # member j's buffer is part j along `a` of the gathered buffer
+        slot = table[:, o:hi].reshape((n,) + local)
+        dst.reshape(local[:a] + (n,) + local[a:])[...] = np.moveaxis(slot, 0, a)
+    if rows:
+        _comm.unpack(table, rows, at)
+    return res
 
 
 def _env_int(name: str, low: int, high: int) -> Optional[int]:
@@ -490,6 +540,113 @@ class MPIBackend(Backend):
         elif free is not None:
             pool[free] = buf
         return buf
+
+    def _shared_sync(self, comm, win) -> None:
+        """Make the writes of every member into ``win`` visible to all (a barrier between
+        two window syncs)."""
+        win.Sync()
+        self._calls["Barrier"] += 1
+        comm.Barrier()
+        win.Sync()
+
+    def _reduce_scatter_fused(self, stacks, plan, axes, op):
+        """The stacks' parts packed part-major (:func:`_pack_parts`) and reduce-scattered
+        as one buffer; the results are views into a pooled buffer (:meth:`_fusion_buffer`).
+
+        Ranks on one machine reduce in node shared memory
+        (:meth:`_shared_reduce_scatter`: each member reduces its own block over the rows
+        in member order); across machines each rank packs into a pooled buffer and MPI
+        reduce-scatters it in place (``Reduce_scatter_block(MPI.IN_PLACE, ...)``, the
+        result in its first block). Dtypes MPI cannot reduce go the generic way there."""
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        dtype = stacks[0].dtype
+        chunks = [s[0].size // n for s in stacks]
+        offsets = list(itertools.accumulate(chunks, initial=0))
+        total = offsets[-1]
+        if comm is None or total == 0:       # a group of one; or nothing to move
+            return super()._reduce_scatter_fused(stacks, plan, axes, op)
+        shared = self._node_local(comm)
+        mop = self._mpi_op(op, dtype)
+        if mop is None and not shared:
+            return super()._reduce_scatter_fused(stacks, plan, axes, op)
+        if shared:
+            red = self._fusion_buffer(dtype, total)
+            self._shared_reduce_scatter(comm, stacks, axes, offsets, red, op)
+        else:
+            buf = self._fusion_buffer(dtype, n * total)
+            _pack_parts(stacks, axes, offsets, buf.reshape(n, total), n)
+            self._calls["Reduce_scatter_block"] += 1
+            comm.Reduce_scatter_block(self._mpi.IN_PLACE, buf.reshape(-1), op=mop)
+            red = buf[:, :total]
+        self._finish_mean(red, op, n)
+        return [red[:, o:o + c].reshape((1,) + _parted(s.shape[1:], a, n))
+                for s, a, o, c in zip(stacks, axes, offsets, chunks)]
+
+    def _shared_reduce_scatter(self, comm, stacks, axes, offsets, out: np.ndarray,
+                               op: str) -> None:
+        """ReduceScatter through node shared memory, this member's block into ``out``
+        (1, total).
+
+        Every member packs its parts part-major into its row of the shared window
+        ``(n, n * total)``; after a barrier member ``j`` reduces block ``j`` of every
+        row (rows in member order, as the "sim" backend adds them) with one numpy call
+        straight into ``out``; a second barrier keeps the window until every member has
+        read it. Bytes touched per rank: the packing, its block of every row."""
+        n, me = comm.Get_size(), comm.Get_rank()      # the group rank is the member order
+        dtype, total = out.dtype, out.shape[1]
+        nbytes = n * total * dtype.itemsize
+        win, _, rows, _ = self._shared_windows(comm, nbytes)
+        table = rows[:, :nbytes].view(dtype).reshape(n, n, total)   # (row, part, total)
+        _pack_parts(stacks, axes, offsets, table[me], n)
+        self._shared_sync(comm, win)
+        _UFUNC[op].reduce(table[:, me], axis=0, dtype=dtype, out=out[0])
+        self._shared_sync(comm, win)
+        self._calls["shared_reduce_scatter"] += 1
+
+    def _all_gather_fused(self, stacks, plan, axes):
+        """The stacks packed (``_comm.pack``) and gathered as one buffer; each result
+        is written concatenated along its axis into one pooled buffer
+        (:meth:`_fusion_buffer`, :func:`_unpack_gathered`) and returned as a view.
+
+        Ranks on one machine gather through node shared memory
+        (:meth:`_shared_all_gather`); across machines with one ``Allgather`` of pooled
+        buffers."""
+        n = plan.group_size
+        comm, _ = self._group(plan) if n > 1 else (None, 0)
+        dtype = stacks[0].dtype
+        offsets, total = fusion_offsets(stacks)
+        offsets.append(total)
+        if comm is None or total == 0:
+            return super()._all_gather_fused(stacks, plan, axes)
+        out = self._fusion_buffer(dtype, n * total)
+        flat = [np.ascontiguousarray(s) for s in stacks]
+        if self._node_local(comm):
+            return self._shared_all_gather(comm, flat, axes, offsets, out)
+        send = self._fusion_buffer(dtype, total)
+        _comm.pack(flat, send, offsets[:-1])
+        got = self._fusion_buffer(dtype, n * total)
+        self._calls["Allgather"] += 1
+        comm.Allgather([_flat_bytes(send), self._mpi.BYTE], [_flat_bytes(got), self._mpi.BYTE])
+        return _unpack_gathered(got.reshape(n, total), stacks, axes, offsets, out)
+
+    def _shared_all_gather(self, comm, flat, axes, offsets, out: np.ndarray) -> list:
+        """AllGather through node shared memory into ``out`` (1, n * total): every member
+        packs its stacks into its row of the shared window ``(n, total)``; after a
+        barrier each copies the rows out in its results' layout
+        (:func:`_unpack_gathered`); a second barrier keeps the window until every member
+        has read it."""
+        n, me = comm.Get_size(), comm.Get_rank()
+        dtype, total = out.dtype, offsets[-1]
+        nbytes = total * dtype.itemsize
+        win, _, rows, _ = self._shared_windows(comm, nbytes)
+        table = rows[:, :nbytes].view(dtype)
+        _comm.pack(flat, table[me:me + 1], offsets[:-1])
+        self._shared_sync(comm, win)
+        res = _unpack_gathered(table, flat, axes, offsets, out)
+        self._shared_sync(comm, win)
+        self._calls["shared_all_gather"] += 1
+        return res
 
     def _all_gather(self, stack, plan, axis):
         n = plan.group_size
