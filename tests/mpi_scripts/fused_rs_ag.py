@@ -13,11 +13,13 @@ must equal the unfused one bit for bit whatever order MPI adds in; random floats
 reduced in node shared memory must equal the sum in member order bit for bit, and agree
 with MPI's unfused collective and "sim" within rounding. Then the pool and the shared
 window: a held result survives later buckets, a dropped one's buffer is handed out
-again, the pool stays bounded, a larger bucket grows the window. Any mismatch raises,
+again, the pool stays bounded, a larger bucket grows the window, a member slow to read
+the shared window never sees it overwritten by the next collectives. Any mismatch raises,
 which aborts the whole job. Prints "fused rs/ag ok: <count> checks on <N> ranks" on
 rank 0.
 """
 import sys
+import time
 
 import numpy as np
 
@@ -217,6 +219,31 @@ for path, (rs_call, ag_call) in PATHS.items():
     rs(f"rs[{path}](big)", big, None, [0, 1], "mean", rs_call, True)
     ag(f"ag[{path}](big)", big, None, [0, 1], ag_call)
     B._node_local = NODE_LOCAL
+
+# the shared input windows are used in turn with one barrier per collective: a member
+# still reading a window (slowed down here) must not see it overwritten by the others'
+# next collectives -- AllGather, ReduceScatter and AllReduce in a row, each checked
+unpack = mpi_backend._unpack_gathered
+
+
+def slow_unpack(table, *args):
+    time.sleep(0.05)
+    return unpack(table, *args)
+
+
+for k in range(2 * N):
+    slow = k % N
+    mpi_backend._unpack_gathered = slow_unpack if R == slow else unpack
+    x = data([(4, 8), (8,)], "float32", 900 + k, True)
+    got = [fused_all_gather(mine(x), None, [1, 0], backend=B),      # back to back: no
+           fused_reduce_scatter(mine(x), backend=B),                 # other collective
+           fused_all_reduce(mine(x), backend=B)]                     # between them
+    mpi_backend._unpack_gathered = unpack
+    want = [fused_all_gather(x, None, [1, 0], backend=SIM), fused_reduce_scatter(x, backend=SIM),
+            fused_all_reduce(x, backend=SIM)]
+    for name, w, g in zip(["ag", "rs", "ar"], want, got):
+        same(f"{name}(rank {slow} slow to read, {k})", [f[R:R + 1] for f in w], g)
+mpi_backend._unpack_gathered = unpack
 
 comm.release()
 if R == 0:
