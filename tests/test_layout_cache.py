@@ -39,3 +39,36 @@ def test_cached_constructors_still_reject_bools():
     assert TensorLayout.batch_split([16, 4], 8) is TensorLayout.batch_split((16, 4), 8)
     with pytest.raises(LayoutError, match="batch_split"):
         TensorLayout.batch_split((16, 4), True)
+
+
+def test_primitive_remembers_passed_shapes_only_for_its_strategy():
+    """A primitive skips the strategy checks for input shapes that passed them before,
+    for the same strategy only: new shapes, a re-shard and an assigned strategy are
+    checked again."""
+    import dualmode as dm
+    mm = dm.ops.MatMul().shard(((2, 1), (1, 1)))
+    a = dm.Tensor(np.ones((4, 4), np.float32))
+    np.testing.assert_array_equal(mm(a, a).asnumpy(), np.full((4, 4), 4.0, np.float32))
+    bad = dm.Tensor(np.ones((3, 4), np.float32))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[0\]=2 does not "
+                                             r"divide dim 0 \(size 3\) of input 0"):
+            mm(bad, a)
+    mm.shard(((1, 3), (1, 1)))
+    with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[1\]=3 does not "
+                                         r"divide dim 1 \(size 4\) of input 0"):
+        mm(a, a)
+    mm.in_strategy = ((4, 1), (1, 1))
+    with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[0\]=4 does not "
+                                         r"divide dim 0 \(size 3\) of input 0"):
+        mm(bad, a)
+
+
+def test_layout_equality_ignores_alias_and_cached_values():
+    a = TensorLayout((2, 4), ((0,), (1,)), (8, 8))
+    b = TensorLayout((2, 4), ((0,), (1,)), (8, 8), alias=("dp", "mp"))
+    a.local_blocks(np.zeros((8, 8)))              # fills a's cached values only
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert a != TensorLayout((2, 4), ((0,), ()), (8, 8))
+    assert a != TensorLayout((2, 4), ((0,), ()), (8, 8), partial=(1,))
+    assert (a == "layout") is False and a != (2, 4)

@@ -41,7 +41,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from ..communication.sim import replicated_view
+from ..communication.sim import equal_shares
 from .devices import device_num, parallel_active
 from .devices import live_backend as _live_backend
 from .devices import some_devices as _some_devices
@@ -108,30 +108,42 @@ def _live_backend_id():
 
 def dist_apply(op, attrs, inputs, rec):
     """Run `op` when at least one input is distributed (see the module docstring)."""
-    layouts = [x._layout if isinstance(x, TensorBase) else None for x in inputs]
+    # one pass over the inputs: their layouts, whether every distributed one is a batch
+    # split (paths 3 and the route cache), whether one holds pending sums (path 2)
+    layouts, batch, partial = [], True, False
+    for x in inputs:
+        lay = x._layout if isinstance(x, TensorBase) else None
+        layouts.append(lay)
+        if lay is None:
+            continue
+        if type(lay) is not TensorLayout:
+            kind = LAYOUT_KINDS.get(type(lay))
+            if kind is not None:                # path 1: another layout kind
+                return kind(op, attrs, inputs, rec)
+            batch = False
+        elif lay.partial:
+            partial, batch = True, False
+        elif batch:
+            batch = _batch_split(lay)
     key = None
-    if all(lay is None or _batch_split(lay) for lay in layouts):
+    if batch:
         key = _dp_signature(op, attrs, inputs, layouts)
         route = _DP_ROUTES.get(key) if key is not None else None
         if route is not None:
             return _run_dp_route(op, attrs, inputs, rec, route)
-    return _dist_apply(op, attrs, inputs, rec, layouts, key)
+    return _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial)
 
 
 def _batch_split(lay) -> bool:
     """:func:`is_batch_layout`, kept on the (immutable) layout after the first ask."""
-    found = lay.__dict__.get("_batch_split") if type(lay) is TensorLayout else False
+    found = lay.__dict__.get("_is_batch_split")
     if found is None:
-        found = lay.__dict__["_batch_split"] = is_batch_layout(lay)
+        found = lay.__dict__["_is_batch_split"] = is_batch_layout(lay)
     return found
 
 
-def _dist_apply(op, attrs, inputs, rec, layouts, key):
-    for lay in layouts:
-        kind = LAYOUT_KINDS.get(type(lay))
-        if kind is not None:
-            return kind(op, attrs, inputs, rec)
-    if any(lay is not None and lay.partial for lay in layouts):
+def _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial):
+    if partial:
         if pending_sums(op, attrs, layouts) is not None:
             # linear in its pending inputs (its registration says so): the rule keeps
             # the sums pending, over the same device axes
@@ -144,8 +156,8 @@ def _dist_apply(op, attrs, inputs, rec, layouts, key):
         layouts = [x._layout if isinstance(x, TensorBase) else None for x in inputs]
         if all(lay is None for lay in layouts):
             return _core.apply(op, attrs, inputs)
-    dist = [lay for lay in layouts if lay is not None]
-    if all(is_batch_layout(lay) for lay in dist) and not _some_devices():
+        batch = all(is_batch_layout(lay) for lay in layouts if lay is not None)
+    if batch and not _some_devices():
         # data parallel: the stacks are every device's rows, so each input's global value
         # is a free view of its stack (a process holding some devices runs the rules)
         out = _batch_global(op, attrs, inputs, layouts, rec, key)
@@ -275,9 +287,9 @@ def batch_global_outputs(out, op, plan, merged=(), kinds=None):
         if kind == "partial":
             if n > 1 and o.flags.owndata and o.flags.writeable and o.dtype.kind == "f" \
                     and not any(o is m for m in merged):
-                # a fresh result: its n equal shares are made in place, no second array
-                np.true_divide(o, n, out=o)
-                arrays.append(replicated_view(o, n))
+                # a fresh result: n equal shares that remember it, so the AllReduce of
+                # this pending sum (a data-parallel gradient's) reads it without a pass
+                arrays.append(equal_shares(o, n))
             else:
                 arrays.append(_shares(o, n))
         elif kind == "whole":

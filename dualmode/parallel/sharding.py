@@ -232,15 +232,18 @@ _DECISIONS: dict = {}
 
 
 def decide(op, attrs, inputs, layouts):
-    """``(plan, lays, dm, dtypes, reps, grids, checked)`` for this call, or None when the
-    rule declines. Every part is a function of the op, its attrs, the inputs' layouts
-    (shapes for whole values), dtypes and how many devices this process holds, so it is
-    cached per that signature; `checked` lists whether shapes were validated already."""
+    """``(plan, lays, dm, dtypes, reps, grids, checked, ready, lays_out)`` for this call,
+    or None when the rule declines. Every part is a function of the op, its attrs, the
+    inputs' layouts (shapes for whole values), dtypes and how many devices this process
+    holds, so it is cached per that signature; `checked` lists whether shapes were
+    validated already, `ready` per input whether it is in the layout the plan needs, and
+    `lays_out` the outputs' layouts (None: a replicated result kept as one value)."""
     b = _live_backend()
     try:
         key = (op.name, tuple(attrs.items()) if attrs else (), tuple(layouts),
-               tuple(x.dtype for x in inputs),
-               tuple(() if lay is not None else np.shape(x) for x, lay in zip(inputs, layouts)),
+               tuple([x.dtype for x in inputs]),
+               tuple([() if lay is not None else np.shape(x)
+                      for x, lay in zip(inputs, layouts)]),
                len(b.local_ranks) if b is not None else 0)
         hit = _DECISIONS.get(key)
     except TypeError:                       # an unhashable attribute (an array, a list)
@@ -253,7 +256,10 @@ def decide(op, attrs, inputs, layouts):
     plan, lays, dm, dtypes = found
     reps = shared_replicas(RULES[op.name], plan, dm)
     grids = not reps and _wants_grids(plan, lays, inputs, dm)
-    hit = [plan, lays, dm, dtypes, reps, grids, False]
+    ready = tuple(need is not None and have == need for have, need in zip(lays, plan.inputs))
+    lays_out = tuple(None if not lay.partial and not any(lay.tensor_map) else lay
+                     for lay in plan.outputs)
+    hit = [plan, lays, dm, dtypes, reps, grids, False, ready, lays_out]
     if key is not None:
         if len(_DECISIONS) >= _PLANS_MAX:
             _DECISIONS.clear()
@@ -266,17 +272,17 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     found = decide(op, attrs, inputs, layouts)
     if found is None:
         return None
-    plan, lays, dm, dtypes, reps, grids, checked = found
+    plan, lays, dm, dtypes, reps, grids, checked, ready, lays_out = found
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
     elif grids:
         outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm)
     else:
         stacks = []
-        for x, have, need in zip(inputs, lays, plan.inputs):
+        for x, need, same in zip(inputs, plan.inputs, ready):
             if need is None:
                 stacks.append(x._value() if isinstance(x, TensorBase) else x)
-            elif have == need and isinstance(x, TensorBase) and x._layout is not None:
+            elif same and isinstance(x, TensorBase) and x._layout is not None:
                 stacks.append(x._data)
             else:
                 stacks.append(to_layout(x, need, op.name))
@@ -290,15 +296,11 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
             with op_cause(op.name):
                 outs[i] = np.asarray(_backend().all_reduce(
                     outs[i], members=plan.outputs[i].group_members(axes), op=red_op))
-    lays_out = []
-    for i, lay in enumerate(plan.outputs):
-        if not lay.partial and not any(lay.tensor_map):
+    for i, lay in enumerate(lays_out):
+        if lay is None:
             outs[i] = np.asarray(outs[i][0])          # a replicated result: one plain value
-            lays_out.append(None)
-        else:
-            lays_out.append(lay)
     res = tuple(outs) if op.multi_output else outs[0]
-    return _core.finish(op, attrs, inputs, res, rec, tuple(lays_out))
+    return _core.finish(op, attrs, inputs, res, rec, lays_out)
 
 
 _PLANS: dict = {}
@@ -326,10 +328,12 @@ def run_local(rule, op, attrs, plan, stacks):
     the same inputs (stacks stored once, stride 0 along the devices: equal shares of a
     pending sum, replicated values) a per-device rule computes one device's outputs and
     gives them to all."""
-    dist = [s for s, need in zip(stacks, plan.inputs) if need is not None]
-    once = getattr(rule, "per_device", False) and dist and all(
-        isinstance(s, np.ndarray) and s.ndim >= 1 and s.shape[0] > 1 and s.strides[0] == 0
-        for s in dist)
+    once = False
+    if getattr(rule, "per_device", False):
+        dist = [s for s, need in zip(stacks, plan.inputs) if need is not None]
+        once = bool(dist) and all(
+            isinstance(s, np.ndarray) and s.ndim >= 1 and s.shape[0] > 1 and s.strides[0] == 0
+            for s in dist)
     if once:
         n = dist[0].shape[0]
         stacks = [s[:1] if need is not None else s for s, need in zip(stacks, plan.inputs)]

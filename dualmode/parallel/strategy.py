@@ -123,6 +123,10 @@ def _to(x, lay, op_name):
 
 def apply_in_strategy(prim, args):
     """`args` with each tensor input in its strategy's layout."""
+    if all([isinstance(a, TensorBase) for a in args]):     # the common call: tensors only
+        lays = strategy_layouts(prim, args, args)
+        return tuple([a if a._layout is lay else _to(a, lay, prim.name)
+                      for a, lay in zip(args, lays)])
     args = tuple(_core.wrap(a) if isinstance(a, np.ndarray) else a for a in args)
     tensors = [t for t in _flat(args) if isinstance(t, TensorBase)]
     lays = strategy_layouts(prim, args, tensors)
@@ -150,7 +154,7 @@ def strategy_layouts(prim, args, tensors):
     repeated call skips the checks it already passed."""
     n = device_num()
     strategy = prim.in_strategy
-    key = (strategy, tuple(tuple(t.shape) for t in tensors), n)
+    key = (strategy, tuple([t.shape for t in tensors]), n)
     cache = prim.__dict__.get("_strategy_layouts")
     if cache is None:
         cache = prim.__dict__["_strategy_layouts"] = {}

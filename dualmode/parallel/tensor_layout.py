@@ -88,6 +88,19 @@ class TensorLayout:
             self.__dict__["_hash"] = h
         return h
 
+    def __eq__(self, other):
+        # layouts are compared on every op call: the same object, or a different cached
+        # hash, decides without comparing the fields (the dataclass's __eq__ otherwise)
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        if hash(self) != hash(other):
+            return False
+        return (self.device_matrix == other.device_matrix and self.tensor_map ==
+                other.tensor_map and self.shape == other.shape and
+                self.partial == other.partial)
+
     def __getstate__(self):   # cached values (slices, groups) are rebuilt on demand
         return {k: self.__dict__[k] for k in ("device_matrix", "tensor_map", "shape",
                                               "partial", "alias")}
