@@ -59,7 +59,8 @@ def test_numpy_matmul_16(benchmark, arrays, record):
 @pytest.mark.benchmark(group="dispatch sharded MatMul (16,16) on 8 devices")
 def test_dualmode_sharded_matmul_call(benchmark, arrays, record, parallel_context):
     """One eager MatMul.shard(((2, 4), (4, 1))) call on 8 simulated devices: the
-    dispatch overhead of a sharded op (issue 11 target: <= 60 us per call)."""
+    dispatch overhead of a sharded op, the call's median minus numpy's matmul of the
+    same global value (``extra_info["overhead_us"]``; issue 17 target: <= 30 us)."""
     parallel_context("semi_auto_parallel", 8)
     a = np.tile(arrays[0], (2, 2))
     x = dm.Tensor(a)
@@ -67,4 +68,7 @@ def test_dualmode_sharded_matmul_call(benchmark, arrays, record, parallel_contex
     mm = dm.ops.MatMul().shard(((2, 4), (4, 1)))
     out = benchmark(mm, x, w)
     benchmark.extra_info["correct"] = bool(np.allclose(out.asnumpy(), a @ a, rtol=1e-5))
-    record(benchmark, "dualmode sharded MatMul call", "numpy matmul (16,16)")
+    ratio = record(benchmark, "dualmode sharded MatMul call", "numpy matmul (16,16)")
+    if ratio:
+        median = benchmark.extra_info["median_s"]
+        benchmark.extra_info["overhead_us"] = (median - median / ratio) * 1e6
