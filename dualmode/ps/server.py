@@ -2,7 +2,7 @@
 
 Workers talk to it through a ROUTER socket on its data address; the scheduler through
 a DEALER (heartbeats, ``worker_lost`` / ``worker_done``, ``shutdown``). One thread,
-one poll loop: requests are handled in arrival order, so a pull always sees a whole
+one loop: requests are handled in arrival order, so a pull always sees a whole
 step.
 
 A **group** is the set of shards one optimizer of the workers owns on this server
@@ -19,7 +19,9 @@ A **group** is the set of shards one optimizer of the workers owns on this serve
 ``pull_rows``  rows of a sparse table by id.
 
 No copies on the way: a push's arrays are views of the received frames, and the answer
-sends the shards' own buffers. The shards that share an optimizer spec share one
+sends the shards' own buffers. A group of dense shards has the header of its answers
+encoded once (:class:`.transport.Template`: per answer only the version and the request
+id are formatted in). The shards that share an optimizer spec share one
 optimizer (one call per step updates them all). Plain SGD and Momentum run fused
 (:func:`.optim.fused_step`): the workers' gradients are summed in worker order,
 averaged and applied in one pass whose result is written into the first worker's
@@ -53,9 +55,14 @@ from .env import ClusterEnv
 from .optim import (build_optimizer, fusable, fused_step, optimizer_meta, restore_optimizer,
                     state_arrays, swap_rows, unswap_rows)
 from .scheduler import log
-from .transport import PSError, local_host, recv, send, send_tracked
+from .transport import _DTYPE_OF, PSError, Template, decode, local_host, recv, recv_frames, \
+    send, send_encoded, send_tracked
 
 __all__ = ["run_server", "checkpoint_path"]
+
+#: the longest the server waits for a request before it looks at the scheduler's
+#: messages and its heartbeats (milliseconds)
+_WAIT_MS = 100
 
 
 def checkpoint_path(root: str, server_id: int) -> str:
@@ -88,6 +95,18 @@ class _Group:
     owed: Dict[int, List[Tuple[bytes, dict]]] = field(default_factory=dict)
     since_checkpoint: int = 0
     dropped: int = 0
+    #: the header of the answers to pushes, encoded once (dense shards only), else None
+    answer_template: Optional[Template] = None
+    #: every shard is updated fused (its answers are not tracked)
+    all_fused: bool = False
+
+    def __post_init__(self):
+        dense = not any(k.sparse for k in self.keys)
+        self.all_fused = dense and all(k.fused for k in self.keys)
+        if dense and all(k.spec["dtype"] in _DTYPE_OF for k in self.keys):
+            self.answer_template = Template(
+                {"op": "pulled"}, [(k.spec["dtype"], k.spec["shape"]) for k in self.keys],
+                ("version", "req"))
 
 
 def _public_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -380,6 +399,13 @@ class _Server:
             g.since_checkpoint = 0
 
     def answer(self, ident: bytes, head: dict, g: _Group, want_rows) -> None:
+        req = head.get("req")
+        if g.all_fused and g.answer_template is not None and type(req) is int:
+            # the shards' new buffers, never written again: sent as they are
+            arrays = [key.param._data for key in g.keys]
+            send_encoded(self.data, g.answer_template(g.version, req), arrays, ident)
+            self.pull_bytes += g.answer_template.nbytes
+            return
         arrays, sent = [], []
         for k, key in enumerate(g.keys):
             if key.sparse:
@@ -450,43 +476,40 @@ class _Server:
 
     def serve(self) -> int:
         cfg = self.cfg
-        poller = zmq.Poller()
-        poller.register(self.data, zmq.POLLIN)
-        poller.register(self.sched, zmq.POLLIN)
+        data, sched = self.data, self.sched
+        # a receive waits at most this long, then the scheduler's messages and the
+        # heartbeats are looked at (also after every request)
+        data.setsockopt(zmq.RCVTIMEO, _WAIT_MS)
         last_ack = last_hb = time.monotonic()
-        tick = int(min(cfg.heartbeat_interval, 0.5) * 1000)
         handlers = {"init": self.on_init, "push": self.on_push, "pull_rows": self.on_pull_rows}
+        where = f"server {self.id}"
         while True:
-            events = dict(poller.poll(tick))
-            if self.sched in events:
-                while True:
-                    try:
-                        head, _ = recv(self.sched, "scheduler", flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    last_ack = time.monotonic()
-                    status = self.on_scheduler(head)
-                    if status is not None:
-                        return status
-            if self.data in events:
-                for _ in range(64):
-                    # ask before receiving: a zmq.Again per burst costs more than a step
-                    # of the loop (an exception object built in Python)
-                    if not self.data.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        break
-                    ident, head, arrays = recv(self.data, f"server {self.id}", router=True,
-                                               flags=zmq.NOBLOCK)
-                    handler = handlers.get(head.get("op"))
-                    if handler is None:
-                        self.error(ident, head, f"unknown request op={head.get('op')!r}")
-                        continue
+            try:
+                frames = recv_frames(data)
+            except zmq.Again:
+                frames = None
+            if frames is not None:
+                ident = frames[0].bytes
+                head, arrays = decode(frames[1:], where)
+                handler = handlers.get(head.get("op"))
+                if handler is None:
+                    self.error(ident, head, f"unknown request op={head.get('op')!r}")
+                else:
                     try:
                         handler(ident, head, arrays)
                     except (PSError, ValueError, TypeError, KeyError) as exc:
                         self.error(ident, head, f"{type(exc).__name__}: {exc}")
+            # ask before receiving: a zmq.Again costs more than this (an exception
+            # object built in Python)
+            while sched.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                head, _ = recv(sched, "scheduler", flags=zmq.NOBLOCK)
+                last_ack = time.monotonic()
+                status = self.on_scheduler(head)
+                if status is not None:
+                    return status
             now = time.monotonic()
             if now - last_hb >= cfg.heartbeat_interval:
-                send(self.sched, {"op": "hb"})
+                send(sched, {"op": "hb"})
                 last_hb = now
             if now - last_ack > cfg.heartbeat_timeout:
                 log("server", f"server {self.id}: the scheduler at {self.env.sched_host}:"

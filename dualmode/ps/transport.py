@@ -8,6 +8,11 @@ pickled. A received array is a view of its frame, which belongs to the receiver 
 may be written, or kept as a parameter's storage); sent on, the whole of a received
 frame goes as the frame itself (ZeroMQ shares the message). The header is small: the
 request's fields and the arrays' specs.
+
+A message sent every step with the same fields and array specs (a push of dense
+gradients, its answer) has its header encoded once (:class:`Template`): per message only
+its integer fields (step, version, request id) are formatted in, and
+:func:`send_encoded` sends the arrays as they are.
 """
 from __future__ import annotations
 
@@ -20,8 +25,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import zmq
 
-__all__ = ["encode", "decode", "send", "send_tracked", "recv", "poll_recv", "local_host",
-           "tcp_address", "check_host", "check_port", "PSError"]
+__all__ = ["encode", "decode", "send", "send_tracked", "recv", "recv_frames", "poll_recv",
+           "local_host", "tcp_address", "check_host", "check_port", "PSError", "Template",
+           "send_encoded"]
 
 #: below this many bytes a frame is copied into the message (ZeroMQ's own threshold)
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
@@ -82,6 +88,40 @@ def _received_frame(a: np.ndarray) -> Optional[zmq.Frame]:
     if isinstance(base, zmq.Frame) and a.nbytes == len(base) and a.nbytes:
         return base
     return None
+
+
+class Template:
+    """The header of a message sent again and again with the same fields and array
+    specs (`specs`: ``(dtype name, shape)`` per array) but for the integer fields
+    `varying`, encoded once: ``template(*values)`` is the header with those fields (in
+    that order), the JSON :func:`encode` would write for the same header and arrays;
+    ``nbytes`` the bytes of the arrays."""
+
+    __slots__ = ("_fmt", "nbytes")
+
+    def __init__(self, header: Dict[str, Any], specs: Sequence[Tuple[str, Sequence[int]]],
+                 varying: Sequence[str]):
+        fixed = json.dumps(dict(header, arrays=[[d, list(shape)] for d, shape in specs]),
+                           separators=(",", ":"))
+        tail = "".join(f',"{name}":%d' for name in varying)
+        self._fmt = (fixed[:-1].replace("%", "%%") + tail + "}").encode("utf-8")
+        self.nbytes = sum(_DTYPE_OF[d].itemsize * math.prod(shape) for d, shape in specs)
+
+    def __call__(self, *values: int) -> bytes:
+        return self._fmt % values
+
+
+def send_encoded(sock: zmq.Socket, head: bytes, arrays: Sequence[np.ndarray],
+                 ident: Optional[bytes] = None) -> None:
+    """Send a message whose header is already encoded (a :class:`Template`'s) with
+    `arrays`, C-contiguous with the dtypes and shapes that header lists: no copy,
+    nothing tracked (do not write them before the peer has answered); a whole
+    received frame goes as the frame itself."""
+    frames = [head] if ident is None else [ident, head]
+    for a in arrays:
+        frame = _received_frame(a)
+        frames.append(a if frame is None else frame)
+    sock.send_multipart(frames, copy=False)
 
 
 def encode(header: Dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> List[Any]:
@@ -148,10 +188,23 @@ def send_tracked(sock: zmq.Socket, header: Dict[str, Any], arrays: Sequence[np.n
     return nbytes, trackers
 
 
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> List[zmq.Frame]:
+    """The frames of one message, received without copies (what
+    ``recv_multipart(flags, copy=False)`` returns, asking each frame whether more
+    follow instead of the socket); zmq.Again when none came (``flags=zmq.NOBLOCK``, or
+    the socket's receive timeout ran out)."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
 def recv(sock: zmq.Socket, where: str, router: bool = False, flags: int = 0):
     """Receive one message: ``(header, arrays)``, or ``(ident, header, arrays)`` on a
     ROUTER (``flags=zmq.NOBLOCK``: raises zmq.Again when none is waiting)."""
-    frames = sock.recv_multipart(flags, copy=False)
+    frames = recv_frames(sock, flags)
     if router:
         ident = frames[0].bytes
         head, arrays = decode(frames[1:], where)

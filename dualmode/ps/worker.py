@@ -10,7 +10,9 @@ servers (:mod:`.placement`) and sends each server its shards and the optimizer s
 (``init``); every call sends each server one ``push`` with the gradients of its shards
 and returns once every server has answered with the new values (a message per server
 per step; the gradients are sent without copies, and a pulled weight held whole by one
-server keeps the received frame as its storage). A server that does not answer is asked again every
+server keeps the received frame as its storage). A push of dense shards only has its
+header encoded once per session and server (:class:`.transport.Template`; per step
+only the step, base version and request id are formatted in). A server that does not answer is asked again every
 ``heartbeat_timeout`` seconds (a restarted server resumes from its checkpoint and
 answers; with ``recovery_interval > 1`` it asks for the steps since that checkpoint,
 which the worker keeps); after ``connect_timeout`` seconds without an answer the call
@@ -26,7 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 import zmq
@@ -37,14 +39,28 @@ from ..communication import trace
 from .env import ClusterEnv
 from .optim import optimizer_spec
 from .placement import Shard, place
-from .transport import PSError, decode, send
+from .transport import _DTYPE_OF, Template, decode, recv_frames, send, send_encoded
 
 __all__ = ["WorkerClient", "active_worker"]
+
+#: the longest a worker waits for a server's answer before it looks at the other
+#: servers, its heartbeat thread's news, resends and timeouts (milliseconds)
+_WAIT_MS = 100
 
 
 def active_worker() -> Optional["WorkerClient"]:
     """The live worker client of this process, or None (not a PS worker)."""
     return context._STATE.ps_role
+
+
+class _Request(NamedTuple):
+    """One message to a server: its header fields, its arrays, and the header encoded
+    once (a push of dense shards: the integer fields step, base and req formatted in
+    per message) or None (encoded from `head`)."""
+
+    head: dict
+    arrays: list
+    template: Optional[Template] = None
 
 
 @dataclass
@@ -55,6 +71,8 @@ class _OptSession:
     params: tuple                               # the optimizer's parameters
     held: Tuple[int, ...]                       # indices into optimizer.parameters
     shards: Dict[int, List[Shard]]              # server -> its shards, in key order
+    #: server -> the header of its pushes encoded once (None: it holds a sparse shard)
+    templates: Dict[int, Optional[Template]] = field(default_factory=dict)
     step: int = 0
     version: int = 0
     history: collections.deque = field(default_factory=collections.deque)
@@ -113,6 +131,7 @@ class WorkerClient:
         for addr in self.servers:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, _WAIT_MS)     # a wait for an answer: checks between
             s.connect(addr)
             self.socks.append(s)
         self._thread = threading.Thread(target=self._heartbeat, name="dualmode-ps-heartbeat",
@@ -163,51 +182,43 @@ class WorkerClient:
         if self.lost is not None:
             raise RuntimeError(f"parameter server worker {self.rank}: {self.lost}")
 
-    def request_all(self, requests: Dict[int, Tuple[dict, list]]) -> Dict[int, Tuple[dict, list]]:
+    def request_all(self, requests: Dict[int, _Request]) -> Dict[int, Tuple[dict, list]]:
         """Send each server its request and wait for every answer (asking again every
         heartbeat_timeout; RuntimeError after connect_timeout without one)."""
         cfg = self.cfg
         pending = {}
-        for k, (head, arrays) in requests.items():
-            head = dict(head, req=next(self.req))
-            pending[k] = (head, arrays)
-            self._send(k, head, arrays)
-        answers = {}
-        poller = zmq.Poller()
-        for k in pending:
-            poller.register(self.socks[k], zmq.POLLIN)
-        sent_at = {k: time.monotonic() for k in pending}
-        waited_from = time.monotonic()
+        for k, request in requests.items():
+            request.head["req"] = next(self.req)
+            pending[k] = request
+            self._send(k, request)
+        answers: Dict[int, Tuple[dict, list]] = {}
+        now = time.monotonic()
+        sent_at = dict.fromkeys(pending, now)
+        waited_from = now
         while pending:
             self._check_alive()
-            events = dict(poller.poll(100))
-            for k in list(pending):
-                sock = self.socks[k]
-                while sock in events:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    head, arrays = decode(frames, f"server {k} ({self.servers[k]})")
-                    if head.get("req") != pending[k][0]["req"]:
-                        continue                       # the answer to an earlier resend
-                    if head.get("op") == "error":
-                        raise RuntimeError(f"parameter server {k} ({self.servers[k]}): "
-                                           + head["message"])
-                    if head.get("op") == "replay":
-                        self._replay(k, pending[k][0], head["version"])
-                        sent_at[k] = waited_from = time.monotonic()
-                        break
-                    answers[k] = (head, arrays)
-                    self.bytes_pulled += sum(a.nbytes for a in arrays)
-                    poller.unregister(sock)
-                    del pending[k]
-                    waited_from = time.monotonic()
-                    break
+            # wait (at most _WAIT_MS) for the first server still owing an answer: every
+            # answer is needed, so the others are read when it has come; when it does
+            # not come, the others are looked at without waiting
+            first = next(iter(pending))
+            try:
+                frames = recv_frames(self.socks[first])
+            except zmq.Again:
+                frames = None
+            if frames is not None:
+                if self._take_answer(first, frames, pending, answers):
+                    sent_at[first] = waited_from = time.monotonic()
+            else:
+                for k in list(pending)[1:]:
+                    sock = self.socks[k]
+                    while k in pending and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        if self._take_answer(k, recv_frames(sock, zmq.NOBLOCK), pending,
+                                             answers):
+                            sent_at[k] = waited_from = time.monotonic()
             now = time.monotonic()
             for k in pending:
                 if now - sent_at[k] > cfg.heartbeat_timeout:
-                    self._send(k, *pending[k])
+                    self._send(k, pending[k])
                     sent_at[k] = now
             if pending and now - waited_from > cfg.connect_timeout:
                 names = ", ".join(f"server {k} ({self.servers[k]})" for k in pending)
@@ -217,14 +228,42 @@ class WorkerClient:
                                    "resume) or another worker stalls the step")
         return answers
 
-    def _send(self, k: int, head: dict, arrays) -> None:
-        n = send(self.socks[k], head, arrays)
+    def _take_answer(self, k: int, frames: list, pending: Dict[int, _Request],
+                     answers: Dict[int, Tuple[dict, list]]) -> bool:
+        """Handle the message `frames` from server `k`: its answer to ``pending[k]``
+        moves into `answers`; the answer to an earlier resend is dropped; an error
+        raises; a restarted server's request for the steps since its checkpoint is
+        served. True when server `k` answered or asked (its wait starts again)."""
+        head, arrays = decode(frames, f"server {k} ({self.servers[k]})")
+        if head.get("req") != pending[k].head["req"]:
+            return False                       # the answer to an earlier resend
+        op = head.get("op")
+        if op == "error":
+            raise RuntimeError(f"parameter server {k} ({self.servers[k]}): "
+                               + head["message"])
+        if op == "replay":
+            self._replay(k, pending[k], head["version"])
+            return True
+        answers[k] = (head, arrays)
+        self.bytes_pulled += sum(a.nbytes for a in arrays)
+        del pending[k]
+        return True
+
+    def _send(self, k: int, request: _Request) -> None:
+        head, arrays, template = request
+        if template is not None:
+            send_encoded(self.socks[k], template(head["step"], head["base"], head["req"]),
+                         arrays)
+            n = template.nbytes
+        else:
+            n = send(self.socks[k], head, arrays)
         if head["op"] == "push":
             self.bytes_pushed += n
 
-    def _replay(self, k: int, current: dict, version: int) -> None:
+    def _replay(self, k: int, request: _Request, version: int) -> None:
         """Server `k` restarted from the checkpoint of step `version`: push it the
         steps since then again, then the current one."""
+        current = request.head
         sess = next(s for s in self.sessions.values() if s.gid == current["group"])
         kept = {step: req for step, req in sess.history}
         missing = [s for s in range(version, current["step"]) if s not in kept]
@@ -234,16 +273,8 @@ class WorkerClient:
                                f"step(s) {missing} (recovery_interval="
                                f"{self.cfg.recovery_interval})")
         for s in range(version, current["step"]):
-            head, arrays = kept[s][k]
-            self.request_all({k: (head, arrays)})
-        self._send(k, current, self.history_arrays(sess, current["step"], k))
-
-    @staticmethod
-    def history_arrays(sess: _OptSession, step: int, k: int) -> list:
-        for s, req in sess.history:
-            if s == step:
-                return req[k][1]
-        raise PSError(f"step {step} is not kept")
+            self.request_all({k: kept[s][k]})
+        self._send(k, request)
 
     # ------------------------------------------------------------ training
     def held_indices(self, opt) -> Tuple[int, ...]:
@@ -279,12 +310,23 @@ class WorkerClient:
                              "rows": None if sh.rows is None else list(sh.rows),
                              "sparse": sh.sparse})
                 arrays.append(part)
-            inits[k] = ({"op": "init", "group": sess.gid, "worker": self.rank, "keys": keys,
-                         "step": 0}, arrays)
+            inits[k] = _Request({"op": "init", "group": sess.gid, "worker": self.rank,
+                                 "keys": keys, "step": 0}, arrays)
+            sess.templates[k] = self._push_template(sess.gid, keys)
         answers = self.request_all(inits)
         self._write_values(opt, sess, answers, init=True)
         self.sessions[id(opt)] = sess
         return sess
+
+    def _push_template(self, gid: str, keys: List[dict]) -> Optional[Template]:
+        """The header of every push of the shards `keys` (their init specs) to one
+        server, encoded once; None when one of them is sparse (its arrays vary)."""
+        if any(key["sparse"] or key["dtype"] not in _DTYPE_OF for key in keys):
+            return None
+        return Template({"op": "push", "group": gid, "worker": self.rank,
+                         "want_rows": [False] * len(keys)},
+                        [(key["dtype"], key["shape"]) for key in keys],
+                        ("step", "base", "req"))
 
     def _check_hybrid(self, opt, held: Tuple[int, ...]) -> None:
         if self.env.worker_num == 1:
@@ -320,7 +362,16 @@ class WorkerClient:
             sess = self._session(opt, held)
         params = opt.parameters
         requests = {}
+        head = {"op": "push", "group": sess.gid, "worker": self.rank, "step": sess.step,
+                "base": sess.version}
         for k, lst in sess.shards.items():
+            template = sess.templates[k]
+            if template is not None:
+                # dense shards only: the header is encoded, only the arrays are new
+                requests[k] = _Request(dict(head), [_dense_part(gradients[sh.index], sh,
+                                                                params[sh.index].dtype)
+                                                    for sh in lst], template)
+                continue
             arrays, want = [], []
             for sh in lst:
                 g = gradients[sh.index]
@@ -336,9 +387,7 @@ class WorkerClient:
                     part = g if sh.rows is None else g[sh.rows[0]:sh.rows[1]]
                     arrays.append(np.asarray(part, p.dtype))
                     want.append(False)
-            requests[k] = ({"op": "push", "group": sess.gid, "worker": self.rank,
-                            "step": sess.step, "base": sess.version, "want_rows": want},
-                           arrays)
+            requests[k] = _Request(dict(head, want_rows=want), arrays)
         for i in held:
             cache = self.sparse.get(id(params[i]))
             if cache is not None:
@@ -391,8 +440,8 @@ class WorkerClient:
                         continue
                     sel = ids[(ids >= sh.rows[0]) & (ids < sh.rows[1])]
                     if len(sel):
-                        requests[k] = ({"op": "pull_rows", "group": sess.gid, "key": key},
-                                       [sel])
+                        requests[k] = _Request({"op": "pull_rows", "group": sess.gid,
+                                                "key": key}, [sel])
                         where[k] = sel
         if not requests:
             return
@@ -422,3 +471,12 @@ class WorkerClient:
                 with trace.comm_cause("ParameterServer", "gradient"):
                     trace.record("Pull", 2, 1, pulled)
 
+
+def _dense_part(g, sh: Shard, dtype) -> np.ndarray:
+    """The gradient `g` of shard `sh` (its rows, or all of it) as a C-contiguous
+    array of the parameter's `dtype` (a view when it already is one)."""
+    g = g._value() if isinstance(g, TensorBase) else g
+    if sh.rows is not None:
+        g = g[sh.rows[0]:sh.rows[1]]
+    a = np.asarray(g, dtype)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
