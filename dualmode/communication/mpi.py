@@ -506,8 +506,7 @@ class MPIBackend(Backend):
         Every member packs its stacks into its row of a shared input window ``(n,
         total)`` (:class:`_NodeWindows`, contiguous rows in member order); after a
         barrier member ``j`` reduces column block ``j`` of the window over the rows with
-        one numpy call (rows in member order, as the "sim" backend adds them) into the
-        shared result row; after a second barrier each member copies the result row
+        one numpy call (adding the rows in member order) into the shared result row; after a second barrier each member copies the result row
         out. Bytes touched per rank: the packing, its column block of every row, the
         copy out -- against MPI's reduce-scatter/allgather, which moves and reduces
         through private buffers; two barriers instead of 2 log2(n) pairwise exchanges."""
@@ -618,9 +617,10 @@ class MPIBackend(Backend):
 
         Every member packs its parts part-major into its row of the shared window
         ``(n, n * total)``; after a barrier member ``j`` reduces block ``j`` of every
-        row (rows in member order, as the "sim" backend adds them) with one numpy call
-        straight into ``out``; a second barrier keeps the window until every member has
-        read it. Bytes touched per rank: the packing, its block of every row."""
+        row with one numpy call straight into ``out``, adding the rows one after the
+        other in member order (so the result is the same whatever the timing). One
+        barrier (the input windows are used in turn, see :class:`_NodeWindows`). Bytes
+        touched per rank: the packing, its block of every row."""
         n, me = comm.Get_size(), comm.Get_rank()      # the group rank is the member order
         dtype, total = out.dtype, out.shape[1]
         nbytes = n * total * dtype.itemsize
