@@ -286,7 +286,7 @@ class Backend(abc.ABC):
                          op: str = "sum") -> list:
         """AllReduce many stacks of one dtype as ONE collective (a fusion buffer).
 
-        Returns the reduced stacks, views into one result (do not write into them).
+        Returns the reduced stacks, read-only views (do not write into them).
         Recorded as one AllReduce of the summed bytes. The base implementation packs the
         stacks into a buffer and runs one ``_all_reduce``; a backend may override
         ``_all_reduce_fused`` to reach the same result without the packing copy."""

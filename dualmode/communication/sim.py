@@ -12,6 +12,10 @@ Every collective is one numpy computation over the stack (no Python loop over de
   cannot be a strided view of shape ``(N, ...)``, so it is written once per device.
 * The whole-world direct AllReduce of float32/float64/int32/int64 buffers runs the
   Cython kernel ``_comm.reduce_rows`` (one pass over the stack, output kept in cache).
+  A stride-0 stack is read once: the mean of equal buffers is one of them, and the sum
+  of the equal shares of a pending sum made by :func:`equal_shares` (a data-parallel
+  gradient computed once over every device's rows) is the total they were made from,
+  returned without a pass.
 
 ``all_reduce(..., algorithm="ring")`` runs the textbook ring instead: the flattened
 buffer of each group is cut in ``n`` chunks; ``n - 1`` reduce-scatter steps, then
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 
 import numpy as np
 
@@ -34,7 +39,7 @@ from .._core import _comm
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
 
-__all__ = ["SimBackend", "replicated_view"]
+__all__ = ["SimBackend", "replicated_view", "equal_shares", "shares_total"]
 
 
 def replicated_view(value: np.ndarray, n: int) -> np.ndarray:
@@ -47,6 +52,40 @@ def replicated_view(value: np.ndarray, n: int) -> np.ndarray:
     view = np.ndarray(shape, value.dtype, value, 0, (0,) + value.strides)
     view.flags.writeable = False
     return view
+
+
+#: id(stack) -> (weak reference to the stack, its total) for the stacks made by
+#: :func:`equal_shares`; an entry leaves with its stack
+_SHARE_TOTALS: dict = {}
+
+
+def equal_shares(total: np.ndarray, n: int) -> np.ndarray:
+    """The stack of `n` equal shares ``total / n`` of a pending sum (a float `total`),
+    stored once (:func:`replicated_view`), that remembers `total`: the sum of its
+    shares (an AllReduce, a ReduceScatter over the whole world) is then `total` itself,
+    read without a pass over the shares, and exactly the single-device value (``n *
+    (total / n)`` may differ from it by a rounding). `total` becomes read-only: it is
+    handed out as such sums, so it must not change."""
+    share = np.true_divide(total, n, dtype=total.dtype)
+    view = replicated_view(share, n)
+    total.flags.writeable = False
+    key = id(view)
+
+    def forget(ref):
+        if _SHARE_TOTALS.get(key, (None,))[0] is ref:
+            del _SHARE_TOTALS[key]
+
+    _SHARE_TOTALS[key] = (weakref.ref(view, forget), total)
+    return view
+
+
+def shares_total(stack: np.ndarray):
+    """The total of `stack` when it is a stack of equal shares made by
+    :func:`equal_shares` (read-only), else None."""
+    found = _SHARE_TOTALS.get(id(stack))
+    if found is not None and found[0]() is stack:
+        return found[1]
+    return None
 
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
           "prod": np.multiply}
@@ -168,6 +207,14 @@ class SimBackend(Backend):
         """(*local): the reduction over the whole stack (Cython kernel when it applies),
         written into `out` (a C-contiguous (*local) buffer) when given."""
         n = stack.shape[0]
+        total = shares_total(stack) if op in ("sum", "mean") else None
+        if total is not None:                  # equal shares: the sum is their total
+            if out is None and op == "sum":
+                return total                   # read-only, as every result
+            if out is None:
+                out = np.empty(stack.shape[1:], dtype=stack.dtype)
+            np.copyto(out, total)              # the caller divides a mean's sum by n
+            return out
         if out is None:
             out = np.empty(stack.shape[1:], dtype=stack.dtype)
         if n > 1 and stack.strides[0] == 0:
@@ -187,43 +234,57 @@ class SimBackend(Backend):
         return _UFUNC[op].reduce(stack, axis=0, dtype=stack.dtype, out=out)
 
     def _all_reduce_fused(self, stacks, plan, op):
-        """Over the whole world, the result is one row that every device sees as a
-        stride-0 view. A large stack is reduced straight into its slice of that row (no
-        packing copy: the bytes touched are those of unfused AllReduces); runs of small
-        stacks are packed first, so they cost one reduction call per run, not per stack."""
+        """Over the whole world, every result is one buffer every device sees as a
+        stride-0 view. A stack whose devices all hold one buffer (a stride-0 view: a
+        replicated value, equal shares) has a result of its own, read without a pass
+        when it can be (the mean of equal buffers is one of them, the sum of
+        :func:`equal_shares` their total). The others share one row: a large stack is
+        reduced straight into its slice of it (no packing copy: the bytes touched are
+        those of unfused AllReduces); runs of small stacks are packed first, so they
+        cost one reduction call per run, not per stack."""
         if not (plan.num_groups == 1 and plan.full) or plan.group_size == 1:
             return super()._all_reduce_fused(stacks, plan, op)
         n = stacks[0].shape[0]
-        offsets, total = fusion_offsets(stacks)
+        outs = [None] * len(stacks)
+        rowed = []                                 # positions of the stacks in the row
+        for i, s in enumerate(stacks):
+            if s.strides[0] == 0:
+                one = s[0] if op == "mean" else self._reduce_all(s, op)
+                outs[i] = replicated_view(one, n)
+            else:
+                rowed.append(i)
+        if not rowed:
+            return outs
+        offsets, total = fusion_offsets([stacks[i] for i in rowed])
         row = np.empty(total, dtype=stacks[0].dtype)
-        run = []                                   # positions of small stacks, in order
+        run = []                                   # (position, offset) of small stacks
 
         def flush():
             if run:
-                lo, hi = offsets[run[0]], offsets[run[-1]] + stacks[run[-1]][0].size
+                lo, hi = run[0][1], run[-1][1] + stacks[run[-1][0]][0].size
                 buf = np.empty((n, hi - lo), dtype=row.dtype)
-                _comm.pack([np.ascontiguousarray(stacks[i]) for i in run], buf,
-                           [offsets[i] - lo for i in run])
+                _comm.pack([np.ascontiguousarray(stacks[i]) for i, _ in run], buf,
+                           [o - lo for _, o in run])
                 self._reduce_all(buf, op, row[lo:hi])
                 if op == "mean":
                     np.divide(row[lo:hi], n, out=row[lo:hi])
                 run.clear()
 
-        for i, s in enumerate(stacks):
-            if s.strides[0] != 0 and s[0].nbytes <= _PACK_BYTES:
-                run.append(i)
+        for i, o in zip(rowed, offsets):
+            s = stacks[i]
+            if s[0].nbytes <= _PACK_BYTES:
+                run.append((i, o))
                 continue
             flush()
-            piece = row[offsets[i]:offsets[i] + s[0].size].reshape(s.shape[1:])
-            if op == "mean" and s.strides[0] == 0:
-                np.copyto(piece, s[0])          # the mean of identical buffers is one of them
-            else:
-                self._reduce_all(s, op, piece)
-                if op == "mean":
-                    np.divide(piece, n, out=piece)
+            piece = row[o:o + s[0].size].reshape(s.shape[1:])
+            self._reduce_all(s, op, piece)
+            if op == "mean":
+                np.divide(piece, n, out=piece)
         flush()
         full = replicated_view(row, n)
-        return [full[:, o:o + s[0].size].reshape(s.shape) for s, o in zip(stacks, offsets)]
+        for i, o in zip(rowed, offsets):
+            outs[i] = full[:, o:o + stacks[i][0].size].reshape(stacks[i].shape)
+        return outs
 
     def _reduce_scatter_fused(self, stacks, plan, axes, op):
         """Each stack reduce-scattered on its own (one numpy pass each, no packing copy:
