@@ -55,8 +55,8 @@ from .env import ClusterEnv
 from .optim import (build_optimizer, fusable, fused_step, optimizer_meta, restore_optimizer,
                     state_arrays, swap_rows, unswap_rows)
 from .scheduler import log
-from .transport import _DTYPE_OF, PSError, Template, decode, local_host, recv, recv_frames, \
-    send, send_encoded, send_tracked
+from .transport import (_DTYPE_OF, PSError, Template, answer_template, decode, local_host,
+                        push_template, recv, recv_frames, send, send_encoded, send_tracked)
 
 __all__ = ["run_server", "checkpoint_path"]
 
@@ -104,9 +104,11 @@ class _Group:
         dense = not any(k.sparse for k in self.keys)
         self.all_fused = dense and all(k.fused for k in self.keys)
         if dense and all(k.spec["dtype"] in _DTYPE_OF for k in self.keys):
-            self.answer_template = Template(
-                {"op": "pulled"}, [(k.spec["dtype"], k.spec["shape"]) for k in self.keys],
-                ("version", "req"))
+            self.answer_template = answer_template(self.specs())
+
+    def specs(self) -> List[Tuple[str, List[int]]]:
+        """(dtype name, shape) of each shard, as the workers' init described them."""
+        return [(k.spec["dtype"], k.spec["shape"]) for k in self.keys]
 
 
 def _public_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -190,6 +192,9 @@ class _Server:
         self.id = -1
         self.address = None
         self.push_bytes = self.pull_bytes = 0
+        #: a worker's identity -> the headers of its pushes of dense groups seen so far
+        #: (template, group, worker): read without parsing
+        self.pushes: Dict[bytes, List[Tuple[Template, str, int]]] = {}
 
     # ------------------------------------------------------------ joining
     def join(self) -> None:
@@ -323,6 +328,11 @@ class _Server:
                               "DM_RECOVERY_PATH on the servers to resume after a failure)")
         self.push_bytes += sum(a.nbytes for a in arrays)
         grads = split_push(g, arrays, f"push from worker {worker}")
+        if g.answer_template is not None:
+            # this worker's next pushes of this group are read without parsing
+            seen = self.pushes.setdefault(ident, [])
+            if all(t[1] != gid for t in seen):
+                seen.append((push_template(gid, worker, g.specs()), gid, worker))
         if self.cfg.mode == "async":
             if self.cfg.staleness is not None and g.version - head["base"] > self.cfg.staleness:
                 g.dropped += 1
@@ -490,7 +500,16 @@ class _Server:
                 frames = None
             if frames is not None:
                 ident = frames[0].bytes
-                head, arrays = decode(frames[1:], where)
+                head = None
+                for template, gid, worker in self.pushes.get(ident, ()):
+                    matched = template.match(frames[1:])
+                    if matched is not None:
+                        (step, base, req), arrays = matched
+                        head = {"op": "push", "group": gid, "worker": worker, "step": step,
+                                "base": base, "req": req}
+                        break
+                if head is None:
+                    head, arrays = decode(frames[1:], where)
                 handler = handlers.get(head.get("op"))
                 if handler is None:
                     self.error(ident, head, f"unknown request op={head.get('op')!r}")

@@ -27,7 +27,7 @@ import zmq
 
 __all__ = ["encode", "decode", "send", "send_tracked", "recv", "recv_frames", "poll_recv",
            "local_host", "tcp_address", "check_host", "check_port", "PSError", "Template",
-           "send_encoded"]
+           "push_template", "answer_template", "send_encoded"]
 
 #: below this many bytes a frame is copied into the message (ZeroMQ's own threshold)
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
@@ -94,21 +94,67 @@ class Template:
     """The header of a message sent again and again with the same fields and array
     specs (`specs`: ``(dtype name, shape)`` per array) but for the integer fields
     `varying`, encoded once: ``template(*values)`` is the header with those fields (in
-    that order), the JSON :func:`encode` would write for the same header and arrays;
-    ``nbytes`` the bytes of the arrays."""
+    that order; the JSON that :func:`decode` reads as that header and those arrays);
+    ``nbytes`` the bytes of the arrays.
 
-    __slots__ = ("_fmt", "nbytes")
+    A receiver that expects such messages reads them with :meth:`match` (no JSON
+    parsing: after a large message has gone through the caches, parsing is the
+    costliest part of a receive), and :func:`decode` the others."""
+
+    __slots__ = ("_fmt", "_prefix", "_arrays", "nbytes")
 
     def __init__(self, header: Dict[str, Any], specs: Sequence[Tuple[str, Sequence[int]]],
                  varying: Sequence[str]):
+        if not varying:
+            raise ValueError("Template: varying must name at least one integer field")
         fixed = json.dumps(dict(header, arrays=[[d, list(shape)] for d, shape in specs]),
                            separators=(",", ":"))
-        tail = "".join(f',"{name}":%d' for name in varying)
-        self._fmt = (fixed[:-1].replace("%", "%%") + tail + "}").encode("utf-8")
-        self.nbytes = sum(_DTYPE_OF[d].itemsize * math.prod(shape) for d, shape in specs)
+        head = fixed[:-1] + f',"{varying[0]}":'
+        tail = "".join(f',"{name}":%d' for name in varying[1:])
+        self._fmt = (head.replace("%", "%%") + "%d" + tail + "}").encode("utf-8")
+        self._prefix = head.encode("utf-8")
+        self._arrays = [(_DTYPE_OF[d], tuple(shape), _DTYPE_OF[d].itemsize * math.prod(shape))
+                        for d, shape in specs]
+        self.nbytes = sum(n for _, _, n in self._arrays)
 
     def __call__(self, *values: int) -> bytes:
         return self._fmt % values
+
+    def match(self, frames: Sequence[Any]) -> Optional[Tuple[Tuple[int, ...], List[np.ndarray]]]:
+        """``(values, arrays)`` of a received message (`frames`: its header, then its
+        arrays' frames) whose header is this one with integer `values`, its arrays views
+        of the frames as :func:`decode` gives them; None for any other message."""
+        raw = frames[0].bytes if isinstance(frames[0], zmq.Frame) else bytes(frames[0])
+        if len(frames) != len(self._arrays) + 1 or not raw.startswith(self._prefix):
+            return None
+        try:
+            values = tuple(int(part.rpartition(b":")[2])
+                           for part in raw[len(self._prefix):-1].split(b","))
+            if self._fmt % values != raw:          # exactly this header, nothing else
+                return None
+        except (TypeError, ValueError):
+            return None
+        arrays = []
+        for (dt, shape, nbytes), fr in zip(self._arrays, frames[1:]):
+            if len(fr) != nbytes:
+                return None
+            arrays.append(np.frombuffer(fr, dt).reshape(shape) if nbytes else np.zeros(shape, dt))
+        return values, arrays
+
+
+def push_template(group: str, worker: int,
+                  specs: Sequence[Tuple[str, Sequence[int]]]) -> Template:
+    """The header of worker `worker`'s pushes of the dense shards `specs` (dtype name,
+    shape) of optimizer group `group` to one server: per push its step, the version its
+    gradients were computed on and the request id."""
+    return Template({"op": "push", "group": group, "worker": worker,
+                     "want_rows": [False] * len(specs)}, specs, ("step", "base", "req"))
+
+
+def answer_template(specs: Sequence[Tuple[str, Sequence[int]]]) -> Template:
+    """The header of a server's answer to such a push: the new values of the dense
+    shards `specs`, with the group's version and the request id."""
+    return Template({"op": "pulled"}, specs, ("version", "req"))
 
 
 def send_encoded(sock: zmq.Socket, head: bytes, arrays: Sequence[np.ndarray],

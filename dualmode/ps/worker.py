@@ -39,7 +39,8 @@ from ..communication import trace
 from .env import ClusterEnv
 from .optim import optimizer_spec
 from .placement import Shard, place
-from .transport import _DTYPE_OF, Template, decode, recv_frames, send, send_encoded
+from .transport import (_DTYPE_OF, Template, answer_template, decode, push_template,
+                        recv_frames, send, send_encoded)
 
 __all__ = ["WorkerClient", "active_worker"]
 
@@ -56,11 +57,13 @@ def active_worker() -> Optional["WorkerClient"]:
 class _Request(NamedTuple):
     """One message to a server: its header fields, its arrays, and the header encoded
     once (a push of dense shards: the integer fields step, base and req formatted in
-    per message) or None (encoded from `head`)."""
+    per message) or None (encoded from `head`); `answer`: the header of the expected
+    answer (the new values of dense shards), read without parsing, or None."""
 
     head: dict
     arrays: list
     template: Optional[Template] = None
+    answer: Optional[Template] = None
 
 
 @dataclass
@@ -71,8 +74,9 @@ class _OptSession:
     params: tuple                               # the optimizer's parameters
     held: Tuple[int, ...]                       # indices into optimizer.parameters
     shards: Dict[int, List[Shard]]              # server -> its shards, in key order
-    #: server -> the header of its pushes encoded once (None: it holds a sparse shard)
-    templates: Dict[int, Optional[Template]] = field(default_factory=dict)
+    #: server -> the headers of its pushes and of its answers, encoded once (None: it
+    #: holds a sparse shard)
+    templates: Dict[int, Optional[Tuple[Template, Template]]] = field(default_factory=dict)
     step: int = 0
     version: int = 0
     history: collections.deque = field(default_factory=collections.deque)
@@ -234,6 +238,16 @@ class WorkerClient:
         moves into `answers`; the answer to an earlier resend is dropped; an error
         raises; a restarted server's request for the steps since its checkpoint is
         served. True when server `k` answered or asked (its wait starts again)."""
+        request = pending[k]
+        matched = request.answer.match(frames) if request.answer is not None else None
+        if matched is not None:
+            (version, req), arrays = matched
+            if req != request.head["req"]:
+                return False                   # the answer to an earlier resend
+            answers[k] = ({"op": "pulled", "version": version, "req": req}, arrays)
+            self.bytes_pulled += request.answer.nbytes
+            del pending[k]
+            return True
         head, arrays = decode(frames, f"server {k} ({self.servers[k]})")
         if head.get("req") != pending[k].head["req"]:
             return False                       # the answer to an earlier resend
@@ -250,7 +264,7 @@ class WorkerClient:
         return True
 
     def _send(self, k: int, request: _Request) -> None:
-        head, arrays, template = request
+        head, arrays, template, _ = request
         if template is not None:
             send_encoded(self.socks[k], template(head["step"], head["base"], head["req"]),
                          arrays)
@@ -318,15 +332,15 @@ class WorkerClient:
         self.sessions[id(opt)] = sess
         return sess
 
-    def _push_template(self, gid: str, keys: List[dict]) -> Optional[Template]:
-        """The header of every push of the shards `keys` (their init specs) to one
-        server, encoded once; None when one of them is sparse (its arrays vary)."""
+    def _push_template(self, gid: str, keys: List[dict]) -> Optional[Tuple[Template, Template]]:
+        """The headers of every push of the shards `keys` (their init specs) to one
+        server and of its answer (the server encodes the same,
+        :func:`.transport.answer_template`), encoded once; None when one of them is sparse
+        (its arrays vary)."""
         if any(key["sparse"] or key["dtype"] not in _DTYPE_OF for key in keys):
             return None
-        return Template({"op": "push", "group": gid, "worker": self.rank,
-                         "want_rows": [False] * len(keys)},
-                        [(key["dtype"], key["shape"]) for key in keys],
-                        ("step", "base", "req"))
+        specs = [(key["dtype"], key["shape"]) for key in keys]
+        return (push_template(gid, self.rank, specs), answer_template(specs))
 
     def _check_hybrid(self, opt, held: Tuple[int, ...]) -> None:
         if self.env.worker_num == 1:
@@ -365,12 +379,12 @@ class WorkerClient:
         head = {"op": "push", "group": sess.gid, "worker": self.rank, "step": sess.step,
                 "base": sess.version}
         for k, lst in sess.shards.items():
-            template = sess.templates[k]
-            if template is not None:
+            templates = sess.templates[k]
+            if templates is not None:
                 # dense shards only: the header is encoded, only the arrays are new
                 requests[k] = _Request(dict(head), [_dense_part(gradients[sh.index], sh,
                                                                 params[sh.index].dtype)
-                                                    for sh in lst], template)
+                                                    for sh in lst], *templates)
                 continue
             arrays, want = [], []
             for sh in lst:
