@@ -29,7 +29,8 @@ from dualmode.communication.backend import Backend, register_backend
 from dualmode.parallel import CommReport
 from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.parallel.grad_reduce import (fuse_gradient_moves, fused_bucket,
-                                           grouped_buckets, single_step, step_group)
+                                           grouped_buckets, resolves_pending, single_step,
+                                           step_group)
 from dualmode.parallel.graph.ir import FUSED, FUSED_RS
 from dualmode.parallel.redistribute import plan_redistribution
 from dualmode.parallel.tensor_layout import TensorLayout
@@ -260,6 +261,23 @@ def test_single_step_recognizes_exactly_one_collective_of_a_kind():
                               TensorLayout(mesh, ((1,), ()), (16, 8)), 4)
     assert [s.kind for s in two] != ["ReduceScatter"]
     assert single_step(two, "ReduceScatter") is None and single_step(None, "AllGather") is None
+
+
+def test_resolves_pending_is_exactly_an_allreduce_of_the_pending_sums():
+    """The one check the eager fusion and the graph lowering share, against the
+    redistribution planner: where it says yes, the plan is that one AllReduce."""
+    mesh = (2, 4)
+    pending = TensorLayout(mesh, ((1,), ()), (16, 8), partial=(0,))
+    assert resolves_pending(pending, pending.without_partial())
+    plan = plan_redistribution(pending, pending.without_partial(), 4)
+    assert [s.kind for s in plan] == ["AllReduce"]
+    whole = TensorLayout(mesh, ((), ()), (16, 8), partial=(0, 1))
+    assert resolves_pending(whole, None)              # splits nothing: a whole value
+    assert not resolves_pending(pending, None)         # split rows: a gather too
+    assert not resolves_pending(pending.without_partial(), pending.without_partial())
+    split_other = TensorLayout(mesh, ((0,), ()), (16, 8), partial=(1,))
+    assert not resolves_pending(split_other, pending.without_partial())
+    assert not resolves_pending(whole, TensorLayout(mesh, ((1,), ()), (16, 8)))
 
 
 def test_grouped_buckets_bucket_each_key_apart_in_order_of_first_appearance():

@@ -18,11 +18,11 @@ ReduceScatters and AllGathers a compiled graph fuses (``comm_fusion["reducescatt
 A sharded weight's gradient moves into the weight's layout before its update. Eagerly
 (:func:`fuse_gradient_moves`, called by the optimizer) as in a compiled step
 (graph/fuse.py), the moves that are one collective are bucketed with the same helpers:
-the AllReduces of pending sums over a group of devices (:func:`resolve_key`, per
-``comm_fusion["allreduce"]``) and the one-step ReduceScatters (:func:`single_step`,
-:func:`step_group`, per ``comm_fusion["reducescatter"]``), each bucket of several
-gradients ONE collective; so a program reports the same collectives run eagerly and
-compiled.
+the AllReduces of pending sums (:func:`resolves_pending`) over a group of devices
+(:func:`resolve_key`, per ``comm_fusion["allreduce"]``) and the one-step
+ReduceScatters (:func:`single_step`, :func:`step_group`, per
+``comm_fusion["reducescatter"]``), each bucket of several gradients ONE collective; so
+a program reports the same collectives run eagerly and compiled.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from .redistribute import plan_redistribution
 from .tensor_layout import TensorLayout
 
 __all__ = ["reduce_gradients", "fusion_buckets", "broadcast_parameters", "is_dp_partial",
-           "bucket_name", "single_step", "step_group", "resolve_key", "grouped_buckets",
-           "fused_bucket", "fuse_gradient_moves"]
+           "resolves_pending", "bucket_name", "single_step", "step_group", "resolve_key",
+           "grouped_buckets", "fused_bucket", "fuse_gradient_moves"]
 
 _AUTO_MB = 64
 
@@ -88,6 +88,18 @@ def is_dp_partial(lay) -> bool:
     split (its AllReduce is the one ``gradients_mean`` and fusion apply to)?"""
     return lay is not None and lay.partial == (0,) and len(lay.device_matrix) == 1 and \
         all(m == () for m in lay.tensor_map)
+
+
+def resolves_pending(src, dst) -> bool:
+    """Is the move of a value from layout `src` into `dst` (a layout, or None for a whole
+    value) exactly an AllReduce of its pending sums: `dst` is `src` without them, or a
+    whole value when `src` splits nothing? (The eager optimizer's fusion and a compiled
+    graph's lowering both ask it.)"""
+    if not src.partial:
+        return False
+    if dst is None:
+        return not any(src.tensor_map)
+    return dst == src.without_partial()
 
 
 def single_step(plan, kind: str):
@@ -166,9 +178,7 @@ def fuse_gradient_moves(grads, params):
             continue
         dtypes[i], dsts[i] = g._data.dtype, dst
         sizes[i] = math.prod(src.local_shape) * g._data.dtype.itemsize
-        if src.partial and (dst is None and not any(src.tensor_map) or dst is not None and
-                            dst.tensor_map == src.tensor_map and
-                            dst == src.without_partial()):
+        if resolves_pending(src, dst):
             if not is_dp_partial(src):           # those: reduce_gradients
                 ar_keys[i] = resolve_key(src)
         elif dst is not None and "reducescatter" in fusion:

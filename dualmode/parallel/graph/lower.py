@@ -37,7 +37,7 @@ import numpy as np
 
 from ..._core._tensor import TensorBase
 from ..devices import holds_all_devices
-from ..grad_reduce import is_dp_partial
+from ..grad_reduce import is_dp_partial, resolves_pending
 from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
@@ -129,8 +129,7 @@ class _Lowering:
         kind, plan = "move", None
         if src is None:
             kind = "slice"                              # a whole value: local blocks only
-        elif src.partial and (dst == src.without_partial() or dst is None and not any(
-                src.tensor_map)):
+        elif resolves_pending(src, dst):
             kind = "resolve"                            # an AllReduce of the pending sums
         elif dst is None:
             kind = "gather"
