@@ -57,10 +57,9 @@ device takes no time. :data:`LINKS` holds the presets accepted as ``link=``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 __all__ = ["KINDS", "REASONS", "LINKS", "CommRecord", "TraceState", "comm_cause",
            "current_cause", "record", "note_memory", "bytes_per_device", "full_buffer_bytes",
@@ -236,9 +235,9 @@ def deactivate(report) -> None:
             return
 
 
-@contextlib.contextmanager
-def comm_cause(op_name: Optional[str], reason: str) -> Iterator[None]:
-    """Attribute the collectives issued inside the block to ``op_name`` and ``reason``.
+class comm_cause:
+    """Attribute the collectives issued inside the ``with`` block to ``op_name`` and
+    ``reason``.
 
     Parameters
     ----------
@@ -248,16 +247,24 @@ def comm_cause(op_name: Optional[str], reason: str) -> Iterator[None]:
         One of ``"forward"``, ``"backward"``, ``"gradient"``, ``"redistribution"``,
         ``"parameter_broadcast"`` (``parameter_broadcast=True`` before training), ``"user"``.
 
-    Nested blocks override outer ones until they exit.
+    Nested blocks override outer ones until they exit. (A small class rather than a
+    generator: every collective of every op enters one.)
     """
-    if op_name is not None and not isinstance(op_name, str):
-        raise TypeError(f"comm_cause: op_name={op_name!r} has type {type(op_name).__name__}; "
-                        "expected a str or None")
-    if reason not in REASONS:
-        raise ValueError(f"comm_cause: reason={reason!r} is not valid; expected one of "
-                         + ", ".join(repr(r) for r in REASONS))
-    _STATE.causes.append((op_name, reason))
-    try:
-        yield
-    finally:
+
+    __slots__ = ("_cause",)
+
+    def __init__(self, op_name: Optional[str], reason: str):
+        if op_name is not None and not isinstance(op_name, str):
+            raise TypeError(f"comm_cause: op_name={op_name!r} has type "
+                            f"{type(op_name).__name__}; expected a str or None")
+        if reason not in REASONS:
+            raise ValueError(f"comm_cause: reason={reason!r} is not valid; expected one of "
+                             + ", ".join(repr(r) for r in REASONS))
+        self._cause = (op_name, reason)
+
+    def __enter__(self) -> None:
+        _STATE.causes.append(self._cause)
+
+    def __exit__(self, *exc) -> bool:
         _STATE.causes.pop()
+        return False

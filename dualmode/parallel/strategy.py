@@ -35,7 +35,7 @@ _MODES = ("semi_auto_parallel", "auto_parallel")
 
 def strategies_active() -> bool:
     """Do shard strategies run sharded now?"""
-    return context.get_auto_parallel_context("parallel_mode") in _MODES and parallel_active()
+    return context._STATE.auto_parallel.parallel_mode in _MODES and parallel_active()
 
 
 def check_device_count(prim) -> None:
