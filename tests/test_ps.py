@@ -258,6 +258,46 @@ def test_ps_transport_sends_a_received_frame_on(zmq_pair):
     np.testing.assert_array_equal(part, big[:128] + 1)
 
 
+def test_ps_transport_template_is_read_back_exactly(zmq_pair):
+    """A push sent with its header encoded once arrives as the same header and arrays
+    through decode and through the template's match (which reads nothing else: a
+    different field value, an extra field, another array count or size is None); the
+    worker's and the server's templates of the same shards are the same bytes."""
+    from dualmode.ps import transport
+    dealer, router = zmq_pair
+    specs = [("float32", [256, 256]), ("int64", [3]), ("float64", [])]
+    arrays = [np.arange(64 * 1024, dtype=np.float32).reshape(256, 256),
+              np.array([7, -1, 2**40]), np.array(2.5)]
+    push = transport.push_template("opt3", 1, specs)
+    assert push.nbytes == sum(a.nbytes for a in arrays)
+    transport.send_encoded(dealer, push(12, 11, 2**33), arrays)
+    frames = transport.recv_frames(router)
+    head, got = transport.decode(frames[1:], "test")
+    assert head == {"op": "push", "group": "opt3", "worker": 1, "want_rows": [False] * 3,
+                    "step": 12, "base": 11, "req": 2**33}
+    values, matched = push.match(frames[1:])
+    assert values == (12, 11, 2**33)
+    for a, b, c in zip(arrays, got, matched):
+        assert (c.dtype, c.shape) == (a.dtype, a.shape) and c.flags.writeable
+        np.testing.assert_array_equal(b, a)
+        np.testing.assert_array_equal(c, a)
+    raw = push(12, 11, 5)
+    assert push.match([raw] + frames[2:]) is not None
+    assert transport.push_template("opt3", 0, specs).match([raw] + frames[2:]) is None
+    assert transport.push_template("opt3", 1, specs[:2]).match([raw] + frames[2:4]) is None
+    assert push.match([raw[:-1] + b',"x":1}'] + frames[2:]) is None        # extra field
+    assert push.match([raw.replace(b'"req":5', b'"req":5.5')] + frames[2:]) is None
+    assert push.match([raw] + frames[2:4]) is None                          # an array short
+    assert push.match([raw, frames[2], frames[3], frames[3]]) is None       # wrong size
+    answer = transport.answer_template(specs)
+    assert answer.match([raw] + frames[2:]) is None
+    assert transport.decode([answer(4, 9)] + frames[2:], "test")[0] == \
+        {"op": "pulled", "version": 4, "req": 9}
+    # the same shards described again (as the server does from the init specs)
+    assert transport.push_template("opt3", 1, [(d, list(s)) for d, s in specs])(1, 2, 3) \
+        == push(1, 2, 3)
+
+
 def test_ps_make_writable_copies_a_shard_still_being_sent():
     """The optimizer never writes a buffer ZeroMQ may still be reading: a shard with an
     unfinished send is replaced by a copy (the buffer in flight keeps the old values);
