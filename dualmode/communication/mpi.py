@@ -663,7 +663,7 @@ class MPIBackend(Backend):
         barrier each copies the rows out in its results' layout
         (:func:`_unpack_gathered`). One barrier (the input windows are used in turn, see
         :class:`_NodeWindows`)."""
-        n, me = comm.Get_size(), comm.Get_rank()
+        me = comm.Get_rank()                          # the group rank is the member order
         dtype, total = out.dtype, offsets[-1]
         nbytes = total * dtype.itemsize
         win, rows = self._node_windows(comm, nbytes).next_input()
