@@ -37,7 +37,8 @@ OPS = ("sum", "mean", "max", "min", "prod")
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+    return type(v) is int or (isinstance(v, numbers.Integral) and
+                              not isinstance(v, (bool, np.bool_)))
 
 
 # ------------------------------------------------------------------ validation

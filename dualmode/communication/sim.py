@@ -101,7 +101,11 @@ def _split(x: np.ndarray, lead: int, axis: int, n: int) -> np.ndarray:
     shape = x.shape
     a = lead + axis
     y = x.reshape(shape[:a] + (n, shape[a] // n) + shape[a + 1:])
-    return np.moveaxis(y, a, lead)
+    if a == lead:
+        return y
+    # np.moveaxis(y, a, lead), without its argument handling
+    return y.transpose(tuple(range(lead)) + (a,) + tuple(range(lead, a))
+                       + tuple(range(a + 1, y.ndim)))
 
 
 def _concat_members(x: np.ndarray, axis: int) -> np.ndarray:
@@ -288,8 +292,22 @@ class SimBackend(Backend):
 
     def _reduce_scatter_fused(self, stacks, plan, axes, op):
         """Each stack reduce-scattered on its own (one numpy pass each, no packing copy:
-        every device's buffers are in this process); recorded as one collective."""
-        return [self._reduce_scatter(s, plan, a, op) for s, a in zip(stacks, axes)]
+        every device's buffers are in this process); recorded as one collective. Over
+        the whole world, each result is a view of its stack's reduction (as the unfused
+        direct moves: the global value, then device j's part of it)."""
+        if not (plan.num_groups == 1 and plan.full) or plan.group_size == 1:
+            return [self._reduce_scatter(s, plan, a, op) for s, a in zip(stacks, axes)]
+        n = plan.group_size
+        outs = []
+        for s, a in zip(stacks, axes):
+            if op == "mean" and s.strides[0] == 0:
+                red = s[0]                     # the mean of identical buffers
+            else:
+                red = self._reduce_all(s, op)
+                if op == "mean":
+                    np.divide(red, n, out=red)
+            outs.append(_split(red, 0, a, n))
+        return outs
 
     def _all_gather_fused(self, stacks, plan, axes):
         """Each stack gathered on its own (a stride-0 view of one gathered buffer over
@@ -344,7 +362,8 @@ class SimBackend(Backend):
         red = self._reduce_groups(stack, plan, op)
         parts = _split(red, 1, axis, plan.group_size)      # (G, n, *local_out)
         if plan.identity:
-            return np.ascontiguousarray(parts).reshape((stack.shape[0],) + parts.shape[2:])
+            # a view of the reduced buffers when their strides allow (one group: always)
+            return parts.reshape((stack.shape[0],) + parts.shape[2:])
         out = np.empty((stack.shape[0],) + parts.shape[2:], dtype=stack.dtype)
         self._write(out, plan, parts)
         return out

@@ -99,7 +99,9 @@ def resolves_pending(src, dst) -> bool:
         return False
     if dst is None:
         return not any(src.tensor_map)
-    return dst == src.without_partial()
+    # the cheap comparisons first: without_partial() builds a layout
+    return dst.tensor_map == src.tensor_map and dst.device_matrix == src.device_matrix \
+        and dst == src.without_partial()
 
 
 def single_step(plan, kind: str):
@@ -147,6 +149,12 @@ def fused_bucket(dtypes) -> bool:
     return len(dtypes) > 1 and len(set(dtypes)) == 1
 
 
+#: (gradient signature, fusion settings) -> the fused buckets of an eager update
+#: (see :func:`_fused_moves`); an optimizer's signature repeats every step
+_FUSED_MOVES: dict = {}
+_FUSED_MOVES_MAX = 256
+
+
 def fuse_gradient_moves(grads, params):
     """`grads` (aligned with `params`) with the moves of an eager optimizer update that
     are one collective done in fused buckets, as a compiled step fuses them
@@ -158,56 +166,76 @@ def fuse_gradient_moves(grads, params):
     per group of devices and dtype. Each bucket of several gradients is ONE collective
     (reported as "gradient", named after its weights) and its gradients come back in
     their targets' layouts; the others are left as they are (the optimizer moves each
-    alone). Without fusion settings `grads` is returned unchanged."""
+    alone). Without fusion settings `grads` is returned unchanged. The buckets are
+    worked out once per signature of the gradients (layouts, dtypes) and settings."""
     grads = list(grads)
     fusion = context.get_auto_parallel_context("comm_fusion") or {}
-    if not ("allreduce" in fusion or "reducescatter" in fusion or
-            context.get_auto_parallel_context("all_reduce_fusion_config")):
+    index = context.get_auto_parallel_context("all_reduce_fusion_config")
+    if not ("allreduce" in fusion or "reducescatter" in fusion or index):
         return grads
-    n = len(grads)
+    sig = tuple((g._layout, p._layout if isinstance(p._layout, TensorLayout) else None,
+                 g._data.dtype)
+                if isinstance(g, TensorBase) and isinstance(g._layout, TensorLayout) and
+                p.requires_grad and not getattr(p, "layerwise_parallel", False) else None
+                for g, p in zip(grads, params))
+    key = (sig, repr(fusion), repr(index))
+    moves = _FUSED_MOVES.get(key)
+    if moves is None:
+        if len(_FUSED_MOVES) >= _FUSED_MOVES_MAX:
+            _FUSED_MOVES.clear()
+        moves = _FUSED_MOVES[key] = _fused_moves(sig, "reducescatter" in fusion)
+    backend = _backend()
+    for kind, bucket, members, axes, dsts in moves:
+        stacks = [grads[i]._data for i in bucket]
+        with comm_cause(bucket_name(params[i].name for i in bucket), "gradient"):
+            if kind == "AllReduce":
+                outs = backend.all_reduce_fused(stacks, members, "sum")
+                outs = [out if dst is not None else np.asarray(out[0])
+                        for out, dst in zip(outs, dsts)]
+            else:
+                outs = backend.reduce_scatter_fused(stacks, members, axes)
+        for i, out, dst in zip(bucket, outs, dsts):
+            grads[i] = _core.wrap_dist(out, dst)
+    return grads
+
+
+def _fused_moves(sig, scatter: bool) -> tuple:
+    """The fused collectives of :func:`fuse_gradient_moves` for gradients of signature
+    `sig` (per gradient ``(layout, its weight's layout, dtype)``, None when it is not
+    moved): ``(kind, positions, members, axes, target layouts)`` per bucket of several
+    gradients, AllReduces first; `scatter`: ReduceScatter fusion is configured."""
+    n = len(sig)
     ar_keys, rs_keys, sizes, dtypes = [None] * n, [None] * n, [0] * n, [None] * n
     dsts, steps = [None] * n, [None] * n
-    for i, (g, p) in enumerate(zip(grads, params)):
-        src = getattr(g, "_layout", None)
-        if not isinstance(g, TensorBase) or not isinstance(src, TensorLayout) or \
-                not p.requires_grad or getattr(p, "layerwise_parallel", False):
+    for i, entry in enumerate(sig):
+        if entry is None:
             continue
-        lay = p._layout
-        dst = lay if isinstance(lay, TensorLayout) and any(lay.tensor_map) else None
+        src, lay, dtype = entry
+        dst = lay if lay is not None and any(lay.tensor_map) else None
         if src == dst or dst is not None and dst.device_num != src.device_num:
             continue
-        dtypes[i], dsts[i] = g._data.dtype, dst
-        sizes[i] = math.prod(src.local_shape) * g._data.dtype.itemsize
+        dtypes[i], dsts[i] = dtype, dst
+        sizes[i] = math.prod(src.local_shape) * dtype.itemsize
         if resolves_pending(src, dst):
             if not is_dp_partial(src):           # those: reduce_gradients
                 ar_keys[i] = resolve_key(src)
-        elif dst is not None and "reducescatter" in fusion:
-            plan = plan_redistribution(src, dst, g._data.itemsize or 1)
+        elif dst is not None and scatter:
+            plan = plan_redistribution(src, dst, dtype.itemsize or 1)
             step = single_step(plan, "ReduceScatter")
             if step is not None:
-                rs_keys[i], members = step_group(plan, step, g._data.dtype)
+                rs_keys[i], members = step_group(plan, step, dtype)
                 steps[i] = (members, step.dim)
-    backend = _backend()
+    moves = []
     for bucket in grouped_buckets(ar_keys, sizes, "allreduce"):
-        if not fused_bucket([dtypes[i] for i in bucket]):
-            continue
-        src = grads[bucket[0]]._layout
-        with comm_cause(bucket_name(params[i].name for i in bucket), "gradient"):
-            outs = backend.all_reduce_fused([grads[i]._data for i in bucket],
-                                            src.group_members(src.partial), "sum")
-        for i, out in zip(bucket, outs):
-            grads[i] = _core.wrap_dist(out if dsts[i] is not None else np.asarray(out[0]),
-                                       dsts[i])
+        if fused_bucket([dtypes[i] for i in bucket]):
+            src = sig[bucket[0]][0]
+            moves.append(("AllReduce", tuple(bucket), src.group_members(src.partial), None,
+                          tuple(dsts[i] for i in bucket)))
     for bucket in grouped_buckets(rs_keys, sizes, "reducescatter"):
-        if not fused_bucket([dtypes[i] for i in bucket]):
-            continue
-        with comm_cause(bucket_name(params[i].name for i in bucket), "gradient"):
-            outs = backend.reduce_scatter_fused([grads[i]._data for i in bucket],
-                                                steps[bucket[0]][0],
-                                                [steps[i][1] for i in bucket])
-        for i, out in zip(bucket, outs):
-            grads[i] = _core.wrap_dist(out, dsts[i])
-    return grads
+        if fused_bucket([dtypes[i] for i in bucket]):
+            moves.append(("ReduceScatter", tuple(bucket), steps[bucket[0]][0],
+                          [steps[i][1] for i in bucket], tuple(dsts[i] for i in bucket)))
+    return tuple(moves)
 
 
 def reduce_gradients(grads, params=None):
