@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from ..communication.totals import remember_totals
 from ..ops._registry import REGISTRY, linearity
 from .._core import _tensor as _core
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
@@ -355,12 +356,13 @@ def contract_groups(a, b, dm, axes):
         grid_shape[i] = s
     total = total.reshape(tuple(grid_shape) + total.shape[-2:])
     if all(g == 1 for g in grid_shape):             # one total: every device a view of it
-        np.true_divide(total, parts, out=total)
-        return grid_to_stack(total, dm)
-    # the shares written straight into every device's block (one pass)
-    out = np.empty((math.prod(dm),) + total.shape[-2:], dtype=total.dtype)
-    np.true_divide(total, parts, out=out.reshape(tuple(dm) + total.shape[-2:]))
-    return out
+        out = grid_to_stack(np.true_divide(total, parts, dtype=total.dtype), dm)
+    else:
+        # the shares written straight into every device's block (one pass)
+        out = np.empty((math.prod(dm),) + total.shape[-2:], dtype=total.dtype)
+        np.true_divide(total, parts, out=out.reshape(tuple(dm) + total.shape[-2:]))
+    # whoever adds the shares up again reads the totals instead
+    return remember_totals(out, total, dm, axes)
 
 
 def _contract_rule(op):

@@ -10,6 +10,7 @@ import numpy as np
 
 from ...communication import _live_backend, trace
 from ...communication.sim import SimBackend
+from ...communication.totals import known_totals
 from ...communication.trace import comm_cause
 from ..layout import LayoutSpec, TensorLayout
 from .planner import plan_redistribution
@@ -157,7 +158,12 @@ def _record_steps(plan: Plan, itemsize: int) -> None:
 def global_value(stack: np.ndarray, layout: TensorLayout) -> np.ndarray:
     """The global value held by a stack of every device's shards in ``layout`` (pending
     sums added up). A stride-0 stack (one buffer viewed by every device) is read once;
-    a batch split is a view."""
+    a batch split is a view; pending sums whose totals are known
+    (:mod:`dualmode.communication.totals`) are read from the totals."""
+    if layout.partial:
+        totals = known_totals(stack, layout.device_matrix, layout.partial)
+        if totals is not None:
+            return layout.assemble_totals(totals)
     if stack.strides[0] == 0 and stack.shape[0] > 1 and not layout.split_axes:
         one = stack[0]
         if not layout.partial:

@@ -1,0 +1,119 @@
+"""Pending sums that remember their totals (dualmode.communication.totals): the global
+value read from the totals equals the sum of the shares, and only the very stack that
+was recorded is read that way."""
+import gc
+
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Tensor
+from dualmode.communication import totals as totals_mod
+from dualmode.communication.totals import known_totals, remember_totals
+from dualmode.parallel import CommReport, TensorLayout
+from dualmode.parallel.redistribution import executor
+from dualmode.parallel.redistribution.executor import global_value
+from dualmode.parallel.rules import contract_groups
+
+RNG = np.random.default_rng(5)
+
+
+def _shares(layout, value):
+    """The stack of `value` in `layout` as equal shares over its partial axes, and the
+    totals grid (size 1 along the partial and replicated axes)."""
+    plain = layout.without_partial()
+    parts = int(np.prod([layout.device_matrix[a] for a in layout.partial]))
+    stack = plain.local_blocks(value) / np.float32(parts)
+    totals = plain.local_blocks_grid(value)
+    totals = totals[tuple(slice(0, 1) if a in layout.partial else slice(None)
+                          for a in range(len(layout.device_matrix)))]
+    return np.ascontiguousarray(stack), np.ascontiguousarray(totals)
+
+
+@pytest.mark.parametrize("dm_, tmap, partial", [
+    ((2, 4), ((0,), ()), (1,)),          # rows split, summed over the other axis
+    ((2, 4), ((), (0,)), (1,)),          # columns split over axis 0
+    ((2, 2, 2), ((2,), (0,)), (1,)),     # both dims split, summed over the middle axis
+    ((8,), ((), ()), (0,)),              # one total for every device
+    ((2, 4), ((1,), ()), (0,)),          # the weight-gradient shape of the seed step
+])
+def test_global_value_from_totals_equals_the_sum_of_shares(dm_, tmap, partial):
+    lay = TensorLayout(dm_, tmap, (8, 12), partial=partial)
+    value = RNG.standard_normal((8, 12)).astype(np.float32)
+    stack, totals = _shares(lay, value)
+    slow = lay.assemble(stack)
+    remember_totals(stack, totals, dm_, partial)
+    fast = global_value(stack, lay)
+    np.testing.assert_array_equal(fast, value)           # the exact totals
+    np.testing.assert_allclose(fast, slow, rtol=1e-6, atol=1e-6)
+    assert not stack.flags.writeable and not totals.flags.writeable
+
+
+def test_only_the_recorded_stack_and_axes_are_known():
+    lay = TensorLayout((2, 4), ((0,), ()), (8, 12), partial=(1,))
+    stack, totals = _shares(lay, RNG.standard_normal((8, 12)).astype(np.float32))
+    remember_totals(stack, totals, (2, 4), (1,))
+    assert known_totals(stack, (2, 4), (1,)) is totals
+    assert known_totals(stack, (2, 4), (0,)) is None        # other axes
+    assert known_totals(stack, (4, 2), (1,)) is None        # another device matrix
+    assert known_totals(stack[:], (2, 4), (1,)) is None     # a view is added up as any
+    with pytest.raises(ValueError, match="read-only"):
+        stack[0, 0, 0] = 1.0
+    recorded = len(totals_mod._TOTALS)
+    del stack
+    gc.collect()
+    assert len(totals_mod._TOTALS) == recorded - 1          # the entry left with it
+
+
+def test_remember_totals_rejects_totals_that_do_not_fit():
+    stack = np.zeros((8, 4, 6), np.float32)
+    with pytest.raises(ValueError, match=r"remember_totals: totals of shape \(2, 4, 4, 6\) "
+                                         r"do not fit a stack \(8, 4, 6\) summed over "
+                                         r"axes \(1,\)"):
+        remember_totals(stack, np.zeros((2, 4, 4, 6), np.float32), (2, 4), (1,))
+    assert stack.flags.writeable                            # nothing changed
+
+
+def test_assemble_totals_rejects_a_grid_of_another_shape():
+    lay = TensorLayout((2, 4), ((0,), ()), (8, 12), partial=(1,))
+    with pytest.raises(Exception, match="assemble_totals got a grid of shape"):
+        lay.assemble_totals(np.zeros((2, 4, 4, 12), np.float32))
+
+
+def test_grouped_matmul_records_its_group_totals():
+    """contract_groups' shares add up to the GEMM of each group, and the totals it
+    records are those GEMMs."""
+    a = RNG.standard_normal((16, 24)).astype(np.float32)
+    b = RNG.standard_normal((24, 8)).astype(np.float32)
+    dm_ = (2, 4)
+    ga = TensorLayout(dm_, ((0,), (1,)), a.shape).local_blocks_grid(a)   # (2, 4, 8, 6)
+    gb = TensorLayout(dm_, ((1,), ()), b.shape).local_blocks_grid(b)     # (1, 4, 6, 8)
+    out = contract_groups(ga, gb, dm_, (1,))
+    lay = TensorLayout(dm_, ((0,), ()), (16, 8), partial=(1,))
+    totals = known_totals(out, dm_, (1,))
+    assert totals is not None
+    np.testing.assert_allclose(lay.assemble_totals(totals), a @ b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lay.assemble(out), a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_matmul_then_relu_equals_one_device(eight, monkeypatch):
+    """End to end: a MatMul whose contracted dim is split (its pending sums kept as
+    shares with their totals) followed by an op that needs the sum gives the numbers of
+    one device and reports the same collectives as when the shares are added up."""
+    a = RNG.standard_normal((64, 96)).astype(np.float32)
+    w = RNG.standard_normal((96, 32)).astype(np.float32)
+    mm = dm.ops.MatMul().shard(((2, 4), (4, 1)))
+    relu = dm.ops.ReLU().shard(((4, 1),))
+
+    def run():
+        with CommReport() as report:
+            out = relu(mm(Tensor(a), Tensor(w))).asnumpy()
+        return out, [(r.kind, r.group_size, r.num_groups, r.bytes_per_device)
+                     for r in report.records]
+
+    out, fast = run()
+    np.testing.assert_allclose(out, np.maximum(a @ w, 0), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(executor, "known_totals", lambda *args: None)   # add shares up
+    slow_out, slow = run()
+    assert fast == slow and fast
+    np.testing.assert_allclose(slow_out, out, rtol=1e-5, atol=1e-5)
