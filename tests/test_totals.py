@@ -117,3 +117,37 @@ def test_sharded_matmul_then_relu_equals_one_device(eight, monkeypatch):
     slow_out, slow = run()
     assert fast == slow and fast
     np.testing.assert_allclose(slow_out, out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dm_, tmap, partial", [
+    ((2, 4), ((1,), ()), (0,)),          # the seed step's weight gradient
+    ((2, 4), ((0,), ()), (1,)),
+    ((2, 2, 2), ((0,), (2,)), (1,)),
+    ((8,), ((), ()), (0,)),
+])
+def test_sim_all_reduce_of_known_totals_equals_adding_the_shares(op, dm_, tmap, partial,
+                                                                monkeypatch):
+    from dualmode.communication import sim as sim_mod
+    found = []
+
+    def spy(*args):
+        out = known_totals(*args)
+        found.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sim_mod, "known_totals", spy)
+    sim = sim_mod.SimBackend(8)
+    lay = TensorLayout(dm_, tmap, (8, 12), partial=partial)
+    stack, totals = _shares(lay, RNG.standard_normal((8, 12)).astype(np.float32))
+    plain = stack.copy()                                   # not remembered: shares added
+    remember_totals(stack, totals, dm_, partial)
+    members = lay.group_members(partial)
+    fast = np.asarray(sim.all_reduce(stack, members=members, op=op))
+    slow = np.asarray(sim.all_reduce(plain, members=members, op=op))
+    np.testing.assert_allclose(fast, slow, rtol=1e-6, atol=1e-6)
+    assert True in found                                   # the totals were read
+    want = lay.without_partial().local_blocks(lay.assemble_totals(totals))
+    if op == "mean":
+        want = want / np.float32(members.shape[1])
+    np.testing.assert_array_equal(fast, want)              # exactly the totals

@@ -38,6 +38,7 @@ import numpy as np
 from .._core import _comm
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
+from .totals import known_totals
 
 __all__ = ["SimBackend", "replicated_view", "equal_shares", "shares_total"]
 
@@ -187,9 +188,22 @@ class SimBackend(Backend):
         return stack.copy()
 
     def _reduce_groups(self, stack: np.ndarray, plan: GroupPlan, op: str) -> np.ndarray:
-        """(G, *local), a fresh array: the reduction of each group's buffers."""
+        """(G, *local): the reduction of each group's buffers (a fresh array, or a
+        read-only view of the totals recorded for pending sums over exactly these groups
+        by :func:`dualmode.communication.totals.remember_totals`)."""
         local = stack.shape[1:]
         ufunc = _UFUNC[op]
+        totals = None
+        if op in ("sum", "mean") and plan.device_matrix is not None and plan.full:
+            totals = known_totals(stack, plan.device_matrix, tuple(sorted(plan.group_axes)))
+        if totals is not None:                  # each group's sum, without reading shares
+            index = tuple(0 if a in plan.group_axes else slice(None)
+                          for a in range(len(plan.device_matrix)))
+            red = np.broadcast_to(totals[index], plan.other_sizes + local)
+            red = red.reshape((plan.num_groups,) + local)
+            if op == "mean":
+                red = np.true_divide(red, plan.group_size, dtype=stack.dtype)
+            return red
         if plan.group_size == 1:
             red = stack[plan.members[:, 0]]
         elif plan.num_groups == 1 and plan.full and op == "mean" and stack.strides[0] == 0:
