@@ -1,13 +1,14 @@
 """The packing helpers of the "mpi" backend's fused ReduceScatter and AllGather, without
-MPI: ``_pack_parts`` lays each stack's ``n`` parts part-major into one table and
+MPI: ``_pack_parts`` lays each stack's ``n`` parts part-major into one table,
 ``_unpack_gathered`` cuts every member's packed bucket back into each stack's gathered
-buffer -- checked against ``np.split`` / ``np.concatenate`` of each stack alone, for
-mixed split axes, non-contiguous, replicated (stride-0) and empty stacks."""
+buffer, and ``_place_gathered`` writes one member's buffers straight into that layout
+-- checked against ``np.split`` / ``np.concatenate`` of each stack alone, for mixed
+split axes, non-contiguous, replicated (stride-0) and empty stacks."""
 import numpy as np
 import pytest
 
 from dualmode.communication.backend import fusion_offsets
-from dualmode.communication.mpi import _pack_parts, _unpack_gathered
+from dualmode.communication.mpi import _pack_parts, _place_gathered, _unpack_gathered
 
 
 def _stacks(rng, shapes, n):
@@ -55,3 +56,28 @@ def test_unpack_gathered_concatenates_each_stack_along_its_axis(n):
         np.testing.assert_array_equal(r[0], want)
         assert r.size == 0 or np.shares_memory(r, out)             # a view of the buffer
     assert not np.isnan(out).any()
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_place_gathered_writes_member_j_where_unpack_gathered_puts_it(n):
+    rng = np.random.default_rng(20 + n)
+    stacks = _stacks(rng, [(2, 3), (3, 5), (7,), (2, 2, 3)], n)
+    axes = [0, 1, 0, 2, 1, 0, 0]
+    offsets, total = fusion_offsets(stacks)
+    offsets.append(total)
+    bufs = [[rng.standard_normal(s.shape).astype(np.float32) for s in stacks]
+            for _ in range(n)]                                     # member j's buffers
+    dst = np.full((1, n * total), np.nan, np.float32)
+    for j in range(n):
+        _place_gathered(bufs[j], axes, offsets, dst, j, n)
+    assert not np.isnan(dst).any()                                 # every element written
+    table = np.stack([np.concatenate([b.ravel() for b in bufs[j]]) for j in range(n)])
+    want = np.empty_like(dst)
+    _unpack_gathered(table, stacks, axes, offsets, want)
+    np.testing.assert_array_equal(dst, want)
+    for i, a in enumerate(axes):
+        o, hi = offsets[i], offsets[i + 1]
+        got = dst[0, n * o:n * hi].reshape(np.concatenate([bufs[j][i][0] for j in range(n)],
+                                                          axis=a).shape)
+        np.testing.assert_array_equal(got, np.concatenate([bufs[j][i][0] for j in range(n)],
+                                                          axis=a))

@@ -16,8 +16,9 @@ fused buckets  AllReduce: the packed bucket reduced in node shared memory (ranks
                machine), else one ``Allreduce(IN_PLACE)`` on it; ReduceScatter: the
                parts packed part-major, each member reducing its block in node shared
                memory, else one ``Reduce_scatter_block(IN_PLACE)``; AllGather: each
-               member's bucket packed into its row of node shared memory and copied out,
-               else one ``Allgather``; buffers from a pool (no fresh pages per call)
+               member writing its buffers into their places of the results in node
+               shared memory, copied out at once, else one ``Allgather``; buffers
+               from a pool (no fresh pages per call)
 all_gather     ``Allgather``, then the parts concatenated along ``axis``
 reduce_scatter ``Reduce_scatter_block`` on the parts moved to a leading axis
 all_to_all     ``Alltoall`` on the parts moved to a leading axis
@@ -162,6 +163,26 @@ def _unpack_gathered(table: np.ndarray, stacks, axes, offsets, out: np.ndarray) 
     if rows:
         _comm.unpack(table, rows, at)
     return res
+
+
+def _place_gathered(stacks, axes, offsets, dst: np.ndarray, j: int, n: int) -> None:
+    """Write member ``j``'s buffers (``stacks``, this rank's row) where they belong in
+    the AllGather results laid out as :func:`_unpack_gathered` lays them out: ``dst``
+    (1, n * total) holds the results one after the other in stack order, stack ``i``'s
+    concatenated along ``axes[i]`` at ``n * offsets[i]``. Stacks gathered along their
+    first axis are written with one ``_comm.pack`` (member ``j``'s buffer is the ``j``-th
+    of ``n`` contiguous slots); the others with one numpy copy each."""
+    flat, at = [], []
+    for s, a, o, hi in zip(stacks, axes, offsets, offsets[1:]):
+        if a == 0:
+            flat.append(np.ascontiguousarray(s))
+            at.append(n * o + j * (hi - o))
+            continue
+        local = s.shape[1:]
+        whole = dst[0, n * o:n * hi].reshape(local[:a] + (n,) + local[a:])
+        whole[(slice(None),) * a + (j,)] = s[0]
+    if flat:
+        _comm.pack(flat, dst, at)
 
 
 def _env_int(name: str, low: int, high: int) -> Optional[int]:
@@ -632,13 +653,13 @@ class MPIBackend(Backend):
         self._calls["shared_reduce_scatter"] += 1
 
     def _all_gather_fused(self, stacks, plan, axes):
-        """The stacks packed (``_comm.pack``) and gathered as one buffer; each result
-        is written concatenated along its axis into one pooled buffer
-        (:meth:`_fusion_buffer`, :func:`_unpack_gathered`) and returned as a view.
+        """The stacks gathered as one buffer; the results, each concatenated along its
+        axis, are views into one pooled buffer (:meth:`_fusion_buffer`).
 
         Ranks on one machine gather through node shared memory
-        (:meth:`_shared_all_gather`); across machines with one ``Allgather`` of pooled
-        buffers."""
+        (:meth:`_shared_all_gather`); across machines each rank packs its stacks
+        (``_comm.pack``) into a pooled buffer, one ``Allgather`` fills another, and each
+        stack's slots are cut out into the results (:func:`_unpack_gathered`)."""
         n = plan.group_size
         comm, _ = self._group(plan) if n > 1 else (None, 0)
         dtype = stacks[0].dtype
@@ -658,21 +679,27 @@ class MPIBackend(Backend):
         return _unpack_gathered(got.reshape(n, total), stacks, axes, offsets, out)
 
     def _shared_all_gather(self, comm, flat, axes, offsets, out: np.ndarray) -> list:
-        """AllGather through node shared memory into ``out`` (1, n * total): every member
-        packs its stacks into its row of the shared window ``(n, total)``; after a
-        barrier each copies the rows out in its results' layout
-        (:func:`_unpack_gathered`). One barrier (the input windows are used in turn, see
-        :class:`_NodeWindows`)."""
-        me = comm.Get_rank()                          # the group rank is the member order
+        """AllGather through node shared memory into ``out`` (1, n * total).
+
+        The input window, read as one flat array, holds the results laid out as
+        :func:`_unpack_gathered` lays them out (each stack's gathered buffer after the
+        other); every member writes its buffers into their places there
+        (:func:`_place_gathered`), and after a barrier each copies the whole of it out
+        with one contiguous copy -- against packing rows and cutting every stack's
+        slots out of each row afterwards, which copies the same bytes in pieces (3x the
+        time for 100 x 64 KiB on 4 ranks). One barrier (the input windows are used in
+        turn, see :class:`_NodeWindows`)."""
+        n, me = comm.Get_size(), comm.Get_rank()     # the group rank is the member order
         dtype, total = out.dtype, offsets[-1]
-        nbytes = total * dtype.itemsize
+        nbytes = total * dtype.itemsize                # n rows: room for n * total items
         win, rows = self._node_windows(comm, nbytes).next_input()
-        table = rows[:, :nbytes].view(dtype)
-        _comm.pack(flat, table[me:me + 1], offsets[:-1])
+        whole = rows.reshape(-1)[:n * total * dtype.itemsize].view(dtype)[None]
+        _place_gathered(flat, axes, offsets, whole, me, n)
         self._shared_sync(comm, win)
-        res = _unpack_gathered(table, flat, axes, offsets, out)
+        np.copyto(out, whole)
         self._calls["shared_all_gather"] += 1
-        return res
+        return [out[:, n * o:n * hi].reshape((1,) + _gathered(s.shape[1:], a, n))
+                for s, a, o, hi in zip(flat, axes, offsets, offsets[1:])]
 
     def _all_gather(self, stack, plan, axis):
         n = plan.group_size

@@ -221,29 +221,30 @@ for path, (rs_call, ag_call) in PATHS.items():
     B._node_local = NODE_LOCAL
 
 # the shared input windows are used in turn with one barrier per collective: a member
-# still reading a window (slowed down here) must not see it overwritten by the others'
-# next collectives -- AllGather, ReduceScatter and AllReduce in a row, each checked
-unpack = mpi_backend._unpack_gathered
+# slow to read the window after the barrier (held back here) must not see it
+# overwritten by the others' next collectives -- AllGather, ReduceScatter and AllReduce
+# back to back, no other collective between them, then each checked
+SYNC = B._shared_sync
 
 
-def slow_unpack(table, *args):
+def slow_sync(c, win):
+    SYNC(c, win)
     time.sleep(0.05)
-    return unpack(table, *args)
 
 
 for k in range(2 * N):
     slow = k % N
-    mpi_backend._unpack_gathered = slow_unpack if R == slow else unpack
+    if R == slow:
+        B._shared_sync = slow_sync
     x = data([(4, 8), (8,)], "float32", 900 + k, True)
-    got = [fused_all_gather(mine(x), None, [1, 0], backend=B),      # back to back: no
-           fused_reduce_scatter(mine(x), backend=B),                 # other collective
-           fused_all_reduce(mine(x), backend=B)]                     # between them
-    mpi_backend._unpack_gathered = unpack
+    got = [fused_all_gather(mine(x), None, [1, 0], backend=B),
+           fused_reduce_scatter(mine(x), backend=B),
+           fused_all_reduce(mine(x), backend=B)]
+    B._shared_sync = SYNC
     want = [fused_all_gather(x, None, [1, 0], backend=SIM), fused_reduce_scatter(x, backend=SIM),
             fused_all_reduce(x, backend=SIM)]
     for name, w, g in zip(["ag", "rs", "ar"], want, got):
         same(f"{name}(rank {slow} slow to read, {k})", [f[R:R + 1] for f in w], g)
-mpi_backend._unpack_gathered = unpack
 
 comm.release()
 if R == 0:
