@@ -19,7 +19,7 @@ def test_elementwise_on_repeated_layout_runs_once_per_replica_set(eight, monkeyp
     seen = []
     orig = sharding._apply_once_per_replica_set
     monkeypatch.setattr(sharding, "_apply_once_per_replica_set",
-                        lambda op, *args: seen.append(op.name) or orig(op, *args))
+                        lambda op, *args, **kw: seen.append(op.name) or orig(op, *args, **kw))
     h = ops.MatMul().shard(((2, 4), (4, 1)))(Tensor(a), Tensor(w))
     relu = ops.ReLU().shard(((4, 1),))            # (4, 1) on 8 devices: repeated twice
     with CommReport() as rep:

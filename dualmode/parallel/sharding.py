@@ -274,7 +274,9 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
         return None
     plan, lays, dm, dtypes, reps, grids, checked, ready, lays_out = found
     if reps:
-        outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
+        outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
+                                           validate=not checked)
+        found[6] = True
     elif grids:
         outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm)
     else:
@@ -376,17 +378,27 @@ def shared_replicas(rule, plan, dm) -> tuple:
 
 def _compact(grid, dm_c, local):
     """A grid broadcastable to ``dm_c + local`` as a stack ``(prod(dm_c), *local)``."""
-    g = np.broadcast_to(grid, dm_c + tuple(local))
-    return g.reshape((math.prod(dm_c),) + tuple(local))
+    shape = dm_c + tuple(local)
+    if grid.shape != shape:
+        grid = np.broadcast_to(grid, shape)
+    return grid.reshape((math.prod(dm_c),) + tuple(local))
 
 
-def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps):
+@functools.lru_cache(maxsize=1024)
+def _replica_set(dm, reps):
+    """``(dm_c, first)``: the device matrix `dm` with the axes `reps` reduced to 1, and
+    the index of the first replica along them."""
+    return (tuple(1 if a in reps else s for a, s in enumerate(dm)),
+            tuple(slice(0, 1) if a in reps else slice(None) for a in range(len(dm))))
+
+
+def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
+                                validate=True):
     """Run `plan.local` on one replica of the blocks along the device axes `reps` (every
     input and output is replicated along them), then give every replica the results.
     Inputs are moved as device grids (redistribute_grid), so their replicas are never
     written either."""
-    dm_c = tuple(1 if a in reps else s for a, s in enumerate(dm))
-    first = tuple(slice(0, 1) if a in reps else slice(None) for a in range(len(dm)))
+    dm_c, first = _replica_set(dm, reps)
     stacks = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if need is None:
@@ -399,22 +411,22 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps)
             if grid is None:                        # cannot happen with every device local
                 grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)[first]
         stacks.append(_compact(grid, dm_c, need.local_shape))
-    _validate(op, attrs, stacks, dtypes, plan)
+    if validate:
+        _validate(op, attrs, stacks, dtypes, plan)
     return once_per_replica_set(op, attrs, plan, stacks, dm, reps)
 
 
 def replica_grid(stack, need, dm, reps):
     """The stack of an input in layout `need` reduced to one replica along the device
     axes `reps` (a view), as :func:`once_per_replica_set` takes it."""
-    first = tuple(slice(0, 1) if a in reps else slice(None) for a in range(len(dm)))
-    dm_c = tuple(1 if a in reps else s for a, s in enumerate(dm))
+    dm_c, first = _replica_set(dm, reps)
     return _compact(stack.reshape(dm + need.local_shape)[first], dm_c, need.local_shape)
 
 
 def once_per_replica_set(op, attrs, plan, stacks, dm, reps):
     """`plan.local` on one replica along `reps` (inputs given so, see
     :func:`replica_grid`), every replica then given the results (a list of stacks)."""
-    dm_c = tuple(1 if a in reps else s for a, s in enumerate(dm))
+    dm_c = _replica_set(dm, reps)[0]
     out = plan.local(attrs, stacks)
     outs = list(out) if op.multi_output else [out]
     n = math.prod(dm)
@@ -422,8 +434,9 @@ def once_per_replica_set(op, attrs, plan, stacks, dm, reps):
         o = np.asarray(outs[i])
         if not lay.partial and not any(lay.tensor_map):
             continue                                # a replicated result: kept as one value
-        full = np.broadcast_to(o.reshape(dm_c + lay.local_shape), dm + lay.local_shape)
-        outs[i] = np.ascontiguousarray(full).reshape((n,) + lay.local_shape)
+        full = np.empty((n,) + lay.local_shape, dtype=o.dtype)
+        full.reshape(dm + lay.local_shape)[...] = o.reshape(dm_c + lay.local_shape)
+        outs[i] = full
     return outs
 
 
