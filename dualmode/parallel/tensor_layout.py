@@ -403,9 +403,16 @@ class TensorLayout:
         nothing split: every device sees the whole array, stride 0), else a fresh copy."""
         y = self._blocks_grid(array, "local_blocks_view")
         shape = (self.device_num,) + self.local_shape
+        # for a C-contiguous array whether the blocks are one strided grid depends on
+        # the layout alone: the answer is kept (a failed view costs an exception)
+        contiguous = array.flags.c_contiguous if isinstance(array, np.ndarray) else False
+        if contiguous and self.__dict__.get("_blocks_not_a_view"):
+            return np.ascontiguousarray(y).reshape(shape)
         try:
             out = np.reshape(y, shape, copy=False)
         except ValueError:                      # the blocks are not one strided grid
+            if contiguous:
+                self.__dict__["_blocks_not_a_view"] = True
             return np.ascontiguousarray(y).reshape(shape)
         if out.flags.writeable:
             out = out.view()
