@@ -16,7 +16,15 @@ jobs, so each pair is measured over the same seconds:
   update with the transfer) measured slower on this loaded 2-core machine, for raw
   sends too. A third round trip, to an echo that also applies the SGD step with the
   servers' kernel, is the floor of any server (``extra_info``: ``update_vs_raw``,
-  and ``ps_vs_update``, the parameter server's own bookkeeping);
+  and ``ps_vs_update``, the parameter server's own bookkeeping). The update runs on
+  operands that the transfers have pushed out of the caches (about 0.8 ms for the
+  4 MiB here, 0.15 ms on warm data), so the floor alone is 1.1-1.3x raw on this
+  machine. Hiding it did not pay here: a push split into 2-16 messages, each updated
+  into the server's weight as it arrives and the weight sent back whole, and the
+  update split over two threads both measured slower than one message and one
+  thread. What a server adds beyond the floor is mostly Python run with cold caches
+  after each large message, which is why the pushes and their answers are read
+  without JSON parsing (``transport.Template.match``);
 * PS step vs AllReduce step: ROUNDS launches of each, alternating, their step times
   pooled (median); each round's ratio is kept in ``extra_info``.
 """
