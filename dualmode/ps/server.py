@@ -21,7 +21,9 @@ A **group** is the set of shards one optimizer of the workers owns on this serve
 No copies on the way: a push's arrays are views of the received frames, and the answer
 sends the shards' own buffers. A group of dense shards has the header of its answers
 encoded once (:class:`.transport.Template`: per answer only the version and the request
-id are formatted in). The shards that share an optimizer spec share one
+id are formatted in), and a worker's pushes to it, once its first was decoded, are read
+without parsing (``Template.match`` against that worker's push header; any other
+message is decoded). The shards that share an optimizer spec share one
 optimizer (one call per step updates them all). Plain SGD and Momentum run fused
 (:func:`.optim.fused_step`): the workers' gradients are summed in worker order,
 averaged and applied in one pass whose result is written into the first worker's

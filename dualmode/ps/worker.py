@@ -11,12 +11,13 @@ servers (:mod:`.placement`) and sends each server its shards and the optimizer s
 and returns once every server has answered with the new values (a message per server
 per step; the gradients are sent without copies, and a pulled weight held whole by one
 server keeps the received frame as its storage). A push of dense shards only has its
-header encoded once per session and server (:class:`.transport.Template`; per step
-only the step, base version and request id are formatted in). A server that does not answer is asked again every
-``heartbeat_timeout`` seconds (a restarted server resumes from its checkpoint and
-answers; with ``recovery_interval > 1`` it asks for the steps since that checkpoint,
-which the worker keeps); after ``connect_timeout`` seconds without an answer the call
-raises an error naming the server.
+header, and that of its answer, encoded once per session and server
+(:class:`.transport.Template`: per step only the step, base version and request id
+are formatted in, and the answer is read without parsing). A server that does not
+answer is asked again every ``heartbeat_timeout`` seconds (a restarted server resumes
+from its checkpoint and answers; with ``recovery_interval > 1`` it asks for the steps
+since that checkpoint, which the worker keeps); after ``connect_timeout`` seconds
+without an answer the call raises an error naming the server.
 """
 from __future__ import annotations
 
