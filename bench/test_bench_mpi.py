@@ -25,16 +25,21 @@ beside; nproc = 2):
 * unbound (default): 24-1406 ms over 22 jobs -- 20-30 ms whenever the machine was
   otherwise idle, up to 50x that when other processes competed for the cores;
 * bound to cores (``mpiexec -bind-to core`` or ``mpi_fusion.pin_rank``, ranks 0, 2 on
-  core 0 and 1, 3 on core 1): 448-1957 ms over 11 jobs under load, 18-22 ms idle --
-  binding pins two ranks that exchange messages to one core, it never helped;
+  core 0 and 1, 3 on core 1): 448-1957 ms over 11 jobs, all under load -- binding
+  keeps two ranks that exchange messages on one core, and a rank can no longer move
+  away from a core another process is using; it never helped;
 * ``MPIR_CVAR_POLLS_BEFORE_YIELD=10`` (yield sooner): 80-2109 ms over 16 jobs;
-  ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` (sleep when polling fails): 20-964 ms.
+  ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` with ``..._NO_PROGRESS_COUNT=1`` (sleep when a
+  poll finds nothing): 20-964 ms unbound, 18-621 ms bound.
 
 So which ranks share a core is not what swings the figures here: the load of other
-processes is, and no launcher option removes it. The benchmarks therefore compare
-variants round by round inside one job (same load, same placement), report ratios,
-and print the load average of each job (``"load"`` in ``extra_info``) so a figure
-taken on a busy machine can be told apart.
+processes is (six jobs of 100 x 64 KiB ReduceScatter: unfused 134 ms at load average
+3.5, 576-675 ms at 5-8, 927 ms at 9), and no launcher option removes it. What stays put
+is the ratio of variants timed round by round inside one job (same load, same
+placement): over those six jobs, bound or not, fused / generic 0.52-0.65 and fused /
+raw fused 0.88-1.16. So the benchmarks report ratios, and print the load average of
+each job (``"load"`` in ``extra_info``) so a figure taken on a busy machine can be told
+apart.
 """
 import json
 import os
