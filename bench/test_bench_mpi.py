@@ -34,7 +34,7 @@ beside; nproc = 2):
 
 So which ranks share a core is not what swings the figures here: the load of other
 processes is (six jobs of 100 x 64 KiB ReduceScatter: unfused 134 ms at load average
-3.5, 576-675 ms at 5-8, 927 ms at 9), and no launcher option removes it. What stays put
+3.5, 576-675 ms at 4-8, 927 ms at 9), and no launcher option removes it. What stays put
 is the ratio of variants timed round by round inside one job (same load, same
 placement): over those six jobs, bound or not, fused / generic 0.52-0.65 and fused /
 raw fused 0.88-1.16. So the benchmarks report ratios, and print the load average of
