@@ -38,7 +38,7 @@ import numpy as np
 from .._core import _comm
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
-from .totals import known_totals
+from .totals import group_totals
 
 __all__ = ["SimBackend", "replicated_view", "equal_shares", "shares_total"]
 
@@ -193,14 +193,10 @@ class SimBackend(Backend):
         by :func:`dualmode.communication.totals.remember_totals`)."""
         local = stack.shape[1:]
         ufunc = _UFUNC[op]
-        totals = None
-        if op in ("sum", "mean") and plan.device_matrix is not None and plan.full:
-            totals = known_totals(stack, plan.device_matrix, tuple(sorted(plan.group_axes)))
-        if totals is not None:                  # each group's sum, without reading shares
-            index = tuple(0 if a in plan.group_axes else slice(None)
-                          for a in range(len(plan.device_matrix)))
-            red = np.broadcast_to(totals[index], plan.other_sizes + local)
-            red = red.reshape((plan.num_groups,) + local)
+        red = None
+        if op in ("sum", "mean") and plan.full:
+            red = group_totals(stack, plan.members, plan.device_matrix, plan.group_axes)
+        if red is not None:                     # each group's sum, without reading shares
             if op == "mean":
                 red = np.true_divide(red, plan.group_size, dtype=stack.dtype)
             return red

@@ -1,4 +1,4 @@
-"""Stacks of pending sums that remember their totals.
+"""Stacks of pending sums that remember their totals (and blocks their value).
 
 When one process holds every device ("sim"), an op that produces a pending sum often
 computes its total first: the grouped MatMul (:func:`dualmode.parallel.rules.
@@ -8,18 +8,24 @@ shares up (a redistribution that needs the global value, an AllReduce over exact
 those groups) gets the same numbers from the totals without reading the shares — and
 the exact totals, where adding ``parts`` shares of ``total / parts`` may round.
 
+Over no axes the totals are the blocks themselves: the stack of a plain value cut into
+a layout remembers the value (its blocks as a device grid of views), so an op that
+wants the blocks as a grid, or a redistribution that wants the whole value, reads the
+value instead of gathering the copies back (the grouped MatMul's inputs).
+
 A stack is remembered by identity (a weak reference: the entry leaves with the stack)
 and made read-only, as are its totals, so neither can change behind the record. A view
 or copy of a remembered stack is not remembered; it is added up as any other.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional, Tuple
 
 import numpy as np
 
-__all__ = ["remember_totals", "known_totals"]
+__all__ = ["remember_totals", "known_totals", "group_totals"]
 
 #: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes)
 _TOTALS: dict = {}
@@ -62,3 +68,31 @@ def known_totals(stack: np.ndarray, device_matrix, axes) -> Optional[np.ndarray]
             or found[2] != tuple(device_matrix):
         return None
     return found[1]
+
+
+def group_totals(stack: np.ndarray, members: np.ndarray, device_matrix=None,
+                 group_axes=()) -> Optional[np.ndarray]:
+    """``(num_groups, *local)``: the totals of `stack`'s pending sums for the groups of
+    ranks `members` ``(num_groups, group_size)``, when they are exactly the groups the
+    sums were recorded over (in any order); else None. When the groups come as axes of
+    the recorded device matrix (`device_matrix`, `group_axes`), a view of the totals."""
+    found = _TOTALS.get(id(stack))
+    if found is None or found[0]() is not stack or not found[3]:
+        return None
+    totals, dm, axes = found[1], found[2], found[3]
+    k = len(dm)
+    local = totals.shape[k:]
+    others = [a for a in range(k) if a not in axes]
+    if device_matrix is not None and tuple(device_matrix) == dm \
+            and tuple(sorted(group_axes)) == axes:
+        index = tuple(0 if a in axes else slice(None) for a in range(k))
+        red = np.broadcast_to(totals[index], tuple(dm[a] for a in others) + local)
+        return red.reshape((members.shape[0],) + local)
+    if members.shape[1] != math.prod(dm[a] for a in axes):
+        return None
+    coords = np.unravel_index(members, dm)                 # per axis, (G, group_size)
+    for a in others:                                       # one group: one coordinate
+        if (coords[a] != coords[a][:, :1]).any():
+            return None
+    return totals[tuple(coords[a][:, 0] if totals.shape[a] > 1 else
+                        np.zeros(members.shape[0], np.int64) for a in range(k))]

@@ -10,6 +10,7 @@ from .._core._tensor import TensorBase
 from ..tensor import Parameter
 from .devices import device_num, some_devices
 from .dtensor import distribute, moved
+from .redistribute_bridge import remember_blocks
 from .tensor_layout import TensorLayout
 
 __all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows"]
@@ -68,5 +69,7 @@ def distribute_inputs(args):
                                  f"{i}); give one strategy per input")
             layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
         k += 1
-        out.append(moved(a, distribute(a, layout)._data, layout))   # on the tape
+        stack = distribute(a, layout)._data
+        remember_blocks(stack, a._value(), layout)          # a plain value: it never changes
+        out.append(moved(a, stack, layout))                 # on the tape
     return tuple(out)

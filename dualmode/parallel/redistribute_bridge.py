@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._core._tensor import TensorBase
+from ..communication.totals import remember_totals
 from ..communication.trace import comm_cause, record
+from ..tensor import Parameter
 from .tensor_layout import TensorLayout
 from .devices import live_backend, world_stack
 from .redistribute import execute, plan_redistribution, run_plan_grid
@@ -30,7 +32,20 @@ def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistributi
     the collectives are reported with `reason`."""
     if isinstance(x, TensorBase) and x._layout is not None:
         return move_stack(x._data, x._layout, dst, op_name, reason)
-    return local_stack(x._value() if isinstance(x, TensorBase) else np.asarray(x), dst)
+    value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+    stack = local_stack(value, dst)
+    if isinstance(x, TensorBase) and not isinstance(x, Parameter):
+        remember_blocks(stack, value, dst)
+    return stack
+
+
+def remember_blocks(stack, value, dst: TensorLayout):
+    """Record that `stack` holds every device's blocks of `value` in `dst` (see
+    :mod:`dualmode.communication.totals`), so a device grid of them, or the whole value,
+    is read from `value` itself. Only for values that never change (a plain Tensor's;
+    not a Parameter's, which the optimizer updates); `stack` becomes read-only."""
+    if not dst.partial and stack.shape[0] == dst.device_num and stack.strides[0] != 0:
+        remember_totals(stack, dst.local_blocks_grid(value), dst.device_matrix, ())
 
 
 def move_stack(stack, src: TensorLayout, dst: TensorLayout, op_name=None,

@@ -36,6 +36,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
+from ..communication.totals import known_totals
 from ..ops._registry import REGISTRY
 from .devices import backend as _backend
 from .devices import holds_all_devices, live_backend as _live_backend, op_cause
@@ -473,6 +474,10 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     grids = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
+            known = None if need.partial else known_totals(x._data, dm, ())
+            if known is not None:                   # blocks of a known value: a view of it
+                grids.append(known)
+                continue
             # replicas hold equal blocks: the first along each replicated axis stands for
             # all (size 1 there, as a grid is)
             first = tuple(slice(0, 1) if a in need.replicated_axes and not need.partial

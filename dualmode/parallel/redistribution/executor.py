@@ -10,7 +10,7 @@ import numpy as np
 
 from ...communication import _live_backend, trace
 from ...communication.sim import SimBackend
-from ...communication.totals import known_totals
+from ...communication.totals import known_totals, remember_totals
 from ...communication.trace import comm_cause
 from ..layout import LayoutSpec, TensorLayout
 from .planner import plan_redistribution
@@ -158,12 +158,11 @@ def _record_steps(plan: Plan, itemsize: int) -> None:
 def global_value(stack: np.ndarray, layout: TensorLayout) -> np.ndarray:
     """The global value held by a stack of every device's shards in ``layout`` (pending
     sums added up). A stride-0 stack (one buffer viewed by every device) is read once;
-    a batch split is a view; pending sums whose totals are known
-    (:mod:`dualmode.communication.totals`) are read from the totals."""
-    if layout.partial:
-        totals = known_totals(stack, layout.device_matrix, layout.partial)
-        if totals is not None:
-            return layout.assemble_totals(totals)
+    a batch split is a view; a stack whose whole value is known (pending sums' totals,
+    the blocks of a plain value: :mod:`dualmode.communication.totals`) reads it."""
+    totals = known_totals(stack, layout.device_matrix, layout.partial)
+    if totals is not None:
+        return layout.assemble_totals(totals)
     if stack.strides[0] == 0 and stack.shape[0] > 1 and not layout.split_axes:
         one = stack[0]
         if not layout.partial:
@@ -206,7 +205,13 @@ def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
                          f"{want} (local devices, *local shape of {src!r})")
     with comm_cause(op_name, reason):
         _record_steps(plan, stack.itemsize)
-    return blocks_of(global_value(stack, src), dst)
+    known = known_totals(stack, src.device_matrix, src.partial) is not None
+    value = global_value(stack, src)
+    out = blocks_of(value, dst)
+    if known and out.strides[0] != 0:
+        # the source's whole value is known and never changes: so is the result's
+        remember_totals(out, dst.local_blocks_grid(value), dst.device_matrix, ())
+    return out
 
 
 def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
