@@ -304,8 +304,9 @@ class SimBackend(Backend):
         """Each stack reduce-scattered on its own (one numpy pass each, no packing copy:
         every device's buffers are in this process); recorded as one collective. Over
         the whole world, each result is a view of its stack's reduction (as the unfused
-        direct moves: the global value, then device j's part of it)."""
-        if not (plan.num_groups == 1 and plan.full) or plan.group_size == 1:
+        direct moves: the global value, then device j's part of it), when the members
+        are in rank order (device j is member j)."""
+        if not (plan.num_groups == 1 and plan.identity) or plan.group_size == 1:
             return [self._reduce_scatter(s, plan, a, op) for s, a in zip(stacks, axes)]
         n = plan.group_size
         outs = []
