@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 
 import numpy as np
 
 from .._core import _comm
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
-from .totals import group_totals
+from .totals import group_totals, known_totals, remember_totals
 
 __all__ = ["SimBackend", "replicated_view", "equal_shares", "shares_total"]
 
@@ -55,38 +54,25 @@ def replicated_view(value: np.ndarray, n: int) -> np.ndarray:
     return view
 
 
-#: id(stack) -> (weak reference to the stack, its total) for the stacks made by
-#: :func:`equal_shares`; an entry leaves with its stack
-_SHARE_TOTALS: dict = {}
-
-
 def equal_shares(total: np.ndarray, n: int) -> np.ndarray:
-    """The stack of `n` equal shares ``total / n`` of a pending sum (a float `total`),
-    stored once (:func:`replicated_view`), that remembers `total`: the sum of its
-    shares (an AllReduce, a ReduceScatter over the whole world) is then `total` itself,
-    read without a pass over the shares, and exactly the single-device value (``n *
-    (total / n)`` may differ from it by a rounding). `total` becomes read-only: it is
-    handed out as such sums, so it must not change."""
-    share = np.true_divide(total, n, dtype=total.dtype)
-    view = replicated_view(share, n)
+    """The stack of `n` equal shares ``total / n`` of a pending sum over the whole world
+    (a float `total`), stored once (:func:`replicated_view`), whose total is remembered
+    (:func:`~.totals.remember_totals`): the sum of its shares (an AllReduce, a
+    ReduceScatter over the whole world) is then `total` itself, read without a pass
+    over the shares, and exactly the single-device value (``n * (total / n)`` may
+    differ from it by a rounding). `total` becomes read-only: it is handed out as such
+    sums, so it must not change."""
+    view = replicated_view(np.true_divide(total, n, dtype=total.dtype), n)
     total.flags.writeable = False
-    key = id(view)
-
-    def forget(ref):
-        if _SHARE_TOTALS.get(key, (None,))[0] is ref:
-            del _SHARE_TOTALS[key]
-
-    _SHARE_TOTALS[key] = (weakref.ref(view, forget), total)
-    return view
+    return remember_totals(view, total[None], (n,), (0,))
 
 
 def shares_total(stack: np.ndarray):
-    """The total of `stack` when it is a stack of equal shares made by
-    :func:`equal_shares` (read-only), else None."""
-    found = _SHARE_TOTALS.get(id(stack))
-    if found is not None and found[0]() is stack:
-        return found[1]
-    return None
+    """The total of `stack` when it is remembered as pending sums over the whole world
+    (:func:`equal_shares`), read-only, else None."""
+    found = known_totals(stack, stack.shape[:1], (0,))
+    return None if found is None else found[0]
+
 
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
           "prod": np.multiply}
@@ -314,7 +300,7 @@ class SimBackend(Backend):
             if op == "mean" and s.strides[0] == 0:
                 red = s[0]                     # the mean of identical buffers
             else:
-                red = self._reduce_all(s, op)
+                red = self._reduce_all(s, op)  # equal shares: their total, no pass
                 if op == "mean":
                     np.divide(red, n, out=red)
             outs.append(_split(red, 0, a, n))
