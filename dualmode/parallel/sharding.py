@@ -46,7 +46,7 @@ from .redistribute_bridge import redistribute_grid, redistribute_tensor
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "decide", "refine",
            "reexpress", "same_placement", "common_device_matrix", "op_strategy_layouts",
-           "accepts_grids", "grid_to_stack"]
+           "accepts_grids", "grid_to_stack", "stack_grid", "wants_grids"]
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def decide(op, attrs, inputs, layouts):
         return None
     plan, lays, dm, dtypes = found
     reps = shared_replicas(RULES[op.name], plan, dm)
-    grids = not reps and _wants_grids(plan, lays, inputs, dm)
+    grids = not reps and wants_grids(plan, lays, dm)
     ready = tuple(need is not None and have == need for have, need in zip(lays, plan.inputs))
     lays_out = tuple(None if not lay.partial and not any(lay.tensor_map) else lay
                      for lay in plan.outputs)
@@ -451,9 +451,11 @@ def accepts_grids(local, prefer: bool = False):
     return local
 
 
-def _wants_grids(plan, lays, inputs, dm) -> bool:
-    """Grids pay off when an input must be moved into a layout that repeats its blocks
-    over some (not all) device axes, and this process holds every device."""
+def wants_grids(plan, lays, dm) -> bool:
+    """Does `plan` (for inputs in `lays`, over `dm`) run on device grids, in eager and
+    graph mode alike? Grids pay off when an input must be moved into a layout that
+    repeats its blocks over some (not all) device axes, or when the local prefers them,
+    and this process holds every device."""
     if not getattr(plan.local, "accepts_grids", False) or plan.post or len(dm) < 2:
         return False
     if getattr(plan.local, "prefers_grids", False):
@@ -461,7 +463,7 @@ def _wants_grids(plan, lays, inputs, dm) -> bool:
         # group of devices): every input as a grid, however it is laid out
         return holds_all_devices(math.prod(dm))
     found = False
-    for x, have, need in zip(inputs, lays, plan.inputs):
+    for have, need in zip(lays, plan.inputs):
         if need is None:
             return False
         if have != need and 0 < len(need.replicated_axes) < len(dm) and not need.partial:
@@ -474,15 +476,7 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     grids = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
-            known = None if need.partial else known_totals(x._data, dm, ())
-            if known is not None:                   # blocks of a known value: a view of it
-                grids.append(known)
-                continue
-            # replicas hold equal blocks: the first along each replicated axis stands for
-            # all (size 1 there, as a grid is)
-            first = tuple(slice(0, 1) if a in need.replicated_axes and not need.partial
-                          else slice(None) for a in range(len(dm)))
-            grids.append(x._data.reshape(dm + need.local_shape)[first])
+            grids.append(stack_grid(x._data, need))
             continue
         grid = redistribute_grid(x, need, op.name)
         if grid is None:                            # cannot happen with every device local
@@ -491,6 +485,21 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     _validate(op, attrs, grids, dtypes, plan)
     out = plan.local(attrs, grids)
     return list(out) if op.multi_output else [out]
+
+
+def stack_grid(stack, lay):
+    """`stack` (every device's blocks in `lay`) as a device grid for a local that
+    accepts grids: views of the whole value when it is known
+    (:mod:`dualmode.communication.totals`), else the stack with the first replica along
+    each axis where `lay` repeats standing for all (size 1 there: replicas hold equal
+    blocks)."""
+    dm = lay.device_matrix
+    if lay.partial:
+        return stack.reshape(dm + lay.local_shape)
+    known = known_totals(stack, dm, ())
+    if known is not None:
+        return known
+    return stack.reshape(dm + lay.local_shape)[_replica_set(dm, lay.replicated_axes)[1]]
 
 
 def grid_to_stack(out, dm):

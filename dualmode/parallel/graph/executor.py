@@ -30,7 +30,8 @@ from ..dtensor import batch_global_outputs
 from ..moves import gather_stack
 from ..redistribute import execute, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
-from ..sharding import RULES, once_per_replica_set, replica_grid, run_kernel, run_local
+from ..sharding import (RULES, once_per_replica_set, replica_grid, run_kernel, run_local,
+                        stack_grid)
 from ..strategy import _to
 from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref, flatten_refs,
                  map_leaves)
@@ -188,7 +189,7 @@ def _move(attrs, x, reason):
         return x
     dst = attrs["dst"]
     if kind == "gridview":
-        return x.reshape(dst.device_matrix + dst.local_shape)
+        return stack_grid(x, dst)
     if kind == "grid":
         if attrs["src"] is None:
             return dst.local_blocks_grid(np.asarray(x))

@@ -29,20 +29,18 @@ first sharded op puts it; other consumers get a moved copy (a MOVE).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 from ..._core._tensor import TensorBase
-from ..devices import holds_all_devices
 from ..grad_reduce import is_dp_partial, resolves_pending
 from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
 from ..rules import pending_sums
-from ..sharding import RULES, plan_for, same_placement, shared_replicas
+from ..sharding import RULES, plan_for, same_placement, shared_replicas, wants_grids
 from ..strategy import is_sharded_layout, placement_conflict
 from .ir import CALL, MOVE, REDUCE, Graph, Node, Ref, Value, flatten_refs, map_leaves, verify
 
@@ -407,16 +405,9 @@ class _Lowering:
         return OpRun("once" if reps else "rule", plan, _stored(plan), dm, reps)
 
     def wants_grids(self, plan, rlays, dm) -> bool:
-        """Grids pay off when an input must move into a layout that repeats its blocks
-        over some (not all) device axes, and this process holds every device (the rule's
-        `local` must accept grids; as in PyNative mode)."""
-        if self.some or not getattr(plan.local, "accepts_grids", False) or plan.post \
-                or len(dm) < 2 or not holds_all_devices(math.prod(dm)):
-            return False
-        if any(need is None for need in plan.inputs):
-            return False
-        return any(have != need and 0 < len(need.replicated_axes) < len(dm)
-                   and not need.partial for have, need in zip(rlays, plan.inputs))
+        """As in PyNative mode (:func:`~dualmode.parallel.sharding.wants_grids`), when
+        this process holds every device."""
+        return not self.some and wants_grids(plan, rlays, dm)
 
     def relabel(self, ref, lay, kind="view", backward=False):
         """`ref` viewed in `lay` (the same blocks over a refined device matrix): a MOVE
