@@ -40,9 +40,10 @@ def remember_totals(stack: np.ndarray, totals: np.ndarray, device_matrix: Tuple[
     device_matrix = tuple(device_matrix)
     axes = tuple(sorted(axes))
     k = len(device_matrix)
-    if totals.shape[k:] != stack.shape[1:] or any(
-            totals.shape[a] != 1 for a in axes) or any(
-            t not in (1, d) for t, d in zip(totals.shape[:k], device_matrix)):
+    fits = totals.shape[k:] == stack.shape[1:]
+    for a, (t, d) in enumerate(zip(totals.shape[:k], device_matrix)):
+        fits = fits and (t == 1 or (t == d and a not in axes))
+    if not fits:
         raise ValueError(f"remember_totals: totals of shape {totals.shape} do not fit a "
                          f"stack {stack.shape} summed over axes {axes} of device matrix "
                          f"{device_matrix}")

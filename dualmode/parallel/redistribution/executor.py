@@ -9,7 +9,7 @@ from typing import Dict, Optional, Union
 import numpy as np
 
 from ...communication import _live_backend, trace
-from ...communication.sim import SimBackend
+from ...communication.sim import SimBackend, replicated_view
 from ...communication.totals import known_totals, remember_totals
 from ...communication.trace import comm_cause
 from ..layout import LayoutSpec, TensorLayout
@@ -178,7 +178,7 @@ def blocks_of(value: np.ndarray, layout: TensorLayout) -> np.ndarray:
     viewed by every device when nothing is split; a split of one dim over the device
     axes in order), else one copy."""
     if not layout.split_axes:
-        return np.broadcast_to(value[None], (layout.device_num,) + tuple(value.shape))
+        return replicated_view(value, layout.device_num)
     return layout.local_blocks_view(value)
 
 
