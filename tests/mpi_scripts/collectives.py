@@ -5,22 +5,14 @@ on the full stack with SimBackend and on its own row with the live "mpi" backend
 compares its row. Any mismatch raises, which aborts the whole job (non-zero exit).
 Prints "collectives ok: <count> checks" on rank 0 at the end.
 """
-import sys
 
 import numpy as np
 
 import dualmode.communication as comm
-from dualmode.communication import SimBackend, axis_groups, fused_all_reduce
+from dualmode.communication import axis_groups, fused_all_reduce
+from _job import start          # tests/mpi_scripts/_job.py
 
-comm.init()
-B = comm.get_backend()
-N = B.world_size
-R = comm.get_rank()
-assert B.name == "mpi", B
-assert B.local_ranks == (R,), B.local_ranks
-assert comm.get_group_size() == N, comm.get_group_size()
-assert N == int(sys.argv[1]), (N, sys.argv)
-SIM = SimBackend(N)
+B, N, R, SIM = start()
 CHECKS = [0]
 
 

@@ -11,21 +11,15 @@ the pool: a held result survives later buckets of the same size
 bounded. Any mismatch raises, which aborts the whole job. Prints
 "fused ok: <count> checks on <N> ranks" on rank 0.
 """
-import sys
 
 import numpy as np
 
 import dualmode.communication as comm
-from dualmode.communication import SimBackend, axis_groups, fused_all_reduce
+from dualmode.communication import axis_groups, fused_all_reduce
 from dualmode.communication import mpi as mpi_backend
+from _job import start          # tests/mpi_scripts/_job.py
 
-comm.init()
-B = comm.get_backend()
-N = B.world_size
-R = comm.get_rank()
-assert B.name == "mpi", B
-assert N == int(sys.argv[1]), (N, sys.argv)
-SIM = SimBackend(N)
+B, N, R, SIM = start()
 CHECKS = [0]
 SHAPES = [(3, 4), (5,), (2, 2, 2), ()]
 

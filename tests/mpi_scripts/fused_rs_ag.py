@@ -18,23 +18,17 @@ the shared window never sees it overwritten by the next collectives. Any mismatc
 which aborts the whole job. Prints "fused rs/ag ok: <count> checks on <N> ranks" on
 rank 0.
 """
-import sys
 import time
 
 import numpy as np
 
 import dualmode.communication as comm
-from dualmode.communication import SimBackend, axis_groups, fused_all_reduce
+from dualmode.communication import axis_groups, fused_all_reduce
 from dualmode.communication.fusion import fused_all_gather, fused_reduce_scatter
 from dualmode.communication import mpi as mpi_backend
+from _job import start          # tests/mpi_scripts/_job.py
 
-comm.init()
-B = comm.get_backend()
-N = B.world_size
-R = comm.get_rank()
-assert B.name == "mpi", B
-assert N == int(sys.argv[1]), (N, sys.argv)
-SIM = SimBackend(N)
+B, N, R, SIM = start()
 CHECKS = [0]
 #: ReduceScatter buckets: every split dim divisible by 4 (and 2); mixed axes
 RS_SHAPES, RS_AXES = [(8, 3), (4, 8), (8,), (4, 2, 8), (4,)], [0, 1, 0, 2, 0]

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, communication, nn
+from dualmode import Tensor, communication, nn
 from dualmode.train import Callback, Model
 
 
