@@ -86,8 +86,10 @@ def group_totals(stack: np.ndarray, members: np.ndarray, device_matrix=None,
     others = [a for a in range(k) if a not in axes]
     if device_matrix is not None and tuple(device_matrix) == dm \
             and tuple(sorted(group_axes)) == axes:
-        index = tuple(0 if a in axes else slice(None) for a in range(k))
-        red = np.broadcast_to(totals[index], tuple(dm[a] for a in others) + local)
+        red = totals[tuple(0 if a in axes else slice(None) for a in range(k))]
+        shape = tuple(dm[a] for a in others) + local
+        if red.shape != shape:                 # totals that repeat over some other axis
+            red = np.broadcast_to(red, shape)
         return red.reshape((members.shape[0],) + local)
     if members.shape[1] != math.prod(dm[a] for a in axes):
         return None
