@@ -37,6 +37,8 @@ recorded AllGather over the world.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from .._core import _tensor as _core
@@ -90,20 +92,33 @@ def _dp_signature(op, attrs, inputs, layouts):
     attrs, the inputs' layouts (by identity: the route keeps them alive), dtypes and the
     shapes of whole values, and the live backend. None when an attribute is unhashable."""
     try:
-        key = (op, tuple(attrs.items()) if attrs else (),
-               tuple(map(id, layouts)), _live_backend_id(),
-               tuple((x._data.dtype, None if lay is not None else x._data.shape)
-                     if isinstance(x, TensorBase) else (np.result_type(x), np.shape(x))
-                     for x, lay in zip(inputs, layouts)))
+        values = []
+        for x, lay in zip(inputs, layouts):
+            if isinstance(x, TensorBase):
+                d = x._data
+                values.append(d.dtype if lay is not None else (d.dtype, d.shape))
+            else:
+                values.append((np.result_type(x), np.shape(x)))
+        key = (op, tuple(attrs.items()) if attrs else (), tuple(map(id, layouts)),
+               _live_backend_id(), tuple(values))
         hash(key)
     except (TypeError, AttributeError):      # an unhashable attribute; a lazy value
         return None
     return key
 
 
+#: (weak reference to the live backend, its part of the route key), made once per backend
+_BACKEND_KEY = [None, None]
+
+
 def _live_backend_id():
     b = _live_backend()
-    return (id(b), b.world_size, len(b.local_ranks)) if b is not None else None
+    if b is None:
+        return None
+    ref = _BACKEND_KEY[0]
+    if ref is None or ref() is not b:
+        _BACKEND_KEY[:] = [weakref.ref(b), (id(b), b.world_size, len(b.local_ranks))]
+    return _BACKEND_KEY[1]
 
 
 def dist_apply(op, attrs, inputs, rec):
