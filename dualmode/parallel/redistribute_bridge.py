@@ -43,9 +43,15 @@ def remember_blocks(stack, value, dst: TensorLayout):
     """Record that `stack` holds every device's blocks of `value` in `dst` (see
     :mod:`dualmode.communication.totals`), so a device grid of them, or the whole value,
     is read from `value` itself. Only for values that never change (a plain Tensor's;
-    not a Parameter's, which the optimizer updates); `stack` becomes read-only."""
-    if not dst.partial and stack.shape[0] == dst.device_num and stack.strides[0] != 0:
+    not a Parameter's, which the optimizer updates); `stack` becomes read-only. Stacks
+    under :data:`REMEMBER_MIN_BYTES` are not recorded: copying them costs less."""
+    if stack.nbytes >= REMEMBER_MIN_BYTES and not dst.partial \
+            and stack.shape[0] == dst.device_num and stack.strides[0] != 0:
         remember_totals(stack, dst.local_blocks_grid(value), dst.device_matrix, ())
+
+
+#: the smallest stack whose whole value :func:`remember_blocks` records
+REMEMBER_MIN_BYTES = 64 * 1024
 
 
 def move_stack(stack, src: TensorLayout, dst: TensorLayout, op_name=None,
