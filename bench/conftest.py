@@ -3,8 +3,13 @@ baseline measured in the same run; the ratios go into ``extra_info`` and a table
 printed at the end of the session."""
 import ctypes
 import ctypes.util
+import sys
+from pathlib import Path
 
 import pytest
+
+# the benchmarks run some of the tests' helper networks (tests/_sharded_weights.py)
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def _steady_malloc():

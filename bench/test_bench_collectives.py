@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, nn, ops
+from dualmode import Tensor, nn, ops
 from dualmode._core import _comm
 from dualmode.communication import SimBackend, fused_all_reduce
 from dualmode.parallel import CommReport
+
+from _sharded_weights import ShardedWeights
 
 
 N = 8
@@ -125,27 +127,6 @@ def test_fused_vs_unfused_gradients(benchmark, record, label, elems, impl):
 
 # ------------------------------------------------------------------ eager ReduceScatter fusion
 
-class _ShardedChain(nn.Cell):
-    """Data-parallel MatMuls with tanh between them, each weight read whole and stored
-    sharded (``parameter_plan``): each gradient moves into its weight's layout by one
-    ReduceScatter in the optimizer update."""
-
-    def __init__(self, weights):
-        super().__init__()
-        self.names = list(weights)
-        self.mms = []
-        for name in self.names:
-            setattr(self, name, Parameter(Tensor(weights[name].copy()), name=name))
-            mm = ops.MatMul()
-            mm.shard(((N, 1), (1, 1)))
-            self.mms.append(mm)
-
-    def construct(self, x):
-        for mm, name in zip(self.mms, self.names):
-            x = ops.tanh(mm(x, getattr(self, name)))
-        return x
-
-
 EAGER_RS_CASES = [("20x64x64", 20, 64), ("100x16x16", 100, 16)]
 
 
@@ -165,7 +146,7 @@ def test_eager_fused_vs_unfused_gradient_scatters(benchmark, record, parallel_co
                for k in range(count)}
     plan = {name: ((N, 1) if k % 2 == 0 else (1, N)) for k, name in enumerate(weights)}
     x = rng.standard_normal((8 * N, dim)).astype(np.float32)
-    net = _ShardedChain(weights)
+    net = ShardedWeights(weights, N)
     f = ops.shard(net, in_strategy=((N, 1),), parameter_plan=plan)
     opt = nn.SGD(net.trainable_params(), learning_rate=0.0)    # the weights stay put
     _, grads = dm.value_and_grad(lambda a: ops.reduce_mean(ops.square(f(a))), None,
