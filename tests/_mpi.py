@@ -5,7 +5,11 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import dualmode as dm
+from dualmode import communication
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "mpi_scripts")
@@ -36,3 +40,24 @@ def load_mpi_script(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def check_fusion_step_under_mpi(tmp_path, mode, counts):
+    """Run ``tests/mpi_scripts/fusion_step.py`` in `mode` ("eager" or "compiled") on 2
+    ranks and stand-alone: every run of the job (unfused, then fused) made the
+    (AllGather, ReduceScatter) `counts` given per run, and gives the stand-alone
+    losses and weights."""
+    out = tmp_path / "out.npz"
+    run_mpi_script("fusion_step.py", [out, mode], tmp_path)
+    data = np.load(out)
+    mod = load_mpi_script("fusion_step.py")
+    try:
+        ref_losses, ref_weights, _ = mod.train(mode, mpi=False)
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init("sim")
+    for k, want in enumerate(counts):
+        assert tuple(data[f"counts{k}"]) == want
+        np.testing.assert_allclose(data[f"losses{k}"], ref_losses, rtol=1e-5)
+        for i, w in enumerate(ref_weights):
+            np.testing.assert_allclose(data[f"w{k}_{i}"], w, rtol=1e-5, atol=1e-6)

@@ -37,7 +37,7 @@ from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
 from _sharded_weights import ShardedWeights
-from _mpi import load_mpi_script, run_mpi_script
+from _mpi import check_fusion_step_under_mpi
 from _steps import mean_square_step
 
 
@@ -314,17 +314,4 @@ def test_without_settings_the_gradients_are_returned_unchanged():
 def test_eager_fused_scatters_under_mpi_equal_stand_alone(tmp_path):
     """2 ranks, backend "mpi": unfused and fused (one ReduceScatter a step instead of
     two) eager updates give the stand-alone run's numbers."""
-    out = tmp_path / "out.npz"
-    run_mpi_script("fusion_step.py", [out, "eager"], tmp_path)
-    data = np.load(out)
-    mod = load_mpi_script("fusion_step.py")
-    try:
-        ref_losses, ref_weights, _ = mod.train("eager", mpi=False)
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init("sim")
-    for k, want in enumerate([2, 1]):
-        assert tuple(data[f"counts{k}"]) == (0, want)
-        np.testing.assert_allclose(data[f"losses{k}"], ref_losses, rtol=1e-5)
-        for i, w in enumerate(ref_weights):
-            np.testing.assert_allclose(data[f"w{k}_{i}"], w, rtol=1e-5, atol=1e-6)
+    check_fusion_step_under_mpi(tmp_path, "eager", [(0, 2), (0, 1)])

@@ -30,7 +30,7 @@ from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
 from _sharded_weights import ShardedWeights
-from _mpi import load_mpi_script, run_mpi_script
+from _mpi import check_fusion_step_under_mpi
 
 
 class PackedSim(SimBackend):
@@ -286,8 +286,8 @@ def test_fused_buffers_equal_the_unfused_ones_per_member():
     """Both programs run from the same weights: every value a fused node computes is the
     value the unfused program's move computed (a fused node keeps its members' values)."""
     envs, graphs = [], []
-    for fusion in (None, SIZED):
-        with _stepped(fusion) as run:
+    for config in (None, SIZED):
+        with _stepped(config) as run:
             prog = run.compiled.program
             envs.append(prog.run(prog.bind([Tensor(X)]), keep=True))
             graphs.append(prog.graph)
@@ -395,20 +395,7 @@ def test_changing_the_gather_or_scatter_fusion_recompiles():
 def test_fused_step_under_mpi_equals_stand_alone(tmp_path):
     """2 ranks, backend "mpi": unfused and fused (one AllGather and one ReduceScatter a
     step instead of two each) give the stand-alone step's numbers."""
-    out = tmp_path / "out.npz"
-    run_mpi_script("fusion_step.py", [out, "compiled"], tmp_path)
-    data = np.load(out)
-    mod = load_mpi_script("fusion_step.py")
-    try:
-        ref_losses, ref_weights, _ = mod.train("compiled", mpi=False)
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init("sim")
-    for k, want in enumerate([(2, 2), (1, 1)]):
-        assert tuple(data[f"counts{k}"]) == want
-        np.testing.assert_allclose(data[f"losses{k}"], ref_losses, rtol=1e-5)
-        for i, w in enumerate(ref_weights):
-            np.testing.assert_allclose(data[f"w{k}_{i}"], w, rtol=1e-5, atol=1e-6)
+    check_fusion_step_under_mpi(tmp_path, "compiled", [(2, 2), (1, 1)])
 
 
 def test_module_functions_use_the_live_backend():
@@ -458,8 +445,8 @@ def test_a_block_differentiated_eagerly_fuses_its_parameter_gathers():
                 losses.append(float(loss.asnumpy()))
             return losses, {p.name: p.asnumpy() for p in net.trainable_params()}, rep
     ref_losses, ref_w, _ = train(None)
-    for fusion, gathers in ((None, 6), ({"allgather": {"mode": "auto"}}, 1)):
-        losses, w, rep = train(8, fusion)
+    for config, gathers in ((None, 6), ({"allgather": {"mode": "auto"}}, 1)):
+        losses, w, rep = train(8, config)
         assert rep.count("AllGather", reason="redistribution") == gathers
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for name in ref_w:
