@@ -1,7 +1,12 @@
 """A network whose weights the fusion tests store sharded (``parameter_plan``) and read
 whole: each weight's gradient moves into its layout (a ReduceScatter) and each read
 gathers it (an AllGather)."""
-from dualmode import Parameter, Tensor, nn, ops
+import contextlib
+
+import dualmode as dm
+from dualmode import Parameter, Tensor, communication, nn, ops
+
+from _devices import devices
 
 
 class ShardedWeights(nn.Cell):
@@ -24,3 +29,17 @@ class ShardedWeights(nn.Cell):
         for mm, name in zip(self.mms, self.names):
             x = ops.tanh(mm(x, getattr(self, name)))
         return x
+
+
+@contextlib.contextmanager
+def sharded_weights_on(n, weights, fusion=None, backend=None):
+    """`n` simulated devices (None: stand-alone) with ``gradients_mean``, the `backend`
+    and ``comm_fusion`` `fusion` when given: ``(ShardedWeights of `weights`, its Momentum
+    optimizer)``."""
+    with devices(n, gradients_mean=True):
+        if backend is not None:
+            communication.init(backend)
+        if fusion is not None:
+            dm.set_auto_parallel_context(comm_fusion=fusion)
+        net = ShardedWeights(weights, n)
+        yield net, nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)

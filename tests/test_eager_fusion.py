@@ -36,7 +36,7 @@ from dualmode.parallel.redistribute import plan_redistribution
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
-from _sharded_weights import ShardedWeights
+from _sharded_weights import ShardedWeights, sharded_weights_on
 from _mpi import check_fusion_step_under_mpi
 from _steps import mean_square_step
 
@@ -81,15 +81,9 @@ def _train_scatters(n, fusion=None, compiled=False, backend=None):
     """(losses, weights, report of the optimizer's collectives in step 1, the compiled
     graph or None). Eager: the network is an ops.shard block, the gradient and the
     update eager; `compiled`: the whole step is one ops.shard program."""
-    with devices(n, gradients_mean=True):
-        if backend is not None:
-            communication.init(backend)
-        if fusion is not None:
-            dm.set_auto_parallel_context(comm_fusion=fusion)
-        net = ShardedWeights(W, n)
+    with sharded_weights_on(n, W, fusion, backend) as (net, opt):
         f = ops.shard(net, in_strategy=((n, 1),), parameter_plan=PLAN) \
             if n and not compiled else net
-        opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
         step = mean_square_step(f, opt)
         run = ops.shard(step, in_strategy=((n, 1),), parameter_plan=PLAN) \
             if compiled else step

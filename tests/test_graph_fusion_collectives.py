@@ -29,7 +29,7 @@ from dualmode.parallel.report import compiled_comm_times
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices
-from _sharded_weights import ShardedWeights
+from _sharded_weights import ShardedWeights, sharded_weights_on
 from _mpi import check_fusion_step_under_mpi
 
 
@@ -179,13 +179,7 @@ def _step(net, opt, n, after=False):
 
 
 def _train(n, fusion=None, steps=3, after=False, backend=None):
-    with devices(n, gradients_mean=True):
-        if backend is not None:
-            communication.init(backend)
-        if fusion is not None:
-            dm.set_auto_parallel_context(comm_fusion=fusion)
-        net = ShardedWeights(W, n)
-        opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+    with sharded_weights_on(n, W, fusion, backend) as (net, opt):
         run = _step(net, opt, n, after)
         outs, report = [], None
         for k in range(steps):

@@ -17,7 +17,7 @@ import numpy as np
 import dualmode.communication as comm
 from dualmode.communication import axis_groups, fused_all_reduce
 from dualmode.communication import mpi as mpi_backend
-from _job import start          # tests/mpi_scripts/_job.py
+from _job import data as job_data, start          # tests/mpi_scripts/_job.py
 
 B, N, R, SIM = start()
 CHECKS = [0]
@@ -26,17 +26,7 @@ SHAPES = [(3, 4), (5,), (2, 2, 2), ()]
 
 def data(shapes, dtype, seed):
     """One global stack (N, *shape) per shape, the same on every rank."""
-    rng = np.random.default_rng(seed)
-    dtype = np.dtype(dtype)
-    out = []
-    for shape in shapes:
-        if dtype.kind == "b":
-            out.append(rng.random((N,) + shape) < 0.5)
-        elif dtype.kind in "iu":
-            out.append(rng.integers(1, 5, size=(N,) + shape).astype(dtype))
-        else:
-            out.append((rng.standard_normal((N,) + shape) + 2.0).astype(dtype))
-    return out
+    return job_data(shapes, dtype, seed, N)
 
 
 def check(what, full, mine):

@@ -26,7 +26,7 @@ import dualmode.communication as comm
 from dualmode.communication import axis_groups, fused_all_reduce
 from dualmode.communication.fusion import fused_all_gather, fused_reduce_scatter
 from dualmode.communication import mpi as mpi_backend
-from _job import start          # tests/mpi_scripts/_job.py
+from _job import data as job_data, start          # tests/mpi_scripts/_job.py
 
 B, N, R, SIM = start()
 CHECKS = [0]
@@ -38,17 +38,7 @@ AG_SHAPES, AG_AXES = [(2, 3), (3, 5), (7,), (2, 2, 3), (1,)], [0, 1, 0, 2, 0]
 def data(shapes, dtype, seed, exact):
     """One global stack (N, *shape) per shape, the same on every rank; `exact`: small
     integer values (their sums, products and halvings are exact in any order)."""
-    rng = np.random.default_rng(seed)
-    dtype = np.dtype(dtype)
-    out = []
-    for shape in shapes:
-        if dtype.kind == "b":
-            out.append(rng.random((N,) + shape) < 0.5)
-        elif dtype.kind in "iu" or exact:
-            out.append(rng.integers(-4, 5, size=(N,) + shape).astype(dtype))
-        else:
-            out.append((rng.standard_normal((N,) + shape) + 2.0).astype(dtype))
-    return out
+    return job_data(shapes, dtype, seed, N, ints=(-4, 5), exact=exact)
 
 
 def same(what, want, got, exact=True):
