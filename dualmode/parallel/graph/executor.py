@@ -17,6 +17,9 @@ objects, no tape, no layout decided at run time. Each node is one step:
 compiled block differentiated by its caller runs the forward nodes, keeps the
 environment, and runs the backward nodes (derived once at compile time) when the
 caller's tape asks for the gradients.
+
+Binding and running take every array's data from graph mode's buffer pool
+(buffers.py), so a step's large buffers are the blocks the step before freed.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
+from ..buffers import pooled
 from ..devices import backend as _backend
 from ..devices import op_cause
 from ..dtensor import batch_global_outputs
@@ -81,7 +85,12 @@ class Program:
 
     # ---- binding -----------------------------------------------------------------------
     def bind(self, args, params_by_id=None):
-        """The environment holding the arguments and parameters."""
+        """The environment holding the arguments and parameters (a parameter moved to
+        its planned layout takes its buffers from the buffer pool, as :meth:`run`)."""
+        with pooled():
+            return self._bind(args)
+
+    def _bind(self, args):
         g = self.graph
         env = {}
         for v, x in zip(g.args, args):
@@ -105,7 +114,15 @@ class Program:
         """Run the steps ``start:stop`` on `env` (value id -> stack or whole value) and
         return it. A value is dropped from `env` after its last reader (its memory goes
         back to the allocator for the next values of the step) unless it is an output
-        of the graph, or `keep` (every value kept, for inspection)."""
+        of the graph, or `keep` (every value kept, for inspection).
+
+        Every array the steps allocate takes its data from the buffer pool
+        (:func:`~dualmode.parallel.buffers.pooled`): the next run's large buffers are
+        the blocks this one freed."""
+        with pooled():
+            return self._run(env, start, stop, keep)
+
+    def _run(self, env, start, stop, keep):
         steps = self.steps if stop is None and start == 0 else self.steps[start:stop]
         for kind, what, ins, outs, extra, done in steps:
             xs = [env[x] if is_ref else x for is_ref, x in ins]

@@ -1,0 +1,106 @@
+"""Times the seed network's 8-device train step with graph mode's buffer pool on and off,
+beside the numpy step, in a fresh process whose glibc malloc is either left as it is
+("default") or kept steady ("steady", what bench/conftest.py sets for every other
+bench). Run by bench/test_bench_arena.py:
+
+    python bench/arena_step.py default|steady BATCH HIDDEN ROUNDS
+
+Each round runs every step once, in turn (paired), timed with perf_counter and counted
+in minor page faults (getrusage ru_minflt). Prints JSON: for each step its median
+seconds and median page faults per step, and whether its first loss matched numpy's.
+Steps: ``numpy``; ``numpy-pooled`` (the same inside the pool); ``graph-pool`` and
+``graph-nopool`` (the compiled step, pool on / off); ``eager`` and ``eager-pooled`` (the
+PyNative sharded step outside / inside the pool, for the choice of eager ops).
+"""
+import ctypes
+import ctypes.util
+import json
+import resource
+import sys
+import time
+
+import numpy as np
+
+import dualmode as dm
+from dualmode import Tensor, communication
+from dualmode.parallel import buffers
+from dualmode.parallel.auto_parallel import AutoParallel
+
+from test_bench_operator_parallel import NumpySeed, _data, _dualmode_step
+
+
+def steady_malloc():
+    """bench/conftest.py's setting: glibc keeps freed memory (no mmap for big blocks)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 31)
+
+
+def _pooled(step, on):
+    """`step` with the buffer pool switched on or off for its call."""
+    def run(*args):
+        buffers.set_buffer_pool(enabled=on)
+        return step(*args)
+    return run
+
+
+def _inside_pool(step):
+    def run(*args):
+        with buffers._POOL.installed():
+            return step(*args)
+    return run
+
+
+def steps(batch, hidden):
+    """name -> (no-argument step, first loss) and numpy's first loss."""
+    x, y, ws = _data(batch, hidden)
+    xt, yt = Tensor(x), Tensor(y)
+    out = {}
+    for name, wrap in (("numpy", None), ("numpy-pooled", _inside_pool)):
+        model = NumpySeed(ws)
+        step = model.step if wrap is None else wrap(model.step)
+        out[name] = (lambda s=step: s(x, y), float(step(x, y)))
+    for name, how in (("graph-pool", True), ("graph-nopool", False),
+                      ("eager", None), ("eager-pooled", "inside")):
+        _, step = _dualmode_step(ws)
+        if isinstance(how, bool):
+            step = _pooled(AutoParallel(step, parallel_mode="semi_auto"), how)
+        elif how == "inside":
+            step = _inside_pool(step)
+        out[name] = (lambda s=step: s(xt, yt), float(step(xt, yt).asnumpy()))
+    return out
+
+
+def measure(batch, hidden, rounds):
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                                 gradients_mean=True)
+    communication.init()
+    made = steps(batch, hidden)
+    ref = made["numpy"][1]
+    times = {name: [] for name in made}
+    faults = {name: [] for name in made}
+    for _ in range(2):                                  # warm-up
+        for run, _ in made.values():
+            run()
+    for _ in range(rounds):
+        for name, (run, _) in made.items():
+            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+    buffers.set_buffer_pool(enabled=True)
+    return {name: {"median_s": float(np.median(times[name])),
+                   "minflt": float(np.median(faults[name])),
+                   "correct": bool(np.isclose(made[name][1], ref, rtol=1e-4))}
+            for name in made} | {"pool": buffers.buffer_pool_stats()}
+
+
+if __name__ == "__main__":
+    malloc, batch, hidden, rounds = sys.argv[1], *map(int, sys.argv[2:5])
+    if malloc == "steady":
+        steady_malloc()
+    elif malloc != "default":
+        raise SystemExit(f"arena_step.py: malloc must be 'default' or 'steady', got {malloc!r}")
+    print(json.dumps(measure(batch, hidden, rounds)))
