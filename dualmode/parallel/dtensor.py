@@ -43,7 +43,8 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from ..communication.sim import equal_shares
+from ..communication.sim import equal_shares, share_of
+from .buffers import pooled_call
 from .devices import device_num, parallel_active
 from .devices import live_backend as _live_backend
 from .devices import some_devices as _some_devices
@@ -89,18 +90,20 @@ _DP_ROUTES_MAX = 4096
 
 def _dp_signature(op, attrs, inputs, layouts):
     """A key for this call that fixes the data-parallel route (path 3): the op, its
-    attrs, the inputs' layouts (by identity: the route keeps them alive), dtypes and the
-    shapes of whole values, and the live backend. None when an attribute is unhashable."""
+    attrs, the live backend and per input its layout (by identity: the route keeps it
+    alive) and dtype, or the dtype and shape of a whole value. None when an attribute
+    is unhashable."""
     try:
-        values = []
+        key = [op, tuple(attrs.items()) if attrs else None, _live_backend_id()]
         for x, lay in zip(inputs, layouts):
-            if isinstance(x, TensorBase):
+            if lay is not None:
+                key += (id(lay), x._data.dtype)
+            elif isinstance(x, TensorBase):
                 d = x._data
-                values.append(d.dtype if lay is not None else (d.dtype, d.shape))
+                key += (d.dtype, d.shape)
             else:
-                values.append((np.result_type(x), np.shape(x)))
-        key = (op, tuple(attrs.items()) if attrs else (), tuple(map(id, layouts)),
-               _live_backend_id(), tuple(values))
+                key += (np.result_type(x), np.shape(x))
+        key = tuple(key)
         hash(key)
     except (TypeError, AttributeError):      # an unhashable attribute; a lazy value
         return None
@@ -221,7 +224,7 @@ def _shares(total, n):
         stack = np.zeros((n,) + total.shape, dtype=total.dtype)
         stack[0] = total
         return stack
-    share = np.true_divide(total, n, dtype=total.dtype) if n > 1 else total
+    share = share_of(total, n) if n > 1 else total
     return np.broadcast_to(share[None], (n,) + share.shape)
 
 
@@ -247,34 +250,38 @@ def _batch_global(op, attrs, inputs, layouts, rec, key=None):
     else:
         out = _run(op, attrs, merged)
         found[6] = True
-    arrays, out_lays = batch_global_outputs(out, op, plan, merged)
+    kinds = output_kinds(plan)
+    out_lays = tuple(None if kind == "whole" else lay
+                     for lay, (kind, _) in zip(plan.outputs, kinds))
     if key is not None:       # the same signature takes this route again, checks done
         if len(_DP_ROUTES) >= _DP_ROUTES_MAX:
             _DP_ROUTES.clear()
-        _DP_ROUTES[key] = (plan, tuple(layouts), tuple(
-            lay.device_matrix[0] if lay is not None else 0 for lay in layouts),
-            output_kinds(plan))
-    return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
-                        rec, tuple(out_lays))
+        _DP_ROUTES[key] = (
+            tuple(lay.shape if lay is not None else None for lay in layouts),
+            op.kind == KIND_GENERIC, kinds, out_lays, tuple(layouts))
+    return _core.finish(op, attrs, inputs, _stored_outputs(out, op, kinds, merged), rec,
+                        out_lays)
 
 
 def _run_dp_route(op, attrs, inputs, rec, route):
-    """Path 3 for a call signature that took it before: the stacks merged into global
-    values, the kernel, the outputs stored in the plan's layouts."""
-    plan, _, rows, kinds = route
-    merged = [x._data.reshape((x._data.shape[0] * x._data.shape[1],) + x._data.shape[2:])
-              if n else (x._value() if isinstance(x, TensorBase) else x)
-              for x, n in zip(inputs, rows)]
-    out = op.kernel(attrs, *merged) if op.kind == KIND_GENERIC else op.kernel(*merged)
-    arrays, out_lays = batch_global_outputs(out, op, plan, merged, kinds)
-    return _core.finish(op, attrs, inputs, tuple(arrays) if op.multi_output else arrays[0],
-                        rec, tuple(out_lays))
+    """Path 3 for a call signature that took it before (`route`, made by
+    :func:`_batch_global`: per input the global shape its stack is viewed with, or None
+    for a whole value; whether the kernel takes the attrs; the outputs' kinds and
+    layouts): the stacks viewed as global values, the kernel, the outputs stored."""
+    shapes, generic, kinds, out_lays = route[0], route[1], route[2], route[3]
+    merged = [x._data.reshape(shape) if shape is not None else
+              x._value() if isinstance(x, TensorBase) else x
+              for x, shape in zip(inputs, shapes)]
+    out = op.kernel(attrs, *merged) if generic else op.kernel(*merged)
+    return _core.finish(op, attrs, inputs, _stored_outputs(out, op, kinds, merged), rec,
+                        out_lays)
 
 
 def output_kinds(plan) -> tuple:
     """How :func:`batch_global_outputs` stores each output of `plan`: ``("partial", n)``
     (n equal shares of a pending sum), ``("whole", 0)`` (replicated: one plain value),
-    ``("batch", n)`` (a batch split: a view) or ``("blocks", 0)`` (cut into blocks)."""
+    ``("batch", n)`` (a batch split: a view) or ``("blocks", layout)`` (cut into the
+    blocks of that layout)."""
     kinds = []
     for lay in plan.outputs:
         if lay.partial:
@@ -284,38 +291,48 @@ def output_kinds(plan) -> tuple:
         elif is_batch_layout(lay):
             kinds.append(("batch", lay.device_matrix[0]))
         else:
-            kinds.append(("blocks", 0))
+            kinds.append(("blocks", lay))
     return tuple(kinds)
 
 
-def batch_global_outputs(out, op, plan, merged=(), kinds=None):
+def _stored(o, kind, n, merged):
+    """One output `o` of a kernel run on global values, stored as `kind` says (see
+    :func:`output_kinds`; `n` the devices, or the layout of "blocks"); `merged`: the
+    kernel's inputs (an output that is one of them is not fresh)."""
+    if type(o) is not np.ndarray:
+        o = np.asarray(o)                       # ufuncs on 0-d arrays give numpy scalars
+    if kind == "batch":
+        return o.reshape((n, o.shape[0] // n) + o.shape[1:])
+    if kind == "whole":
+        return o                                # replicated: one plain value
+    if kind == "partial":
+        if n > 1 and o.dtype.kind == "f" and o.flags.owndata and o.flags.writeable \
+                and not any(o is m for m in merged):
+            # a fresh result: n equal shares that remember it, so the AllReduce of this
+            # pending sum (a data-parallel gradient's) reads it without a pass
+            return equal_shares(o, n)
+        return _shares(o, n)
+    return n.local_blocks(o)
+
+
+def _stored_outputs(out, op, kinds, merged):
+    """The kernel's output(s) `out` stored per `kinds`: one array, or a tuple of them
+    for a multi-output op (as :func:`_core.finish` takes them)."""
+    if op.multi_output:
+        return tuple(_stored(o, kind, n, merged) for o, (kind, n) in zip(out, kinds))
+    kind, n = kinds[0]
+    return _stored(out, kind, n, merged)
+
+
+def batch_global_outputs(out, op, plan, merged=()):
     """The outputs of `op`'s kernel run once on the global values (`out`) stored in the
-    layouts of its rule's `plan` (`kinds`: :func:`output_kinds` of it, when known):
-    ``(arrays, layouts)``, a layout None for a replicated result kept as one plain
-    value."""
+    layouts of its rule's `plan`: ``(arrays, layouts)``, a layout None for a replicated
+    result kept as one plain value."""
+    kinds = output_kinds(plan)
     outs = out if op.multi_output else (out,)
-    if kinds is None:
-        kinds = output_kinds(plan)
-    arrays, out_lays = [], []
-    for o, lay, (kind, n) in zip(outs, plan.outputs, kinds):
-        o = np.asarray(o)
-        if kind == "partial":
-            if n > 1 and o.flags.owndata and o.flags.writeable and o.dtype.kind == "f" \
-                    and not any(o is m for m in merged):
-                # a fresh result: n equal shares that remember it, so the AllReduce of
-                # this pending sum (a data-parallel gradient's) reads it without a pass
-                arrays.append(equal_shares(o, n))
-            else:
-                arrays.append(_shares(o, n))
-        elif kind == "whole":
-            arrays.append(o)                        # replicated: one plain value
-            lay = None
-        elif kind == "batch":
-            arrays.append(o.reshape((n, o.shape[0] // n) + o.shape[1:]))
-        else:
-            arrays.append(lay.local_blocks(o))
-        out_lays.append(lay)
-    return arrays, out_lays
+    return ([_stored(o, kind, n, merged) for o, (kind, n) in zip(outs, kinds)],
+            [None if kind == "whole" else lay for lay, (kind, _) in zip(plan.outputs, kinds)])
 
 
-_core.set_dist_hooks(dist_apply, assemble)
+# every distributed op runs in graph mode's buffer pool (buffers.py; ~0.6 us a call)
+_core.set_dist_hooks(pooled_call(dist_apply), assemble)

@@ -244,36 +244,57 @@ def reduce_gradients(grads, params=None):
     grads = list(grads)
     todo = []
     for i, g in enumerate(grads):
-        if not isinstance(g, TensorBase) or g._layout is None:
+        if not isinstance(g, TensorBase):
             continue
-        if params is not None and (getattr(params[i], "layerwise_parallel", False)
-                                   or getattr(params[i], "_layout", None) is not None):
-            continue          # per-device and sharded weights: reduced by the optimizer
-        if not is_dp_partial(g._layout):
+        lay = g._layout
+        if lay is None:
+            continue
+        if params is not None:
+            p = params[i]
+            if getattr(p, "_layout", None) is not None or getattr(p, "layerwise_parallel",
+                                                                  False):
+                continue      # per-device and sharded weights: reduced by the optimizer
+        if not _dp_partial(lay):
             grads[i] = _core.wrap_dist(g._value(), None)     # other layouts: gather
             continue
         todo.append(i)
     if not todo:
         return grads
     backend = _backend()
-    n = backend.world_size
     mean = context.get_auto_parallel_context("gradients_mean")
-    for bucket in fusion_buckets([grads[i]._data[0].nbytes for i in todo]):
+    stacks = [grads[i]._data for i in todo]
+    for bucket in fusion_buckets([math.prod(st.shape[1:]) * st.itemsize for st in stacks]):
         members = [todo[k] for k in bucket]
-        stacks = [grads[i]._data for i in members]
-        dtype = np.result_type(*[st.dtype for st in stacks])
+        inputs = [stacks[k] for k in bucket]
+        dtype = inputs[0].dtype
+        if len(inputs) > 1:
+            dtype = np.result_type(*[st.dtype for st in inputs])
+            inputs = [st.astype(dtype, copy=False) for st in inputs]
         # the AllReduce(sum) of the shares p_d is the mean of the devices' own gradients
         # n * p_d; the sum of those is n times it. One collective per bucket (no packing
         # copy on simulated devices), each result a view into it
-        name = bucket_name(params[i].name for i in members) if params is not None else \
+        name = bucket_name([params[i].name for i in members]) if params is not None else \
             f"{len(members)} gradients" if len(members) > 1 else "gradient"
         with comm_cause(name, "gradient"):
-            outs = backend.all_reduce_fused([st.astype(dtype, copy=False) for st in stacks],
-                                            None, "sum")
-        for i, st, out in zip(members, stacks, outs):
-            total = out[0] if mean else np.multiply(out[0], n, dtype=out.dtype)
-            grads[i] = _core.wrap_dist(total.astype(st.dtype, copy=False), None)
+            outs = backend.all_reduce_fused(inputs, None, "sum")
+        for i, k, out in zip(members, bucket, outs):
+            total = out[0] if mean else np.multiply(out[0], backend.world_size,
+                                                    dtype=out.dtype)
+            if total.dtype != stacks[k].dtype:
+                total = total.astype(stacks[k].dtype)
+            grads[i] = _core.wrap_dist(total, None)
     return grads
+
+
+def _dp_partial(lay) -> bool:
+    """:func:`is_dp_partial` of a gradient's layout, kept on a (immutable) TensorLayout
+    after the first ask."""
+    if type(lay) is not TensorLayout:
+        return is_dp_partial(lay)
+    found = lay.__dict__.get("_is_dp_partial")
+    if found is None:
+        found = lay.__dict__["_is_dp_partial"] = is_dp_partial(lay)
+    return found
 
 
 def bucket_name(names, what: str = "gradients") -> str:
