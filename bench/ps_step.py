@@ -2,6 +2,14 @@
 
     ps_step.py allreduce STEPS   # under mpiexec -n W: data parallel, AllReduce
     ps_step.py ps STEPS          # under dualmode.run --ps: every weight on the servers
+    ps_step.py floor STEPS ADDR.. # under mpiexec -n W, beside one FLOOR_SERVER process per
+                                 # address: the PS step with none of the parameter
+                                 # server: the same network, gradients and placement,
+                                 # each worker sends its shards' gradients to the
+                                 # servers as one raw ZeroMQ message each, a server
+                                 # waits for every worker's, applies the mean with the
+                                 # servers' SGD kernel and sends the new weights back
+                                 # (the floor of any sync PS step on this machine)
     ps_step.py pushpull STEPS    # under dualmode.run --ps (1 server, 1 worker): only the
                                  # optimizer call (push the gradients, pull the weights),
                                  # alternating with raw ZeroMQ round trips of the same
@@ -25,6 +33,7 @@ import zmq
 
 import dualmode as dm
 from dualmode import Tensor, communication, nn
+from dualmode.ps.placement import place
 
 IN, HID, OUT, BATCH = 256, 512, 10, 64          # BATCH rows per worker
 WARMUP = 2
@@ -46,6 +55,24 @@ ECHO_UPDATE = (
     "        if i not in w:\n            w[i]=np.zeros_like(g)\n"
     "        sgd_update(g,w[i],[g],0.01,False);w[i]=g\n"
     "    s.send_multipart(f,copy=False)\n")
+
+#: the floor's server (``python -c FLOOR_SERVER WORKERS``; prints its port): per step,
+#: one message from each worker (DEALER identity: its rank, one byte), the mean of the
+#: gradients applied to the weights it keeps with the servers' fused SGD kernel, written
+#: into worker 0's received frames, which are sent back to every worker
+FLOOR_SERVER = (
+    "import zmq,sys,numpy as np\nfrom dualmode._core._ps_kernels import sgd_update\n"
+    "ctx=zmq.Context();s=ctx.socket(zmq.ROUTER)\n"
+    "print(s.bind_to_random_port('tcp://127.0.0.1'),flush=True)\n"
+    "n=int(sys.argv[1]);w={}\n"
+    "while True:\n"
+    "    got=sorted((s.recv_multipart(copy=False) for _ in range(n)),key=lambda f:f[0].bytes)\n"
+    "    out=[]\n"
+    "    for i in range(2,len(got[0])):\n"
+    "        gs=[np.frombuffer(f[i],np.float32) for f in got]\n"
+    "        if i not in w:\n            w[i]=np.zeros_like(gs[0])\n"
+    "        sgd_update(gs[0],w[i],gs,0.01,True);w[i]=gs[0];out.append(got[0][i])\n"
+    "    for f in got:\n        s.send_multipart([f[0],b'w',*out],copy=False)\n")
 
 
 class RawEcho:
@@ -81,11 +108,25 @@ class RawEcho:
         self.proc.wait(timeout=10)
 
 
+def floor_step(socks, shards, grad_fn, x, y, params):
+    """One step of the floor: the gradients, each server's shards' gradients sent as
+    one message, its answer's frames made the weights' storage (as a PS worker does)."""
+    _, g = grad_fn(x, y)
+    for k, sock in socks.items():
+        sock.send_multipart([b"g"] + [np.ascontiguousarray(g[sh.index]) for sh in shards[k]],
+                           copy=False)
+    for k, sock in socks.items():
+        frames = sock.recv_multipart(copy=False)
+        for sh, fr in zip(shards[k], frames[1:]):
+            params[sh.index]._data = np.frombuffer(fr, np.float32).reshape(
+                params[sh.index].shape)
+
+
 def main():
     mode, steps = sys.argv[1], int(sys.argv[2])
     if mode == "allreduce":
         dm.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
-    else:
+    elif mode != "floor":
         dm.set_ps_context(enable_ps=True)
     communication.init()
     rank, n = communication.get_rank(), communication.get_group_size()
@@ -94,13 +135,23 @@ def main():
         net = nn.Dense(1024, 1024)
     else:
         net = nn.SequentialCell([nn.Dense(IN, HID), nn.ReLU(), nn.Dense(HID, OUT)])
-    if mode != "allreduce":
+    if mode in ("ps", "pushpull"):
         net.set_param_ps()
     opt = nn.SGD(net.trainable_params(), learning_rate=0.01)
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     grad_fn = dm.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
     rng = np.random.default_rng(0)
     rows = BATCH * n if mode == "allreduce" else BATCH      # MPI data parallel splits it
+    socks, shards = {}, {}
+    if mode == "floor":
+        shards = place(list(enumerate(opt.parameters)), len(sys.argv) - 3)
+        zctx = zmq.Context()
+        for k, addr in enumerate(sys.argv[3:]):
+            socks[k] = zctx.socket(zmq.DEALER)
+            socks[k].setsockopt(zmq.IDENTITY, bytes([rank]))
+            socks[k].setsockopt(zmq.LINGER, 0)
+            socks[k].setsockopt(zmq.RCVTIMEO, 30000)      # an error, not a hang
+            socks[k].connect(addr)
     x = Tensor(rng.standard_normal((rows, IN)).astype(np.float32))
     y = Tensor(rng.integers(0, OUT, rows).astype(np.int32))
     grads = tuple(Tensor(np.zeros(p.shape, np.float32)) for p in opt.parameters)
@@ -120,6 +171,8 @@ def main():
             t = time.perf_counter()
             if mode == "pushpull":
                 opt(grads)
+            elif mode == "floor":
+                floor_step(socks, shards, grad_fn, x, y, opt.parameters)
             else:
                 _, g = grad_fn(x, y)
                 opt(g)
@@ -128,6 +181,8 @@ def main():
         for echo in (raw, upd):
             if echo is not None:
                 echo.close()
+        for sock in socks.values():
+            sock.close()
     nbytes = sum(p.asnumpy().nbytes for p in opt.parameters)
     if rank == 0:
         out = {"median_s": float(np.median(times[WARMUP:])), "times": times[WARMUP:],

@@ -26,13 +26,20 @@ jobs, so each pair is measured over the same seconds:
   after each large message, which is why the pushes and their answers are read
   without JSON parsing (``transport.Template.match``);
 * PS step vs AllReduce step: ROUNDS launches of each, alternating, their step times
-  pooled (median); each round's ratio is kept in ``extra_info``.
+  pooled (median); each round's ratio is kept in ``extra_info``. A third job in each
+  round is the floor of any sync parameter server here (``ps_step.py floor``): the same
+  two workers' network, gradients and placement over two servers, but raw ZeroMQ
+  messages (one per server per step each way) to minimal server processes that wait
+  for both workers, apply the mean with the servers' SGD kernel and send the new
+  weights back (``extra_info``: ``floor_vs_allreduce``, and ``ps_vs_floor``, the
+  parameter server's own cost).
 """
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -42,6 +49,9 @@ ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "ps_step.py")
 GROUP = "parameter server: PS step vs AllReduce step; push/pull vs raw zmq"
 ROUNDS, STEPS = 3, 20
+
+sys.path.insert(0, HERE)
+import ps_step  # noqa: E402  (FLOOR_SERVER: the floor job's server program)
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
 
@@ -70,19 +80,54 @@ def _ps_cmd(servers, workers, log_dir, mode, steps):
             "--worker_num", str(workers), "--log_dir", str(log_dir), SCRIPT, mode, str(steps)]
 
 
+def _floor_run(tmp, steps):
+    """The floor job (``ps_step.py floor``): 2 workers under mpiexec beside 2
+    FLOOR_SERVER processes, which are stopped afterwards whatever happens."""
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(subprocess.Popen([sys.executable, "-c", ps_step.FLOOR_SERVER, "2"],
+                                          cwd=tmp, env=_env(), stdout=subprocess.PIPE,
+                                          text=True))
+        addrs = []
+        for proc in procs:
+            port = _read_line(proc, 60)
+            addrs.append(f"tcp://127.0.0.1:{int(port)}")
+        return _run(["mpiexec", "-n", "2", sys.executable, SCRIPT, "floor", str(steps), *addrs],
+                    tmp)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _read_line(proc, timeout):
+    """The first line `proc` prints, within `timeout` seconds (RuntimeError else)."""
+    box = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box or not box[0].strip():
+        raise RuntimeError(f"a floor server printed no port within {timeout} s")
+    return box[0]
+
+
 @pytest.fixture(scope="module")
 def step_rounds(tmp_path_factory):
-    """ROUNDS alternating launches of the AllReduce job and the PS job: their step
-    times, pooled, and each round's median ratio."""
+    """ROUNDS alternating launches of the AllReduce job, the PS job and the floor job:
+    their step times, pooled, and each round's median ratios."""
     tmp = tmp_path_factory.mktemp("ps_steps")
-    times = {"allreduce": [], "ps": []}
-    ratios = []
+    times = {"allreduce": [], "ps": [], "floor": []}
+    ratios = {"ps": [], "floor": []}
     for r in range(ROUNDS):
         ar = _run(["mpiexec", "-n", "2", sys.executable, SCRIPT, "allreduce", str(STEPS)], tmp)
         ps = _run(_ps_cmd(2, 2, tmp / f"logs{r}", "ps", STEPS), tmp)
+        floor = _floor_run(tmp, STEPS)
         times["allreduce"] += ar["times"]
         times["ps"] += ps["times"]
-        ratios.append(ps["median_s"] / ar["median_s"])
+        times["floor"] += floor["times"]
+        ratios["ps"].append(ps["median_s"] / ar["median_s"])
+        ratios["floor"].append(floor["median_s"] / ar["median_s"])
     return {k: float(np.median(v)) for k, v in times.items()}, ratios
 
 
@@ -99,7 +144,12 @@ def test_ps_step(benchmark, record_value, step_rounds):
     medians, ratios = step_rounds
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     benchmark.extra_info["median_s"] = medians["ps"]
-    benchmark.extra_info["round_ratios"] = ratios
+    benchmark.extra_info["round_ratios"] = ratios["ps"]
+    # the floor: the same step with raw ZeroMQ messages and minimal servers
+    benchmark.extra_info["floor_median_s"] = medians["floor"]
+    benchmark.extra_info["floor_round_ratios"] = ratios["floor"]
+    benchmark.extra_info["floor_vs_allreduce"] = medians["floor"] / medians["allreduce"]
+    benchmark.extra_info["ps_vs_floor"] = medians["ps"] / medians["floor"]
     record_value("allreduce step (2 ranks)", medians["allreduce"])
     ratio = record_value("PS sync step (2 workers, 2 servers)", medians["ps"],
                          "allreduce step (2 ranks)", 1.5)
