@@ -9,8 +9,9 @@ Each round runs every step once, in turn (paired), timed with perf_counter and c
 in minor page faults (getrusage ru_minflt). Prints JSON: for each step its median
 seconds and median page faults per step, and whether its first loss matched numpy's.
 Steps: ``numpy``; ``numpy-pooled`` (the same inside the pool); ``graph-pool`` and
-``graph-nopool`` (the compiled step, pool on / off); ``eager`` and ``eager-pooled`` (the
-PyNative sharded step outside / inside the pool, for the choice of eager ops).
+``graph-nopool`` (the compiled step, pool on / off: ``set_buffer_pool(enabled=...)``
+before each call); ``eager-pool`` and ``eager-nopool`` (the PyNative sharded step, the
+same switch: its distributed ops run in the pool).
 """
 import ctypes
 import ctypes.util
@@ -47,7 +48,7 @@ def _pooled(step, on):
 
 def _inside_pool(step):
     def run(*args):
-        with buffers._POOL.installed():
+        with buffers.pooled():
             return step(*args)
     return run
 
@@ -57,17 +58,17 @@ def steps(batch, hidden):
     x, y, ws = _data(batch, hidden)
     xt, yt = Tensor(x), Tensor(y)
     out = {}
+    buffers.set_buffer_pool(enabled=True)
     for name, wrap in (("numpy", None), ("numpy-pooled", _inside_pool)):
         model = NumpySeed(ws)
         step = model.step if wrap is None else wrap(model.step)
         out[name] = (lambda s=step: s(x, y), float(step(x, y)))
-    for name, how in (("graph-pool", True), ("graph-nopool", False),
-                      ("eager", None), ("eager-pooled", "inside")):
+    for name, graph, on in (("graph-pool", True, True), ("graph-nopool", True, False),
+                            ("eager-pool", False, True), ("eager-nopool", False, False)):
         _, step = _dualmode_step(ws)
-        if isinstance(how, bool):
-            step = _pooled(AutoParallel(step, parallel_mode="semi_auto"), how)
-        elif how == "inside":
-            step = _inside_pool(step)
+        if graph:
+            step = AutoParallel(step, parallel_mode="semi_auto")
+        step = _pooled(step, on)
         out[name] = (lambda s=step: s(xt, yt), float(step(xt, yt).asnumpy()))
     return out
 

@@ -107,13 +107,18 @@ cdef struct pool_t:
 # ---------------------------------------------------------------------------------------
 # the class table and lists (the pool's lock held)
 # ---------------------------------------------------------------------------------------
-cdef inline size_t _slot(size_t size, size_t page, size_t slots) noexcept nogil:
-    return ((size // page) * <size_t>0x9E3779B97F4A7C15) >> 32 & (slots - 1)
+cdef inline size_t _slot(size_t size, size_t slots) noexcept nogil:
+    return (size * <size_t>0x9E3779B97F4A7C15) >> 32 & (slots - 1)
+
+
+cdef inline size_t _class(pool_t* p, size_t size) noexcept nogil:
+    """The size class of a large request: `size` rounded up to a multiple of the page."""
+    return (size + p.page - 1) & ~(p.page - 1)
 
 
 cdef class_t* _find(pool_t* p, size_t size) noexcept nogil:
     """The table entry of class `size`, or NULL."""
-    cdef size_t i = _slot(size, p.page, p.table_slots)
+    cdef size_t i = _slot(size, p.table_slots)
     while p.table[i].size != 0:
         if p.table[i].size == size:
             return &p.table[i]
@@ -131,7 +136,7 @@ cdef bint _rehash(pool_t* p, size_t slots) noexcept nogil:
     p.table, p.table_slots, p.table_used = t, slots, 0
     for i in range(n):
         if old[i].head != NULL:
-            j = _slot(old[i].size, p.page, slots)
+            j = _slot(old[i].size, slots)
             while t[j].size != 0:
                 j = (j + 1) & (slots - 1)
             t[j] = old[i]
@@ -151,7 +156,7 @@ cdef class_t* _find_or_add(pool_t* p, size_t size) noexcept nogil:
         if not _rehash(p, p.table_slots * 2 if 4 * p.cached_blocks >= p.table_slots
                        else p.table_slots):
             return NULL
-    i = _slot(size, p.page, p.table_slots)
+    i = _slot(size, p.table_slots)
     while p.table[i].size != 0:
         i = (i + 1) & (p.table_slots - 1)
     p.table[i].size = size
@@ -241,7 +246,7 @@ cdef void* _pool_alloc(pool_t* p, size_t size, bint zero) noexcept nogil:
     a new block."""
     if size < p.min_block:
         return _small(size, zero)
-    cdef size_t cls = (size + p.page - 1) // p.page * p.page
+    cdef size_t cls = _class(p, size)
     cdef block_t* b = NULL
     cdef block_t* chain
     cdef class_t* c
@@ -341,7 +346,7 @@ cdef void* _pool_realloc(pool_t* p, void* data, size_t size) noexcept nogil:
         (<tail_t*>base).size = size
         return base + SMALL_HEADER
     if t.offset != SMALL_HEADER and size >= p.min_block and \
-            (size + p.page - 1) // p.page * p.page == t.size:
+            _class(p, size) == t.size:
         return data
     out = _pool_alloc(p, size, False)
     if out == NULL:
@@ -389,27 +394,6 @@ def _check_size(name, value, low):
     return value
 
 
-cdef class Installed:
-    """The pool as numpy's data-memory handler for the current context while inside the
-    ``with`` block (the previous handler restored on exit)."""
-    cdef object capsule
-    cdef object previous
-
-    def __cinit__(self, capsule):
-        self.capsule = capsule
-
-    def __enter__(self):
-        if self.previous is not None:
-            raise RuntimeError("Pool.installed(): this context is already entered")
-        self.previous = PyDataMem_SetHandler(self.capsule)
-        return self
-
-    def __exit__(self, *exc):
-        PyDataMem_SetHandler(self.previous)
-        self.previous = None
-        return False
-
-
 cdef class Pool:
     """A caching pool of array-data blocks (see the module docstring).
 
@@ -425,6 +409,7 @@ cdef class Pool:
     """
     cdef pool_t* p
     cdef readonly object handler         # numpy's "mem_handler" capsule; owns `p`
+    cdef public bint enabled             # False: installed() and calling() do nothing
 
     def __cinit__(self, min_block=1 << 16, max_cached_bytes=1 << 30, page=4096):
         _check_size("min_block", min_block, 1)
@@ -452,6 +437,7 @@ cdef class Pool:
         h.allocator.free = _h_free
         self.handler = PyCapsule_New(h, CAPSULE_NAME, _destroy)
         self.p = p
+        self.enabled = True
 
     @property
     def min_block(self):
@@ -480,8 +466,14 @@ cdef class Pool:
 
     def installed(self):
         """A context manager: this pool serves numpy's array data in the current
-        context inside the ``with`` block."""
-        return Installed(self.handler)
+        context inside the ``with`` block (while `enabled`)."""
+        return Installed(self)
+
+    def calling(self, fn):
+        """`fn` wrapped: each call runs with this pool serving numpy's array data in
+        the current context (while `enabled`), as inside :meth:`installed`, for less
+        than a ``with`` block costs (a hook called once per op)."""
+        return Calling(self, fn)
 
     def empty_cache(self):
         """Give every cached block back to the system (blocks in use stay in use)."""
@@ -545,6 +537,49 @@ cdef class Pool:
     def block_size(self, uintptr_t address):
         """The usable bytes of block `address`: its size class, or its request (small)."""
         return _tail(<void*>address).size
+
+
+cdef class Installed:
+    """The pool as numpy's data-memory handler for the current context while inside the
+    ``with`` block (the previous handler restored on exit); nothing while the pool is
+    not `enabled`."""
+    cdef Pool pool
+    cdef object previous
+
+    def __cinit__(self, Pool pool):
+        self.pool = pool
+
+    def __enter__(self):
+        if self.previous is not None:
+            raise RuntimeError("Pool.installed(): this context is already entered")
+        if self.pool.enabled:
+            self.previous = PyDataMem_SetHandler(self.pool.handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            PyDataMem_SetHandler(self.previous)
+            self.previous = None
+        return False
+
+
+cdef class Calling:
+    """`fn` called with the pool installed for the call (see :meth:`Pool.calling`)."""
+    cdef Pool pool
+    cdef readonly object fn
+
+    def __cinit__(self, Pool pool, fn):
+        self.pool = pool
+        self.fn = fn
+
+    def __call__(self, *args):
+        if not self.pool.enabled:
+            return self.fn(*args)
+        previous = PyDataMem_SetHandler(self.pool.handler)
+        try:
+            return self.fn(*args)
+        finally:
+            PyDataMem_SetHandler(previous)
 
 
 def current_handler():

@@ -15,23 +15,25 @@ keeps (default 1 GiB); :func:`empty_cache` gives every cached block back to the 
 """
 from __future__ import annotations
 
-import contextlib
-
 from .._core import _arena
 
-__all__ = ["pooled", "set_buffer_pool", "get_buffer_pool", "empty_cache",
+__all__ = ["pooled", "pooled_call", "set_buffer_pool", "get_buffer_pool", "empty_cache",
            "buffer_pool_stats"]
 
 _POOL = _arena.default_pool()
-_NO_POOL = contextlib.nullcontext()
-_enabled = True
 
 
 def pooled():
     """A context manager: numpy arrays allocated inside take their data from the buffer
     pool (for the current contextvars context: other threads are not affected); nothing
     when the pool is turned off."""
-    return _POOL.installed() if _enabled else _NO_POOL
+    return _POOL.installed()
+
+
+def pooled_call(fn):
+    """`fn` wrapped so that each call runs as inside :func:`pooled` (about 0.6 us a
+    call, vs 1 us for a ``with`` block)."""
+    return _POOL.calling(fn)
 
 
 def set_buffer_pool(enabled=None, max_cached_bytes=None):
@@ -44,7 +46,6 @@ def set_buffer_pool(enabled=None, max_cached_bytes=None):
     max_cached_bytes : int, optional
         An int >= 0 (0 keeps nothing: every freed block goes back to the system).
     """
-    global _enabled
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"set_buffer_pool: enabled must be a bool, got {enabled!r}")
     if max_cached_bytes is not None:
@@ -54,12 +55,12 @@ def set_buffer_pool(enabled=None, max_cached_bytes=None):
                              f"got {max_cached_bytes!r}")
         _POOL.max_cached_bytes = max_cached_bytes
     if enabled is not None:
-        _enabled = enabled
+        _POOL.enabled = enabled
 
 
 def get_buffer_pool():
     """``{"enabled": bool, "max_cached_bytes": int, "min_block": int}``."""
-    return {"enabled": _enabled, "max_cached_bytes": _POOL.max_cached_bytes,
+    return {"enabled": _POOL.enabled, "max_cached_bytes": _POOL.max_cached_bytes,
             "min_block": _POOL.min_block}
 
 
