@@ -220,6 +220,26 @@ def test_the_cap_bounds_the_cached_memory_of_numpy_arrays():
     assert pool.stats()["cached_bytes"] <= 100 * KIB
 
 
+def test_calling_installs_the_pool_for_each_call_and_enabled_switches_it():
+    pool = _arena.Pool()
+    make = pool.calling(lambda n: np.ones(n))
+    outer = _arena.current_handler()
+    assert get_handler_name(make(100000)) == POOL_NAME
+    assert _arena.current_handler() is outer                # restored after the call
+    with pytest.raises(ValueError):
+        pool.calling(lambda: np.ones(-1))()                  # restored after an error
+    assert _arena.current_handler() is outer
+    pool.enabled = False
+    assert get_handler_name(make(100000)) == "default_allocator"
+    with pool.installed():
+        assert get_handler_name(np.ones(100000)) == "default_allocator"
+    pool.enabled = True
+    with pool.installed():
+        with pytest.raises(RuntimeError, match=r"already entered"):
+            with pool.installed() as inner:
+                inner.__enter__()
+
+
 def _rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -318,9 +338,10 @@ class _Mlp(nn.Cell):
         return self.mm2(self.relu(self.mm1(x, self.w1)), self.w2)
 
 
-def _train(n, pool=True, steps=3, between=None):
-    """Losses and weights after `steps` steps of the MLP stand-alone (n None) or compiled
-    on n devices with the pool on or off; `between(k)` runs after step k."""
+def _train(n, pool=True, steps=3, between=None, graph=True):
+    """Losses and weights after `steps` steps of the MLP stand-alone (n None) or sharded
+    on n devices, compiled (`graph`) or eager, with the pool on or off; `between(k)`
+    runs after step k."""
     buffers.set_buffer_pool(enabled=pool)
     try:
         with devices(n):
@@ -331,7 +352,7 @@ def _train(n, pool=True, steps=3, between=None):
                 net.mm2.shard(((1, 8), (8, 1)))
             opt = nn.SGD(net.trainable_params(), learning_rate=0.05)
             step = mean_square_step(net, opt)
-            step = AutoParallel(step, parallel_mode="semi_auto") if n else step
+            step = AutoParallel(step, parallel_mode="semi_auto") if n and graph else step
             losses = []
             for k in range(steps):
                 losses.append(step(Tensor(X)).asnumpy())
@@ -350,6 +371,20 @@ def test_compiled_steps_with_the_pool_equal_without_it_and_stand_alone():
     for a, b in zip(on[1:], alone[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not np.allclose(on[1], W1)                 # the steps did train
+
+
+def test_eager_sharded_steps_with_the_pool_equal_without_it_and_stand_alone():
+    """The eager sharded ops run in the pool too (dtensor's dist hook)."""
+    seen = []
+    on = _train(8, True, graph=False,
+                between=lambda k, loss: seen.append(buffers.buffer_pool_stats()))
+    off, alone = _train(8, False, graph=False), _train(None)
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(on[0], alone[0], rtol=1e-5)
+    for a, b in zip(on[1:], alone[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert seen[2]["hits"] - seen[1]["hits"] >= 10
 
 
 def test_a_steps_large_buffers_are_the_blocks_the_step_before_freed():
