@@ -39,6 +39,10 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_mutex_unlock(pthread_mutex_t* m)
     int pthread_mutex_destroy(pthread_mutex_t* m)
 
+cdef extern from "<sys/mman.h>" nogil:
+    int madvise(void* addr, size_t length, int advice)
+    int MADV_HUGEPAGE
+
 cdef extern from "numpy/arrayobject.h":
     ctypedef struct PyDataMemAllocator:
         void* ctx
@@ -64,6 +68,8 @@ cdef enum:
     SMALL_HEADER = 16      # size + offset before a small block's data (malloc's alignment)
     ALIGN = 64             # a large block's data is 64-byte aligned (a cache line)
     MIN_TABLE = 64         # slots of a new class table (a power of two)
+    HUGE_BLOCK = 1 << 22   # fresh blocks of 4 MiB or more ask for huge pages (as numpy)
+    SYS_PAGE = 4096
 
 
 cdef struct tail_t:
@@ -93,6 +99,7 @@ cdef struct pool_t:
     size_t min_block       # requests of fewer bytes are small (malloc/free)
     size_t page            # size classes are multiples of it
     size_t cap             # max_cached_bytes
+    bint hugepages         # fresh blocks of 4 MiB or more ask for huge pages
     class_t* table         # open addressing on the class size, linear probing
     size_t table_slots     # a power of two
     size_t table_used      # slots holding a class (with or without cached blocks)
@@ -226,9 +233,10 @@ cdef void* _small(size_t size, bint zero) noexcept nogil:
     return base + SMALL_HEADER
 
 
-cdef void* _fresh(size_t cls, bint zero) noexcept nogil:
+cdef void* _fresh(size_t cls, bint zero, bint huge) noexcept nogil:
     """A new large block of `cls` bytes from the system (zeroed when `zero`: calloc,
-    whose fresh pages need no memset)."""
+    whose fresh pages need no memset); with `huge`, a block of 4 MiB or more is advised
+    to use transparent huge pages, as numpy's default allocator does."""
     cdef size_t total = cls + sizeof(block_t) + ALIGN
     cdef char* base = <char*>(calloc(1, total) if zero else malloc(total))
     if base == NULL:
@@ -238,6 +246,11 @@ cdef void* _fresh(size_t cls, bint zero) noexcept nogil:
     cdef tail_t* t = _tail(data)
     t.size = cls
     t.offset = <size_t>(data - base)
+    cdef uintptr_t lo
+    if huge and cls >= HUGE_BLOCK:
+        lo = (<uintptr_t>data + SYS_PAGE - 1) & ~<uintptr_t>(SYS_PAGE - 1)
+        madvise(<void*>lo, (<uintptr_t>data + cls - lo) & ~<uintptr_t>(SYS_PAGE - 1),
+                MADV_HUGEPAGE)              # (advice only: a failure changes nothing)
     return data
 
 
@@ -269,14 +282,14 @@ cdef void* _pool_alloc(pool_t* p, size_t size, bint zero) noexcept nogil:
         if zero:
             memset(data, 0, size)
         return data
-    data = _fresh(cls, zero)
+    data = _fresh(cls, zero, p.hugepages)
     if data == NULL:
         # out of memory: give every cached block back and try once more
         pthread_mutex_lock(&p.lock)
         chain = _evict_to(p, 0)
         pthread_mutex_unlock(&p.lock)
         _release(chain)
-        data = _fresh(cls, zero)
+        data = _fresh(cls, zero, p.hugepages)
         if data == NULL:
             pthread_mutex_lock(&p.lock)
             p.active_bytes -= cls
@@ -406,12 +419,16 @@ cdef class Pool:
         At most this many bytes stay cached (default 1 GiB; 0 caches nothing).
     page : int
         Size classes are multiples of it (default 4096, a power of two).
+    hugepages : bool
+        New blocks of 4 MiB or more are advised to use transparent huge pages (default
+        True, as numpy's default allocator).
     """
     cdef pool_t* p
     cdef readonly object handler         # numpy's "mem_handler" capsule; owns `p`
     cdef public bint enabled             # False: installed() and calling() do nothing
 
-    def __cinit__(self, min_block=1 << 16, max_cached_bytes=1 << 30, page=4096):
+    def __cinit__(self, min_block=1 << 16, max_cached_bytes=1 << 30, page=4096,
+                  hugepages=True):
         _check_size("min_block", min_block, 1)
         _check_size("max_cached_bytes", max_cached_bytes, 0)
         _check_size("page", page, 1)
@@ -427,6 +444,7 @@ cdef class Pool:
             raise MemoryError("Pool: out of memory")
         pthread_mutex_init(&p.lock, NULL)
         p.min_block, p.page, p.cap = min_block, page, max_cached_bytes
+        p.hugepages = bool(hugepages)
         p.table, p.table_slots = t, MIN_TABLE
         strncpy(h.name, b"dualmode_buffer_pool", 126)
         h.version = 1
