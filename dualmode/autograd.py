@@ -63,7 +63,9 @@ def _zeros_like_meta(shape, dtype):
 
 def _detach(x):
     if isinstance(x, TensorBase):
-        return _core.wrap_dist(x._value() if x._layout is None else x._data, x._layout)
+        # a distributed value keeps its stack as it is (one not written yet stays so)
+        return _core.wrap_dist(x._value(), None) if x._layout is None else \
+            _core.detached(x)
     if isinstance(x, tuple):
         return tuple(_detach(v) for v in x)
     if isinstance(x, list):
@@ -149,8 +151,8 @@ def _differentiate(fn, positions, weights, single_weight, has_aux, args, kwargs,
                 g = _core.wrap_dist(np.zeros(x._data.shape, x.dtype), x._layout)
         elif g.dtype != x.dtype:
             g = _math.cast(g, x.dtype)
-        full.append(_core.wrap_dist(g._value() if g._layout is None else g._data,
-                                    g._layout))
+        full.append(_core.wrap_dist(g._value(), None) if g._layout is None
+                    else _core.detached(g))
     pos_grads = full[:len(pos)]
     w_grads = tuple(full[len(pos):])
     if isinstance(positions, int):

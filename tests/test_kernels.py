@@ -174,11 +174,29 @@ def test_sub_scaled_equals_numpy_bit_for_bit(dtype):
     assert np.array_equal(w, want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("w_shape, g_shape", [
+    ((2, 4, 196, 52), (1, 4, 196, 52)),     # a sharded weight's two replicas, one block
+    ((3, 10007), (10007,)),                 # more replicas than chunks line up with
+    ((2, 2, 5000), (1, 1, 5000)),
+])
+def test_sub_scaled_over_replicas_equals_numpy_bit_for_bit(dtype, w_shape, g_shape):
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    g = rng.standard_normal(g_shape).astype(dtype)
+    want = w.copy()
+    reference.sub_scaled(want, g, 0.0137)               # numpy broadcasts g
+    assert _kernels.sub_scaled(w, g, 0.0137) is True
+    assert np.array_equal(w, want)
+
+
 def test_sub_scaled_declines_what_it_cannot_do_in_place():
     w = np.ones((4, 4), np.float32)
     before = w.copy()
     assert _kernels.sub_scaled(w, np.ones((4, 4), np.float64), 0.1) is False   # dtypes
-    assert _kernels.sub_scaled(w, np.ones((1, 4), np.float32), 0.1) is False   # shapes
+    assert _kernels.sub_scaled(w, np.ones((2, 4), np.float32), 0.1) is False   # shapes
+    assert _kernels.sub_scaled(w, np.ones((4, 1), np.float32), 0.1) is False   # not trailing
+    assert _kernels.sub_scaled(w[:1], np.ones((4, 4), np.float32), 0.1) is False
     assert _kernels.sub_scaled(w[:, ::2], np.ones((4, 2), np.float32), 0.1) is False
     ro = np.ones(3, np.float32)
     ro.flags.writeable = False

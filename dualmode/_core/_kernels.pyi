@@ -9,6 +9,7 @@ def sparse_softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndar
 
 def sub_scaled(w: np.ndarray, g: np.ndarray, a: float) -> bool:
     """``w -= a * g`` in place without a temporary for C-contiguous float32/float64 arrays
-    of one shape and dtype (`a` rounded to their dtype first); False, doing nothing, for
+    of one dtype, `g` of `w`'s shape or of its trailing shape (broadcast over `w`'s
+    leading axes: replicas); `a` rounded to their dtype first. False, doing nothing, for
     other arrays."""
     ...

@@ -123,24 +123,52 @@ cdef void _sub_scaled_loop(floating_t[::1] w, const floating_t[::1] g,
         w[i] = w[i] - t
 
 
-cdef void _sub_scaled(floating_t[::1] w, const floating_t[::1] g, floating_t a):
+cdef void _sub_scaled_replicas_loop(floating_t[:, ::1] w, const floating_t[::1] g,
+                                    floating_t a) noexcept nogil:
+    # chunk by chunk of g, every replica row of w: g is read from memory once
+    cdef Py_ssize_t n = g.shape[0], r, i, start, stop
+    cdef Py_ssize_t chunk = 4096
+    cdef floating_t t
+    start = 0
+    while start < n:
+        stop = start + chunk if start + chunk < n else n
+        for r in range(w.shape[0]):
+            for i in range(start, stop):
+                t = a * g[i]
+                w[r, i] = w[r, i] - t
+        start = stop
+
+
+cdef void _sub_scaled(floating_t[:, ::1] w, const floating_t[::1] g, floating_t a):
     with nogil:
-        _sub_scaled_loop(w, g, a)
+        if w.shape[0] == 1:
+            _sub_scaled_loop(w[0], g, a)
+        else:
+            _sub_scaled_replicas_loop(w, g, a)
 
 
 def sub_scaled(w, g, a):
     """``w -= a * g`` in place, in one pass and without a temporary (the optimizers'
-    update). `w` and `g` are C-contiguous arrays of one shape and dtype (float32 or
-    float64), `w` writable; `a` is rounded to their dtype first, as numpy does with a
-    Python float. Returns False (doing nothing) when the arrays do not qualify, so the
-    caller takes the numpy form."""
+    update). `w` and `g` are C-contiguous arrays of one dtype (float32 or float64), `w`
+    writable, of one shape — or `g` of `w`'s trailing shape (leading size-1 axes
+    allowed), broadcast over `w`'s leading axes: a sharded weight's replicas updated
+    from one gradient block, which is read once. `a` is rounded to their dtype first,
+    as numpy does with a Python float. Returns False (doing nothing) when the arrays do
+    not qualify, so the caller takes the numpy form."""
     import numpy as np
     if not (isinstance(w, np.ndarray) and isinstance(g, np.ndarray)) or \
-            w.dtype != g.dtype or w.shape != g.shape or w.dtype not in (np.float32, np.float64) \
+            w.dtype != g.dtype or w.dtype not in (np.float32, np.float64) \
             or not w.flags.c_contiguous or not g.flags.c_contiguous or not w.flags.writeable:
         return False
+    if w.shape != g.shape:
+        inner = g.shape
+        while inner and inner[0] == 1:
+            inner = inner[1:]
+        if len(inner) > w.ndim or w.shape[w.ndim - len(inner):] != inner or g.size == 0:
+            return False
+    rows = w.size // g.size if g.size else 1
     if w.dtype == np.float32:
-        _sub_scaled[float](w.reshape(-1), g.reshape(-1), <float>float(a))
+        _sub_scaled[float](w.reshape(rows, -1), g.reshape(-1), <float>float(a))
     else:
-        _sub_scaled[double](w.reshape(-1), g.reshape(-1), <double>float(a))
+        _sub_scaled[double](w.reshape(rows, -1), g.reshape(-1), <double>float(a))
     return True

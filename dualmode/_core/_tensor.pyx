@@ -202,6 +202,59 @@ def make_leaf(long slot, long tape):
 
 
 # ----------------------------------------------------------------------------
+# Deferred: a distributed op's output stack not written yet
+# ----------------------------------------------------------------------------
+cdef class Deferred:
+    """A stack ``(devices, *local)`` that is described, not yet written. A kernel may
+    return one instead of an array (the grouped MatMul's pending sums, whose totals
+    are known); the Tensor wrapping it writes the stack on the first read of `_data`.
+    Subclasses implement `_write()`; `shape`, `dtype` and `nbytes` describe the stack.
+    Numpy functions given a Deferred read the written stack (``__array__``)."""
+    cdef public tuple shape
+    cdef public object dtype
+    cdef object _stack
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self._stack = None
+
+    cpdef object materialize(self):
+        """The written stack (written once; later calls return the same array)."""
+        if self._stack is None:
+            self._stack = self._write()
+        return self._stack
+
+    def _write(self):
+        raise NotImplementedError(f"{type(self).__name__}: no _write")
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def itemsize(self):
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self):
+        cdef Py_ssize_t n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.materialize()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __getitem__(self, index):
+        return self.materialize()[index]
+
+    def __len__(self):
+        return self.shape[0]
+
+
+# ----------------------------------------------------------------------------
 # TensorBase: storage + tape link; the Python Tensor class adds the API
 # ----------------------------------------------------------------------------
 cdef class TensorBase:
@@ -210,12 +263,32 @@ cdef class TensorBase:
     `_layout` None: `_data` is the global value (one numpy array).
     `_layout` a TensorLayout: `_data` is the stack of this process's local shards
     (leading axis = local devices) and the layout says which slice each holds.
+
+    A distributed op's output may be *deferred* (`_lazy`, a :class:`Deferred`): its
+    stack is only written when something reads `_data`; readers that know the
+    deferred form (the redistribution of a pending sum whose totals are known) use
+    `_lazy` instead and the stack is never written.
     """
-    cdef public object _data
+    cdef public object _arr
+    cdef public object _lazy
     cdef public object _node
     cdef public int _out_index
     cdef public object _layout
     cdef object __weakref__
+
+    @property
+    def _data(self):
+        """The storage: the global value, or the stack of local shards (a deferred
+        stack is written on this first read)."""
+        if self._lazy is not None:
+            self._arr = (<Deferred>self._lazy).materialize()
+            self._lazy = None
+        return self._arr
+
+    @_data.setter
+    def _data(self, value):
+        self._arr = value
+        self._lazy = None
 
     @property
     def shape(self):
@@ -227,6 +300,8 @@ cdef class TensorBase:
 
     @property
     def dtype(self):
+        if self._lazy is not None:
+            return (<Deferred>self._lazy).dtype
         if self._data is None:
             self._materialize()
         return self._data.dtype
@@ -351,15 +426,15 @@ cpdef object binary(OpDef op, object a, object b, bint reflected):
         a, b = b, a
     if isinstance(a, TensorBase):
         ta = <TensorBase>a
-        if ta._data is None:
+        if _storage(ta) is None:
             ta._materialize()
-        arr_a = ta._data
+        arr_a = _storage(ta)
         da = arr_a.dtype
         if isinstance(b, TensorBase):
             tb = <TensorBase>b
-            if tb._data is None:
+            if _storage(tb) is None:
                 tb._materialize()
-            arr_b = tb._data
+            arr_b = _storage(tb)
             db = arr_b.dtype
             # fast path: same dtype and shape, no promotion or broadcasting to check
             if da is db and op.kind == _KIND_BINARY and ta._layout is None \
@@ -473,11 +548,21 @@ def infer(OpDef op, attrs, *xs):
 cdef object _ndarray = np.ndarray
 
 
+cdef inline object _storage(TensorBase t):
+    """`t._data` without the property lookup (a deferred stack is written)."""
+    if t._lazy is not None:
+        return t._data
+    return t._arr
+
+
 cdef inline TensorBase _wrap(object arr):
     cdef TensorBase t = TensorBase.__new__(_TensorCls)
     if type(arr) is not _ndarray:
+        if isinstance(arr, Deferred):
+            t._lazy = arr
+            return t
         arr = np.asarray(arr)      # ufuncs on 0-d arrays return numpy scalars
-    t._data = arr
+    t._arr = arr
     return t
 
 
@@ -504,13 +589,14 @@ cpdef object apply(OpDef op, object attrs, tuple inputs):
         x = inputs[i]
         if isinstance(x, TensorBase):
             t = <TensorBase>x
-            if t._data is None:
-                t._materialize()
-            arrs[i] = t._data
             if t._node is not None:
                 rec = True
             if t._layout is not None:
-                dist = True
+                dist = True          # the parallel layer reads the stacks it needs
+                continue
+            if _storage(t) is None:
+                t._materialize()
+            arrs[i] = _storage(t)
         else:
             arrs[i] = x
     if dist:
@@ -557,7 +643,7 @@ cdef object _finish(OpDef op, object attrs, tuple inputs, object out, bint rec,
         node.op = op
         node.attrs = attrs
         node.inputs = inputs
-        node.out_meta = tuple([(o.shape, (<TensorBase>o)._data.dtype) for o in outs])
+        node.out_meta = tuple([(o.shape, o.dtype) for o in outs])
         if op.save_outputs:
             node.outputs = tuple([_detached(<TensorBase>o) for o in outs])
         for x in outs:
@@ -566,9 +652,15 @@ cdef object _finish(OpDef op, object attrs, tuple inputs, object out, bint rec,
 
 
 cdef TensorBase _detached(TensorBase o):
-    cdef TensorBase t = _wrap(o._data)
+    cdef TensorBase t = _wrap(o._lazy if o._lazy is not None else o._arr)
     t._layout = o._layout
     return t
+
+
+def detached(TensorBase t):
+    """A Tensor over `t`'s storage and layout, off the tape (a deferred stack stays
+    deferred, shared with `t`)."""
+    return _detached(t)
 
 
 def finish(OpDef op, attrs, tuple inputs, out, bint rec, layouts=None):

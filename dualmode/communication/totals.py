@@ -16,6 +16,13 @@ value instead of gathering the copies back (the grouped MatMul's inputs).
 A stack is remembered by identity (a weak reference: the entry leaves with the stack)
 and made read-only, as are its totals, so neither can change behind the record. A view
 or copy of a remembered stack is not remembered; it is added up as any other.
+
+In eager execution the stacks need not be written at all: while :func:`deferring` is
+on (the sharding engine runs an op's local computation or moves an input into its
+strategy's layout), the grouped MatMul, and a redistribution of a known value into
+blocks that would be a copy, return a :class:`DeferredShares` instead of the stack. The Tensor that wraps it writes the stack
+on the first read of its ``_data``; the readers that know this form (the redistribution
+executor, through :func:`known_totals`) take the totals and the stack is never written.
 """
 from __future__ import annotations
 
@@ -25,7 +32,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-__all__ = ["remember_totals", "known_totals", "group_totals"]
+from .._core._tensor import Deferred
+
+__all__ = ["remember_totals", "known_totals", "group_totals", "DeferredShares", "deferring",
+           "deferral_on", "as_stack"]
 
 #: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes)
 _TOTALS: dict = {}
@@ -62,8 +72,13 @@ def remember_totals(stack: np.ndarray, totals: np.ndarray, device_matrix: Tuple[
 
 
 def known_totals(stack: np.ndarray, device_matrix, axes) -> Optional[np.ndarray]:
-    """The totals grid recorded for `stack` (this very object) as pending sums over the
-    sorted device `axes` of `device_matrix`, or None."""
+    """The totals grid recorded for `stack` (this very object, or a
+    :class:`DeferredShares`) as pending sums over the sorted device `axes` of
+    `device_matrix`, or None."""
+    if type(stack) is DeferredShares:
+        if stack.axes == tuple(axes) and stack.device_matrix == tuple(device_matrix):
+            return stack.totals
+        return None
     found = _TOTALS.get(id(stack))
     if found is None or found[0]() is not stack or found[3] != tuple(axes) \
             or found[2] != tuple(device_matrix):
@@ -99,3 +114,72 @@ def group_totals(stack: np.ndarray, members: np.ndarray, device_matrix=None,
             return None
     return totals[tuple(coords[a][:, 0] if totals.shape[a] > 1 else
                         np.zeros(members.shape[0], np.int64) for a in range(k))]
+
+
+# ---------------------------------------------------------------------------
+# shares not written until read
+# ---------------------------------------------------------------------------
+class DeferredShares(Deferred):
+    """The stack ``(prod(device_matrix), *local)`` of equal shares ``totals / parts``
+    of pending sums over the device `axes`, described by its `totals` (a grid as in
+    :func:`remember_totals`) and written only when read. Over no axes (``parts`` 1) it
+    is the blocks of a whole value. The written stack is remembered with its totals,
+    so readers of either form get the same numbers."""
+
+    def __init__(self, totals: np.ndarray, device_matrix, axes, parts: int):
+        device_matrix = tuple(device_matrix)
+        super().__init__((math.prod(device_matrix),) + totals.shape[len(device_matrix):],
+                         totals.dtype)
+        if totals.flags.writeable:
+            totals.flags.writeable = False
+        self.totals, self.device_matrix = totals, device_matrix
+        self.axes, self.parts = tuple(sorted(axes)), parts
+
+    def _write(self):
+        dm, local = self.device_matrix, self.shape[1:]
+        if all(t == 1 for t in self.totals.shape[:len(dm)]):
+            # one total: every device a view of one share
+            one = np.true_divide(self.totals.reshape(local), self.parts, dtype=self.dtype)
+            out = np.broadcast_to(one, self.shape)
+        else:
+            out = np.empty(self.shape, dtype=self.dtype)
+            if self.parts == 1:                     # the blocks of a whole value
+                np.copyto(out.reshape(dm + local), self.totals)
+            else:
+                np.true_divide(self.totals, self.parts, out=out.reshape(dm + local))
+        return remember_totals(out, self.totals, dm, self.axes)
+
+
+#: > 0 while kernels may return deferred stacks (see :func:`deferring`)
+_DEFERRING = [0]
+
+
+class _Deferring:
+    __slots__ = ()
+
+    def __enter__(self):
+        _DEFERRING[0] += 1
+
+    def __exit__(self, *exc):
+        _DEFERRING[0] -= 1
+
+
+_DEFER = _Deferring()
+
+
+def deferring():
+    """A context in which kernels may return :class:`DeferredShares` instead of writing
+    their shares: entered by the eager sharding engine around an op's local
+    computation, whose outputs become Tensors (never by graph mode, whose values are
+    plain arrays)."""
+    return _DEFER
+
+
+def deferral_on() -> bool:
+    """Whether a kernel may return a deferred stack now."""
+    return _DEFERRING[0] > 0
+
+
+def as_stack(stack):
+    """`stack` as an array: a :class:`Deferred` is written."""
+    return stack.materialize() if isinstance(stack, Deferred) else stack

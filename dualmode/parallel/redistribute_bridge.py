@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core._tensor import TensorBase
-from ..communication.totals import remember_totals
+from ..communication.totals import as_stack, remember_totals
 from ..communication.trace import comm_cause, record
 from ..tensor import Parameter
 from .tensor_layout import TensorLayout
@@ -31,12 +31,18 @@ def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistributi
     """The local stack of `x` (a Tensor, distributed or not, or an array) in `dst`;
     the collectives are reported with `reason`."""
     if isinstance(x, TensorBase) and x._layout is not None:
-        return move_stack(x._data, x._layout, dst, op_name, reason)
+        return move_stack(_stored(x), x._layout, dst, op_name, reason)
     value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
     stack = local_stack(value, dst)
     if isinstance(x, TensorBase) and not isinstance(x, Parameter):
         remember_blocks(stack, value, dst)
     return stack
+
+
+def _stored(x):
+    """A distributed Tensor's stack as the executor takes it: a deferred stack stays
+    unwritten (the executor reads its totals, or writes it when it must)."""
+    return x._lazy if x._lazy is not None else x._data
 
 
 def remember_blocks(stack, value, dst: TensorLayout):
@@ -60,6 +66,7 @@ def move_stack(stack, src: TensorLayout, dst: TensorLayout, op_name=None,
     if src.device_num == dst.device_num:
         plan = plan_redistribution(src, dst, stack.itemsize or 1)
         return execute(plan, stack, op_name=op_name, reason=reason)
+    stack = as_stack(stack)
     global_value = src.assemble(world_stack(stack, src))
     _report_gather(src, stack[0].nbytes, op_name, reason)
     return local_stack(global_value, dst)
@@ -91,7 +98,7 @@ def redistribute_grid(x, dst: TensorLayout, op_name=None, reason="redistribution
         src = x._layout
         if not isinstance(src, TensorLayout) or src.device_num != dst.device_num:
             return None
-        stack = x._data
+        stack = _stored(x)
         plan = plan_redistribution(src, dst, stack.itemsize or 1)
         return run_plan_grid(plan, stack, op_name=op_name, reason=reason)
     value = x._value() if isinstance(x, TensorBase) else np.asarray(x)

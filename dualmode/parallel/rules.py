@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..communication.totals import remember_totals
+from ..communication.totals import DeferredShares, deferral_on, remember_totals
 from ..ops._registry import REGISTRY, linearity
 from .._core import _tensor as _core
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
@@ -337,7 +337,9 @@ def contract_groups(a, b, dm, axes):
     that group's total, kept as equal shares of the pending sum (any split of a pending
     sum that adds up to the total is valid). When `b` repeats over every other device
     axis, all groups are one GEMM over their stacked rows. Returns a stack
-    ``(prod(dm), m, c)``; with every axis summed it is a stride-0 view of one total."""
+    ``(prod(dm), m, c)``; with every axis summed it is a stride-0 view of one total.
+    While :func:`~dualmode.communication.totals.deferring` is on, the stack is returned
+    unwritten (a :class:`~dualmode.communication.totals.DeferredShares`)."""
     nd = len(dm)
     others = [i for i in range(nd) if i not in axes]
     a2 = _merge_blocks(a, axes, 1)                   # (others..., m, |axes| k)
@@ -355,6 +357,8 @@ def contract_groups(a, b, dm, axes):
     for i, s in zip(others, total.shape[:-2]):
         grid_shape[i] = s
     total = total.reshape(tuple(grid_shape) + total.shape[-2:])
+    if deferral_on():                               # written only if read as a stack
+        return DeferredShares(total, dm, axes, parts)
     if all(g == 1 for g in grid_shape):             # one total: every device a view of it
         out = grid_to_stack(np.true_divide(total, parts, dtype=total.dtype), dm)
     else:

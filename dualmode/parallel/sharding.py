@@ -36,7 +36,8 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from ..communication.totals import known_totals
+from ..communication.totals import (DeferredShares, as_stack, deferral_on, deferring,
+                                   known_totals)
 from ..ops._registry import REGISTRY
 from .devices import backend as _backend
 from .devices import holds_all_devices, live_backend as _live_backend, op_cause
@@ -292,13 +293,15 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
         if not checked:                     # the same signature validates the same way
             _validate(op, attrs, stacks, dtypes, plan)
             found[6] = True
-        outs = run_local(RULES[op.name], op, attrs, plan, stacks)
+        with deferring():                   # the outputs become Tensors: may stay unwritten
+            outs = run_local(RULES[op.name], op, attrs, plan, stacks)
     for i, post in enumerate(plan.post):
         if post is not None:
             red_op, axes = post
             with op_cause(op.name):
                 outs[i] = np.asarray(_backend().all_reduce(
-                    outs[i], members=plan.outputs[i].group_members(axes), op=red_op))
+                    as_stack(outs[i]), members=plan.outputs[i].group_members(axes),
+                    op=red_op))
     for i, lay in enumerate(lays_out):
         if lay is None:
             outs[i] = np.asarray(outs[i][0])          # a replicated result: one plain value
@@ -406,7 +409,10 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
             stacks.append(x._value() if isinstance(x, TensorBase) else x)
             continue
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
-            grid = x._data.reshape(dm + need.local_shape)[first]
+            if need.partial:
+                grid = x._data.reshape(dm + need.local_shape)[first]
+            else:                                   # one replica, or the known value
+                grid = stack_grid(x._lazy if x._lazy is not None else x._data, need)
         else:
             grid = redistribute_grid(x, need, op.name)
             if grid is None:                        # cannot happen with every device local
@@ -414,7 +420,8 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
         stacks.append(_compact(grid, dm_c, need.local_shape))
     if validate:
         _validate(op, attrs, stacks, dtypes, plan)
-    return once_per_replica_set(op, attrs, plan, stacks, dm, reps)
+    with deferring():                       # the outputs become Tensors: may stay unwritten
+        return once_per_replica_set(op, attrs, plan, stacks, dm, reps)
 
 
 def replica_grid(stack, need, dm, reps):
@@ -426,15 +433,21 @@ def replica_grid(stack, need, dm, reps):
 
 def once_per_replica_set(op, attrs, plan, stacks, dm, reps):
     """`plan.local` on one replica along `reps` (inputs given so, see
-    :func:`replica_grid`), every replica then given the results (a list of stacks)."""
+    :func:`replica_grid`), every replica then given the results (a list of stacks;
+    while :func:`~dualmode.communication.totals.deferring` is on, a result without
+    pending sums is a deferred stack: its replicas are written only if read)."""
     dm_c = _replica_set(dm, reps)[0]
     out = plan.local(attrs, stacks)
     outs = list(out) if op.multi_output else [out]
     n = math.prod(dm)
+    defer = deferral_on()
     for i, lay in enumerate(plan.outputs):
         o = np.asarray(outs[i])
         if not lay.partial and not any(lay.tensor_map):
             continue                                # a replicated result: kept as one value
+        if defer and not lay.partial:
+            outs[i] = DeferredShares(o.reshape(dm_c + lay.local_shape), dm, (), 1)
+            continue
         full = np.empty((n,) + lay.local_shape, dtype=o.dtype)
         full.reshape(dm + lay.local_shape)[...] = o.reshape(dm_c + lay.local_shape)
         outs[i] = full
@@ -476,30 +489,32 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     grids = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
-            grids.append(stack_grid(x._data, need))
+            grids.append(stack_grid(x._lazy if x._lazy is not None else x._data, need))
             continue
         grid = redistribute_grid(x, need, op.name)
         if grid is None:                            # cannot happen with every device local
             grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)
         grids.append(grid)
     _validate(op, attrs, grids, dtypes, plan)
-    out = plan.local(attrs, grids)
+    with deferring():                       # the outputs become Tensors: may stay unwritten
+        out = plan.local(attrs, grids)
     return list(out) if op.multi_output else [out]
 
 
 def stack_grid(stack, lay):
-    """`stack` (every device's blocks in `lay`) as a device grid for a local that
-    accepts grids: views of the whole value when it is known
+    """`stack` (every device's blocks in `lay`, or a deferred stack of them) as a device
+    grid for a local that accepts grids: views of the whole value when it is known
     (:mod:`dualmode.communication.totals`), else the stack with the first replica along
     each axis where `lay` repeats standing for all (size 1 there: replicas hold equal
     blocks)."""
     dm = lay.device_matrix
     if lay.partial:
-        return stack.reshape(dm + lay.local_shape)
+        return as_stack(stack).reshape(dm + lay.local_shape)
     known = known_totals(stack, dm, ())
     if known is not None:
         return known
-    return stack.reshape(dm + lay.local_shape)[_replica_set(dm, lay.replicated_axes)[1]]
+    return as_stack(stack).reshape(dm + lay.local_shape)[
+        _replica_set(dm, lay.replicated_axes)[1]]
 
 
 def grid_to_stack(out, dm):

@@ -20,6 +20,7 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
+from ..communication.totals import deferring
 from ..communication.trace import note_memory
 from ..tensor import Parameter
 from ..ops.primitive import _flat
@@ -118,7 +119,9 @@ def _to(x, lay, op_name):
     if isinstance(x, Parameter) and not x.layerwise_parallel and is_sharded_layout(lay) \
             and (x._layout is None or isinstance(x._layout, TensorLayout)):
         return _store_sharded(x, lay, op_name)
-    return moved(x, redistribute_tensor(x, lay, op_name), lay)
+    with deferring():                       # a Tensor's stack: may stay unwritten
+        stack = redistribute_tensor(x, lay, op_name)
+    return moved(x, stack, lay)
 
 
 def apply_in_strategy(prim, args):

@@ -401,19 +401,28 @@ class TensorLayout:
         """:meth:`local_blocks` as a read-only view of ``array`` when its strides allow one
         (e.g. columns split over one axis: device d sees columns d*k:(d+1)*k in place;
         nothing split: every device sees the whole array, stride 0), else a fresh copy."""
+        out = self.blocks_view(array)
+        if out is None:
+            y = self._blocks_grid(array, "local_blocks_view")
+            return np.ascontiguousarray(y).reshape((self.device_num,) + self.local_shape)
+        return out
+
+    def blocks_view(self, array) -> Optional[np.ndarray]:
+        """:meth:`local_blocks` as a read-only view of ``array``, or None when its strides
+        do not allow one (the blocks are not one strided grid)."""
         y = self._blocks_grid(array, "local_blocks_view")
         shape = (self.device_num,) + self.local_shape
         # for a C-contiguous array whether the blocks are one strided grid depends on
         # the layout alone: the answer is kept (a failed view costs an exception)
         contiguous = array.flags.c_contiguous if isinstance(array, np.ndarray) else False
         if contiguous and self.__dict__.get("_blocks_not_a_view"):
-            return np.ascontiguousarray(y).reshape(shape)
+            return None
         try:
             out = np.reshape(y, shape, copy=False)
         except ValueError:                      # the blocks are not one strided grid
             if contiguous:
                 self.__dict__["_blocks_not_a_view"] = True
-            return np.ascontiguousarray(y).reshape(shape)
+            return None
         if out.flags.writeable:
             out = out.view()
             out.flags.writeable = False

@@ -10,7 +10,9 @@ import numpy as np
 
 from ...communication import _live_backend, trace
 from ...communication.sim import SimBackend, replicated_view
-from ...communication.totals import known_totals, remember_totals
+from ..._core._tensor import Deferred
+from ...communication.totals import (DeferredShares, as_stack, deferral_on, known_totals,
+                                     remember_totals)
 from ...communication.trace import comm_cause
 from ..layout import LayoutSpec, TensorLayout
 from .planner import plan_redistribution
@@ -163,6 +165,7 @@ def global_value(stack: np.ndarray, layout: TensorLayout) -> np.ndarray:
     totals = known_totals(stack, layout.device_matrix, layout.partial)
     if totals is not None:
         return layout.assemble_totals(totals)
+    stack = as_stack(stack)
     if stack.strides[0] == 0 and stack.shape[0] > 1 and not layout.split_axes:
         one = stack[0]
         if not layout.partial:
@@ -190,15 +193,16 @@ def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
     added) and the destination blocks cut from it, one or two numpy passes whatever the
     number of steps. CommReport records exactly the collectives :func:`run_plan` would
     run. Plans that keep partial sums, or processes that hold only some devices, run
-    step by step."""
+    step by step. While :func:`~dualmode.communication.totals.deferring` is on, blocks
+    of a known value that would be a copy are returned unwritten (a deferred stack)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"run_plan_direct: expected a Plan, got {plan!r}")
-    if not isinstance(stack, np.ndarray):
+    if not isinstance(stack, (np.ndarray, Deferred)):
         stack = np.asarray(stack)
     src, dst = plan.src, plan.dst
     backend = _resolve_backend(backend, src, stack)
     if not len(plan) or dst.partial or len(backend.local_ranks) != src.device_num:
-        return run_plan(plan, stack, backend, op_name=op_name, reason=reason)
+        return run_plan(plan, as_stack(stack), backend, op_name=op_name, reason=reason)
     want = (src.device_num,) + src.local_shape
     if stack.shape != want:
         raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
@@ -207,7 +211,12 @@ def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
         _record_steps(plan, stack.itemsize)
     known = known_totals(stack, src.device_matrix, src.partial) is not None
     value = global_value(stack, src)
-    out = blocks_of(value, dst)
+    if known and dst.split_axes and deferral_on():
+        out = dst.blocks_view(value)
+        if out is None:             # blocks that need a copy, for a Tensor: written if read
+            return DeferredShares(dst.local_blocks_grid(value), dst.device_matrix, (), 1)
+    else:
+        out = blocks_of(value, dst)
     if known and out.strides[0] != 0:
         # the source's whole value is known and never changes: so is the result's
         remember_totals(out, dst.local_blocks_grid(value), dst.device_matrix, ())
@@ -233,7 +242,7 @@ def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
         raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
                          f"{want} (local devices, *local shape of {src!r})")
     if not len(plan):
-        return stack.reshape(dst.device_matrix + dst.local_shape)
+        return as_stack(stack).reshape(dst.device_matrix + dst.local_shape)
     with comm_cause(op_name, reason):
         _record_steps(plan, stack.itemsize)
     return dst.local_blocks_grid(global_value(stack, src))
@@ -246,4 +255,4 @@ def execute(plan: Plan, stack: np.ndarray, backend=None, *, op_name: Optional[st
     :func:`run_plan_direct` when every device is local, else :func:`run_plan`."""
     if any(s.communicates for s in plan):
         return run_plan_direct(plan, stack, backend, op_name=op_name, reason=reason)
-    return run_plan(plan, stack, backend, op_name=op_name, reason=reason)
+    return run_plan(plan, as_stack(stack), backend, op_name=op_name, reason=reason)

@@ -1,0 +1,176 @@
+"""Deferred stacks (dualmode.communication.totals.DeferredShares): in eager execution a
+sharded op's output whose whole value is known (the grouped MatMul's pending sums, the
+blocks of a known value, the replicas of a result computed once per replica set) is
+written only when something reads it as a stack. Reading it gives exactly the stack
+the op would have written; the readers that know the totals never write it; the
+numbers and the CommReport of a train step do not depend on it."""
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Parameter, Tensor, nn, ops
+from dualmode._core import _tensor as _core
+from dualmode.communication import totals as totals_mod
+from dualmode.communication.totals import DeferredShares, known_totals
+from dualmode.parallel import CommReport, TensorLayout
+from dualmode.parallel import rules, sharding
+from dualmode.parallel.redistribution import executor
+
+RNG = np.random.default_rng(11)
+LR = 0.05
+
+
+def _count_writes(monkeypatch):
+    """A list that gets one entry per deferred stack written."""
+    writes = []
+    real = DeferredShares._write
+
+    def spy(self):
+        writes.append(self.shape)
+        return real(self)
+
+    monkeypatch.setattr(DeferredShares, "_write", spy)
+    return writes
+
+
+def _no_deferral(monkeypatch):
+    for mod in (rules, sharding, executor):
+        monkeypatch.setattr(mod, "deferral_on", lambda: False)
+
+
+def test_a_deferred_matmul_output_reads_as_its_shares(eight, monkeypatch):
+    writes = _count_writes(monkeypatch)
+    a = RNG.standard_normal((64, 1024)).astype(np.float32)  # large enough to be grouped
+    w = RNG.standard_normal((1024, 32)).astype(np.float32)
+    out = ops.MatMul().shard(((2, 4), (4, 1)))(Tensor(a), Tensor(w))
+    assert out._lazy is not None
+    assert out.dtype == np.float32 and out.shape == (64, 32)
+    assert out._lazy is not None and writes == []           # described, not written
+    twin = _core.detached(out)
+    assert twin._lazy is out._lazy                          # the tape's copy stays deferred
+    stack = out._data                                       # now written
+    assert out._lazy is None and len(writes) == 1
+    # device (i, j) holds a quarter of its row block's product (its share of the sum)
+    for i in range(2):
+        rows = (a[32 * i:32 * (i + 1)] @ w) / 4
+        for j in range(4):
+            np.testing.assert_allclose(stack[4 * i + j], rows, rtol=1e-5, atol=1e-5)
+    assert known_totals(stack, (2, 4), (1,)) is not None    # the totals still known
+    assert twin._data is stack and len(writes) == 1         # one write for both
+    np.testing.assert_allclose(out.asnumpy(), a @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deferred_stack_behaves_as_an_array():
+    lay = TensorLayout((2, 4), ((0,), ()), (8, 6), partial=(1,))
+    value = RNG.standard_normal((8, 6)).astype(np.float32)
+    totals = lay.without_partial().local_blocks_grid(value)[:, :1]
+    d = DeferredShares(np.ascontiguousarray(totals), (2, 4), (1,), 4)
+    assert d.shape == (8, 4, 6) and d.dtype == np.float32 and d.ndim == 3
+    assert d.nbytes == 8 * 4 * 6 * 4 and d.itemsize == 4 and len(d) == 8
+    want = lay.without_partial().local_blocks(value) / np.float32(4)
+    np.testing.assert_array_equal(np.asarray(d), want)
+    assert np.asarray(d) is d.materialize()                 # written once
+    np.testing.assert_array_equal(d[5], want[5])
+    np.testing.assert_allclose(lay.assemble(d.materialize()), value, rtol=1e-6, atol=1e-6)
+    assert known_totals(d, (2, 4), (1,)) is d.totals
+    assert known_totals(d, (2, 4), (0,)) is None
+
+
+def test_kernels_outside_eager_execution_write_their_stacks():
+    """Graph mode keeps plain arrays: without `deferring` the grouped MatMul writes."""
+    a = RNG.standard_normal((16, 24)).astype(np.float32)
+    b = RNG.standard_normal((24, 8)).astype(np.float32)
+    ga = TensorLayout((2, 4), ((0,), (1,)), a.shape).local_blocks_grid(a)
+    gb = TensorLayout((2, 4), ((1,), ()), b.shape).local_blocks_grid(b)
+    assert isinstance(rules.contract_groups(ga, gb, (2, 4), (1,)), np.ndarray)
+    with totals_mod.deferring():
+        assert isinstance(rules.contract_groups(ga, gb, (2, 4), (1,)), DeferredShares)
+    assert not totals_mod.deferral_on()
+
+
+class _Net(nn.Cell):
+    """The seed network's sharded layers: a MatMul whose contracted dim is split, a
+    ReLU on a layout with replicas, a second split contraction, a ReLU on rows."""
+
+    def __init__(self, w1, w2):
+        super().__init__()
+        self.w1, self.w2 = Parameter(Tensor(w1.copy())), Parameter(Tensor(w2.copy()))
+        self.mm1 = ops.MatMul().shard(((2, 4), (4, 1)))
+        self.relu1 = ops.ReLU().shard(((4, 1),))
+        self.mm2 = ops.MatMul().shard(((1, 8), (8, 1)))
+        self.relu2 = ops.ReLU().shard(((8, 1),))
+
+    def construct(self, x):
+        return self.relu2(self.mm2(self.relu1(self.mm1(x, self.w1)), self.w2))
+
+
+def _train_step(x, w1, w2):
+    net = _Net(w1, w2)
+    opt = nn.SGD(net.trainable_params(), learning_rate=LR)
+    grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
+                                opt.parameters)
+    with CommReport() as report:
+        loss, grads = grad_fn(Tensor(x))
+        opt(grads)
+    records = [(r.kind, r.group_size, r.num_groups, r.bytes_per_device, r.reason)
+               for r in report.records]
+    return float(loss.asnumpy()), net.w1.asnumpy(), net.w2.asnumpy(), records
+
+
+def _numpy_step(x, w1, w2):
+    h = x @ w1
+    a = np.maximum(h, 0)
+    z = a @ w2
+    y = np.maximum(z, 0)
+    loss = np.mean(y * y)
+    dz = (2 * y / y.size) * (z > 0)
+    g2 = a.T @ dz
+    dh = (dz @ w2.T) * (h > 0)
+    g1 = x.T @ dh
+    return loss, w1 - LR * g1, w2 - LR * g2
+
+
+def test_a_train_step_writes_no_deferred_stack_and_equals_one_device(eight, monkeypatch):
+    x = RNG.standard_normal((64, 512)).astype(np.float32)    # 128 KiB: its value is kept
+    w1 = (RNG.standard_normal((512, 64)) * 0.05).astype(np.float32)
+    w2 = (RNG.standard_normal((64, 16)) * 0.05).astype(np.float32)
+    writes = _count_writes(monkeypatch)
+    made = []
+    real_init = DeferredShares.__init__
+
+    def spy_init(self, *args):
+        real_init(self, *args)
+        made.append(self.shape)
+
+    monkeypatch.setattr(DeferredShares, "__init__", spy_init)
+    loss, n1, n2, _ = _train_step(x, w1, w2)
+    assert len(made) >= 4 and writes == []      # described, never written
+    ref_loss, r1, r2 = _numpy_step(x, w1, w2)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    np.testing.assert_allclose(n1, r1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(n2, r2, rtol=1e-5, atol=1e-6)
+
+
+def test_deferral_changes_neither_numbers_nor_the_comm_report(eight, monkeypatch):
+    x = RNG.standard_normal((64, 512)).astype(np.float32)
+    w1 = (RNG.standard_normal((512, 64)) * 0.05).astype(np.float32)
+    w2 = (RNG.standard_normal((64, 16)) * 0.05).astype(np.float32)
+    deferred = _train_step(x, w1, w2)
+    _no_deferral(monkeypatch)
+    written = _train_step(x, w1, w2)
+    assert deferred[3] == written[3] and deferred[3]
+    assert deferred[0] == pytest.approx(written[0], rel=1e-6)
+    np.testing.assert_allclose(deferred[1], written[1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(deferred[2], written[2], rtol=1e-6, atol=1e-7)
+
+
+def test_reading_a_deferred_output_in_place_sees_one_stack(eight):
+    """A deferred output read by a plain op (no fast path) is written once and used."""
+    a = RNG.standard_normal((64, 1024)).astype(np.float32)
+    w = RNG.standard_normal((1024, 32)).astype(np.float32)
+    out = ops.MatMul().shard(((2, 4), (4, 1)))(Tensor(a), Tensor(w))
+    assert out._lazy is not None
+    doubled = out * 2                                        # linear in the pending sum
+    np.testing.assert_allclose(doubled.asnumpy(), 2 * (a @ w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ops.exp(out * 0.01).asnumpy(), np.exp((a @ w) * 0.01),
+                               rtol=1e-5, atol=1e-5)
