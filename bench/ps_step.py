@@ -16,11 +16,12 @@
                                  # frames to an echo process (the baseline, timed in the
                                  # same process and the same seconds), and with round
                                  # trips to an echo that also applies the same SGD step
-                                 # (the floor of any server: transfer + update)
+                                 # (the floor of any server: transfer + update),
+                                 # and with that echo pipelined by row blocks
 
 The JSON line has ``times`` (each timed step after two warm-up steps) and ``median_s``;
-pushpull adds ``raw_times`` / ``raw_median_s`` and ``update_times`` /
-``update_median_s``.
+pushpull adds ``raw_times`` / ``raw_median_s``, ``update_times`` /
+``update_median_s`` and ``pipelined_times`` / ``pipelined_median_s``.
 """
 import json
 import socket
@@ -55,6 +56,13 @@ ECHO_UPDATE = (
     "        if i not in w:\n            w[i]=np.zeros_like(g)\n"
     "        sgd_update(g,w[i],[g],0.01,False);w[i]=g\n"
     "    s.send_multipart(f,copy=False)\n")
+#: the same update, pipelined: the client sends a step as PIPE_CHUNKS messages (row blocks
+#: of the weight, the bias with the last), the echo updates each block as it comes
+#: (weights kept per block, keyed by the message's first frame) and sends it straight
+#: back, so the update of one block overlaps the transfers of the others
+ECHO_PIPELINED = ECHO_UPDATE.replace("enumerate(f[2:]):\n", "enumerate(f[2:]):\n"
+                                     "        i=(f[1].bytes,i)\n")
+PIPE_CHUNKS = 4
 
 #: the floor's server (``python -c FLOOR_SERVER WORKERS``; prints its port): per step,
 #: one message from each worker (DEALER identity: its rank, one byte), the mean of the
@@ -100,6 +108,22 @@ class RawEcho:
         self.sock.send_multipart([self.header, *arrays], copy=False)
         frames = self.sock.recv_multipart(copy=False)
         return [np.frombuffer(f, a.dtype) for f, a in zip(frames[1:], arrays)]
+
+    def pipelined_round_trip(self, arrays, out):
+        """The round trip as PIPE_CHUNKS messages each way (``arrays[0]`` split by rows,
+        the other arrays with the last block), each answer copied into `out` (one
+        contiguous array per array, as a worker's weights must be) as it comes."""
+        bounds = np.linspace(0, len(arrays[0]), PIPE_CHUNKS + 1).astype(int)
+        for c in range(PIPE_CHUNKS):
+            rest = arrays[1:] if c == PIPE_CHUNKS - 1 else []
+            self.sock.send_multipart([b"%d" % c, arrays[0][bounds[c]:bounds[c + 1]], *rest],
+                                     copy=False)
+        for _ in range(PIPE_CHUNKS):
+            frames = self.sock.recv_multipart(copy=False)
+            c = int(frames[0].bytes)
+            parts = [out[0][bounds[c]:bounds[c + 1]]] + (out[1:] if len(frames) > 2 else [])
+            for part, fr in zip(parts, frames[1:]):
+                part[...] = np.frombuffer(fr, part.dtype).reshape(part.shape)
 
     def close(self):
         self.sock.close()
@@ -157,8 +181,10 @@ def main():
     grads = tuple(Tensor(np.zeros(p.shape, np.float32)) for p in opt.parameters)
     raw = RawEcho() if mode == "pushpull" and rank == 0 else None
     upd = RawEcho(ECHO_UPDATE) if raw is not None else None
+    pipe = RawEcho(ECHO_PIPELINED) if raw is not None else None
     payload = [np.zeros(p.shape, np.float32) for p in opt.parameters]
-    times, raw_times, update_times = [], [], []
+    pulled = [np.zeros(p.shape, np.float32) for p in opt.parameters]
+    times, raw_times, update_times, pipelined_times = [], [], [], []
     try:
         for _ in range(steps + WARMUP):
             if raw is not None:
@@ -168,6 +194,9 @@ def main():
                 t = time.perf_counter()
                 upd.round_trip(payload)
                 update_times.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                pipe.pipelined_round_trip(payload, pulled)
+                pipelined_times.append(time.perf_counter() - t)
             t = time.perf_counter()
             if mode == "pushpull":
                 opt(grads)
@@ -178,7 +207,7 @@ def main():
                 opt(g)
             times.append(time.perf_counter() - t)
     finally:
-        for echo in (raw, upd):
+        for echo in (raw, upd, pipe):
             if echo is not None:
                 echo.close()
         for sock in socks.values():
@@ -191,7 +220,9 @@ def main():
             out.update(raw_median_s=float(np.median(raw_times[WARMUP:])),
                        raw_times=raw_times[WARMUP:],
                        update_median_s=float(np.median(update_times[WARMUP:])),
-                       update_times=update_times[WARMUP:])
+                       update_times=update_times[WARMUP:],
+                       pipelined_median_s=float(np.median(pipelined_times[WARMUP:])),
+                       pipelined_times=pipelined_times[WARMUP:])
         print(json.dumps(out), flush=True)
 
 

@@ -22,9 +22,13 @@ jobs, so each pair is measured over the same seconds:
   machine. Hiding it did not pay here: a push split into 2-16 messages, each updated
   into the server's weight as it arrives and the weight sent back whole, and the
   update split over two threads both measured slower than one message and one
-  thread. What a server adds beyond the floor is mostly Python run with cold caches
-  after each large message, which is why the pushes and their answers are read
-  without JSON parsing (``transport.Template.match``);
+  thread; a fourth round trip, to that echo pipelined by row blocks (PIPE_CHUNKS
+  messages each way, each block updated and answered as it comes, the answers copied
+  into one weight as a worker needs it), measures that in the same run
+  (``pipelined_vs_raw``, ``pipelined_vs_update``). What a server adds beyond the
+  floor is mostly Python run with cold caches after each large message, which is why
+  the pushes and their answers are read without JSON parsing
+  (``transport.Template.match``);
 * PS step vs AllReduce step: ROUNDS launches of each, alternating, their step times
   pooled (median); each round's ratio is kept in ``extra_info``. A third job in each
   round is the floor of any sync parameter server here (``ps_step.py floor``): the same
@@ -157,8 +161,8 @@ def test_ps_step(benchmark, record_value, step_rounds):
 
 
 def test_ps_push_pull(benchmark, record_value, tmp_path):
-    """Worker 0 alternates raw round trips, round trips with the update, and push+pull
-    calls (60 of each)."""
+    """Worker 0 alternates raw round trips, round trips with the update (one message
+    each way, then pipelined by row blocks) and push+pull calls (60 of each)."""
     benchmark.group = GROUP
     res = _run(_ps_cmd(1, 1, tmp_path / "logs", "pushpull", 60), tmp_path)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
@@ -174,6 +178,12 @@ def test_ps_push_pull(benchmark, record_value, tmp_path):
     benchmark.extra_info["update_median_s"] = res["update_median_s"]
     benchmark.extra_info["update_vs_raw"] = float(np.median(upd / raw))
     benchmark.extra_info["ps_vs_update"] = float(np.median(ps / upd))
+    # the update echo pipelined by row blocks (whether overlapping the update with the
+    # transfers could lower the floor here)
+    pipe = np.array(res["pipelined_times"])
+    benchmark.extra_info["pipelined_median_s"] = res["pipelined_median_s"]
+    benchmark.extra_info["pipelined_vs_raw"] = float(np.median(pipe / raw))
+    benchmark.extra_info["pipelined_vs_update"] = float(np.median(pipe / upd))
     # less sensitive to the other jobs' load drifting over the seconds of the run:
     # each call against the raw round trip just before it, and the quieter quarter
     benchmark.extra_info["paired_median_ratio"] = float(np.median(ps / raw))
