@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._core import _comm
+from .._core._tensor import Deferred
 from . import trace
 from .groups import GroupPlan, resolve
 
@@ -163,6 +164,9 @@ class Backend(abc.ABC):
     name: str = "abstract"
     #: values accepted by ``all_reduce(..., algorithm=)``
     all_reduce_algorithms: Tuple[str, ...] = ("direct",)
+    #: does ``_all_reduce_fused`` take deferred stacks as they are (see
+    #: :meth:`all_reduce_fused`)?
+    reads_deferred: bool = False
 
     def __init__(self, world_size: int, local_ranks: Sequence[int]):
         if not _is_int(world_size) or world_size < 1:
@@ -243,12 +247,17 @@ class Backend(abc.ABC):
         self._record("AllReduce", plan, stack, out)
         return out
 
-    def _check_fused(self, func: str, stacks) -> list:
-        """`stacks` as a list of stacks of one dtype, each with the device leading dim."""
+    def _check_fused(self, func: str, stacks, deferred: bool = False) -> list:
+        """`stacks` as a list of stacks of one dtype, each with the device leading dim.
+        A deferred stack (:class:`~dualmode._core._tensor.Deferred`, a Tensor's stack
+        not written yet) is kept as it is when `deferred`, else written."""
         stacks = list(stacks)
         rows = len(self._local_ranks)
         for i, s in enumerate(stacks):
-            if not isinstance(s, np.ndarray):
+            if isinstance(s, Deferred):
+                if not deferred:
+                    stacks[i] = s = s.materialize()
+            elif not isinstance(s, np.ndarray):
                 raise TypeError(f"{func}: stacks[{i}] must be a numpy array, got "
                                 f"{type(s).__name__}")
             if s.dtype != stacks[0].dtype:
@@ -290,9 +299,12 @@ class Backend(abc.ABC):
         Returns the reduced stacks, read-only views (do not write into them).
         Recorded as one AllReduce of the summed bytes. The base implementation packs the
         stacks into a buffer and runs one ``_all_reduce``; a backend may override
-        ``_all_reduce_fused`` to reach the same result without the packing copy."""
+        ``_all_reduce_fused`` to reach the same result without the packing copy. A stack
+        may be deferred (a Tensor's stack not written yet, ``Tensor._lazy``): a backend
+        whose ``reads_deferred`` is True gets it as it is (it may know its totals), the
+        others get it written."""
         f = "fused_all_reduce"
-        stacks = self._check_fused(f, stacks)
+        stacks = self._check_fused(f, stacks, self.reads_deferred)
         if not stacks:
             return []
         plan = self.plan(f, members)

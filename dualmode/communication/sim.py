@@ -35,6 +35,7 @@ import numbers
 import numpy as np
 
 from .._core import _comm
+from .._core._tensor import Deferred
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
 from .totals import group_totals, known_totals, remember_totals
@@ -79,7 +80,7 @@ def equal_shares(total: np.ndarray, n: int) -> np.ndarray:
 
 def shares_total(stack: np.ndarray):
     """The total of `stack` when it is remembered as pending sums over the whole world
-    (:func:`equal_shares`), read-only, else None."""
+    (:func:`equal_shares`, or a deferred stack of such shares), read-only, else None."""
     found = known_totals(stack, stack.shape[:1], (0,))
     return None if found is None else found[0]
 
@@ -126,6 +127,7 @@ class SimBackend(Backend):
 
     name = "sim"
     all_reduce_algorithms = ("direct", "ring")
+    reads_deferred = True
 
     def __init__(self, device_num: int):
         if (not isinstance(device_num, numbers.Integral) or isinstance(device_num, bool)
@@ -248,16 +250,31 @@ class SimBackend(Backend):
         stride-0 view. A stack whose devices all hold one buffer (a stride-0 view: a
         replicated value, equal shares) has a result of its own, read without a pass
         when it can be (the mean of equal buffers is one of them, the sum of
-        :func:`equal_shares` their total). The others share one row: a large stack is
+        :func:`equal_shares` their total; a deferred stack of such shares, a
+        data-parallel gradient, is never written). The others share one row: a large stack is
         reduced straight into its slice of it (no packing copy: the bytes touched are
         those of unfused AllReduces); runs of small stacks are packed first, so they
         cost one reduction call per run, not per stack."""
-        if not (plan.num_groups == 1 and plan.full) or plan.group_size == 1:
-            return super()._all_reduce_fused(stacks, plan, op)
+        whole = plan.num_groups == 1 and plan.full and plan.group_size > 1
         n = stacks[0].shape[0]
         outs = [None] * len(stacks)
+        stacks = list(stacks)
+        for i, s in enumerate(stacks):
+            if isinstance(s, Deferred):
+                # a stack not written yet: equal shares whose total is known need no
+                # pass (the sum is the total, the mean one share); others are written
+                total = shares_total(s) if whole and op in ("sum", "mean") else None
+                if total is None:
+                    stacks[i] = s.materialize()
+                else:
+                    outs[i] = replicated_view(total if op == "sum" else share_of(total, n),
+                                              n)
+        if not whole:
+            return super()._all_reduce_fused(stacks, plan, op)
         rowed = []                                 # positions of the stacks in the row
         for i, s in enumerate(stacks):
+            if outs[i] is not None:
+                continue
             if s.strides[0] == 0:
                 one = s[0] if op == "mean" else self._reduce_all(s, op)
                 outs[i] = replicated_view(one, n)

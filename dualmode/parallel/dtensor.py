@@ -44,6 +44,7 @@ import numpy as np
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
 from ..communication.sim import equal_shares, share_of
+from ..communication.totals import DeferredShares
 from .buffers import pooled_call
 from .devices import device_num, parallel_active
 from .devices import live_backend as _live_backend
@@ -295,10 +296,15 @@ def output_kinds(plan) -> tuple:
     return tuple(kinds)
 
 
-def _stored(o, kind, n, merged):
+#: eager equal shares of at least this many bytes are deferred (see :func:`_stored`)
+_DEFER_BYTES = 64 * 1024
+
+
+def _stored(o, kind, n, merged, defer=False):
     """One output `o` of a kernel run on global values, stored as `kind` says (see
     :func:`output_kinds`; `n` the devices, or the layout of "blocks"); `merged`: the
-    kernel's inputs (an output that is one of them is not fresh)."""
+    kernel's inputs (an output that is one of them is not fresh); `defer`: the stack
+    becomes a Tensor's (eager), so equal shares may be left unwritten."""
     if type(o) is not np.ndarray:
         o = np.asarray(o)                       # ufuncs on 0-d arrays give numpy scalars
     if kind == "batch":
@@ -309,19 +315,24 @@ def _stored(o, kind, n, merged):
         if n > 1 and o.dtype.kind == "f" and o.flags.owndata and o.flags.writeable \
                 and not any(o is m for m in merged):
             # a fresh result: n equal shares that remember it, so the AllReduce of this
-            # pending sum (a data-parallel gradient's) reads it without a pass
+            # pending sum (a data-parallel gradient's) reads it without a pass; in eager
+            # execution large shares are not even written unless something reads them
+            # (small ones are: a loss is read, and writing costs less than deferring)
+            if defer and o.nbytes >= _DEFER_BYTES:
+                o.flags.writeable = False
+                return DeferredShares(o[None], (n,), (0,), n)
             return equal_shares(o, n)
         return _shares(o, n)
     return n.local_blocks(o)
 
 
 def _stored_outputs(out, op, kinds, merged):
-    """The kernel's output(s) `out` stored per `kinds`: one array, or a tuple of them
-    for a multi-output op (as :func:`_core.finish` takes them)."""
+    """The kernel's output(s) `out` stored per `kinds` for eager Tensors: one stack, or
+    a tuple of them for a multi-output op (as :func:`_core.finish` takes them)."""
     if op.multi_output:
-        return tuple(_stored(o, kind, n, merged) for o, (kind, n) in zip(out, kinds))
+        return tuple(_stored(o, kind, n, merged, True) for o, (kind, n) in zip(out, kinds))
     kind, n = kinds[0]
-    return _stored(out, kind, n, merged)
+    return _stored(out, kind, n, merged, True)
 
 
 def batch_global_outputs(out, op, plan, merged=()):

@@ -174,7 +174,7 @@ def fuse_gradient_moves(grads, params):
     if not ("allreduce" in fusion or "reducescatter" in fusion or index):
         return grads
     sig = tuple((g._layout, p._layout if isinstance(p._layout, TensorLayout) else None,
-                 g._data.dtype)
+                 g.dtype)
                 if isinstance(g, TensorBase) and isinstance(g._layout, TensorLayout) and
                 p.requires_grad and not getattr(p, "layerwise_parallel", False) else None
                 for g, p in zip(grads, params))
@@ -262,14 +262,18 @@ def reduce_gradients(grads, params=None):
         return grads
     backend = _backend()
     mean = context.get_auto_parallel_context("gradients_mean")
-    stacks = [grads[i]._data for i in todo]
+    # a gradient's stack as it is: one not written yet (equal shares whose total is
+    # known, Tensor._lazy) the sim backend reads without writing
+    stacks = [grads[i]._lazy if grads[i]._lazy is not None else grads[i]._data
+              for i in todo]
     for bucket in fusion_buckets([math.prod(st.shape[1:]) * st.itemsize for st in stacks]):
         members = [todo[k] for k in bucket]
         inputs = [stacks[k] for k in bucket]
         dtype = inputs[0].dtype
         if len(inputs) > 1:
             dtype = np.result_type(*[st.dtype for st in inputs])
-            inputs = [st.astype(dtype, copy=False) for st in inputs]
+            inputs = [st if st.dtype == dtype else np.asarray(st).astype(dtype)
+                      for st in inputs]
         # the AllReduce(sum) of the shares p_d is the mean of the devices' own gradients
         # n * p_d; the sum of those is n times it. One collective per bucket (no packing
         # copy on simulated devices), each result a view into it
