@@ -14,6 +14,7 @@ from dualmode.communication import totals as totals_mod
 from dualmode.communication.totals import DeferredShares, known_totals
 from dualmode.parallel import CommReport, TensorLayout
 from dualmode.parallel import rules, sharding
+from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.parallel.redistribution import executor
 
 RNG = np.random.default_rng(11)
@@ -104,14 +105,23 @@ class _Net(nn.Cell):
         return self.relu2(self.mm2(self.relu1(self.mm1(x, self.w1)), self.w2))
 
 
-def _train_step(x, w1, w2):
+def _train_step(x, w1, w2, compiled=False, steps=1):
     net = _Net(w1, w2)
     opt = nn.SGD(net.trainable_params(), learning_rate=LR)
     grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
                                 opt.parameters)
-    with CommReport() as report:
-        loss, grads = grad_fn(Tensor(x))
+
+    def step(x):
+        loss, grads = grad_fn(x)
         opt(grads)
+        return loss
+
+    if compiled:
+        step = AutoParallel(step, parallel_mode="semi_auto")
+    for _ in range(steps - 1):
+        step(Tensor(x))
+    with CommReport() as report:
+        loss = step(Tensor(x))
     records = [(r.kind, r.group_size, r.num_groups, r.bytes_per_device, r.reason)
                for r in report.records]
     return float(loss.asnumpy()), net.w1.asnumpy(), net.w2.asnumpy(), records
@@ -149,6 +159,28 @@ def test_a_train_step_writes_no_deferred_stack_and_equals_one_device(eight, monk
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     np.testing.assert_allclose(n1, r1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(n2, r2, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_train_step_writes_no_deferred_stack_and_equals_eager(eight,
+                                                                         monkeypatch):
+    """Graph mode: moves and the optimizer read deferred stacks; the compiled step
+    (its second run, on the weights of the first) equals two eager steps, numbers and
+    CommReport."""
+    x = RNG.standard_normal((64, 512)).astype(np.float32)
+    w1 = (RNG.standard_normal((512, 64)) * 0.05).astype(np.float32)
+    w2 = (RNG.standard_normal((64, 16)) * 0.05).astype(np.float32)
+    eager = _train_step(x, w1, w2, steps=2)
+    writes = _count_writes(monkeypatch)
+    compiled = _train_step(x, w1, w2, compiled=True, steps=2)
+    assert writes == []
+    assert compiled[3] == eager[3] and compiled[3]
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
+    np.testing.assert_allclose(compiled[1], eager[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(compiled[2], eager[2], rtol=1e-5, atol=1e-6)
+    _, r1, r2 = _numpy_step(x, w1, w2)
+    _, r1, r2 = _numpy_step(x, r1, r2)
+    np.testing.assert_allclose(compiled[1], r1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(compiled[2], r2, rtol=1e-5, atol=1e-6)
 
 
 def test_deferral_changes_neither_numbers_nor_the_comm_report(eight, monkeypatch):

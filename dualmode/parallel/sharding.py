@@ -409,14 +409,12 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
             stacks.append(x._value() if isinstance(x, TensorBase) else x)
             continue
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
-            if need.partial:
-                grid = x._data.reshape(dm + need.local_shape)[first]
-            else:                                   # one replica, or the known value
-                grid = stack_grid(x._lazy if x._lazy is not None else x._data, need)
-        else:
-            grid = redistribute_grid(x, need, op.name)
-            if grid is None:                        # cannot happen with every device local
-                grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)[first]
+            stacks.append(replica_grid(x._lazy if x._lazy is not None else x._data, need,
+                                       dm, reps))
+            continue
+        grid = redistribute_grid(x, need, op.name)
+        if grid is None:                            # cannot happen with every device local
+            grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)[first]
         stacks.append(_compact(grid, dm_c, need.local_shape))
     if validate:
         _validate(op, attrs, stacks, dtypes, plan)
@@ -425,10 +423,16 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
 
 
 def replica_grid(stack, need, dm, reps):
-    """The stack of an input in layout `need` reduced to one replica along the device
-    axes `reps` (a view), as :func:`once_per_replica_set` takes it."""
+    """The stack of an input in layout `need` (or a deferred stack) reduced to one
+    replica along the device axes `reps`, as :func:`once_per_replica_set` takes it: a
+    view of the stack, or of the whole value when it is known."""
     dm_c, first = _replica_set(dm, reps)
-    return _compact(stack.reshape(dm + need.local_shape)[first], dm_c, need.local_shape)
+    if not need.partial:
+        known = known_totals(stack, dm, ())
+        if known is not None:
+            return _compact(known, dm_c, need.local_shape)
+    return _compact(as_stack(stack).reshape(dm + need.local_shape)[first], dm_c,
+                    need.local_shape)
 
 
 def once_per_replica_set(op, attrs, plan, stacks, dm, reps):

@@ -96,7 +96,8 @@ def _sharded_pair(g, p):
     updated by broadcasting, without writing the gradient once per replica."""
     layout = p._layout
     w = _view_as(p._data, layout.device_matrix + layout.local_shape)
-    if w is not None and isinstance(g, TensorBase) and g._layout == layout:
+    if w is not None and isinstance(g, TensorBase) and g._layout == layout \
+            and g._lazy is None:
         return g._data.reshape(w.shape), w     # already in place (e.g. a fused move)
     grid = redistribute_grid(g, layout, p.name, reason="gradient") if w is not None else None
     if grid is None:

@@ -2,7 +2,9 @@
 
 Every value lives in an environment as this process's stack of shards (or, for a
 value whose layout is None, the one whole value) — plain numpy arrays, no Tensor
-objects, no tape, no layout decided at run time. Each node is one step:
+objects, no tape, no layout decided at run time. A stack whose whole value is known
+may stay unwritten (a deferred stack, :mod:`dualmode.communication.totals`) while only
+moves read it; every other step gets it written. Each node is one step:
 
 * MOVE: the redistribution plan made at compile time, run through the backend
   (collectives recorded for CommReport), or a local slice / view;
@@ -26,13 +28,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..._core import _tensor as _core
-from ..._core._tensor import TensorBase
+from ..._core._tensor import Deferred, TensorBase
+from ...communication.totals import as_stack, deferring
 from ..buffers import pooled
 from ..devices import backend as _backend
-from ..devices import op_cause
+from ..devices import op_cause, op_reason
 from ..dtensor import batch_global_outputs
 from ..moves import gather_stack
-from ..redistribute import execute, run_plan_grid
+from ..redistribute import execute, plan_redistribution, run_plan_grid
 from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
 from ..sharding import (RULES, once_per_replica_set, replica_grid, run_kernel, run_local,
                         stack_grid)
@@ -41,6 +44,9 @@ from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref, flatten_ref
                  map_leaves)
 
 __all__ = ["Program"]
+
+#: the steps that are one collective through the backend (their inputs are written)
+_COLLECTIVES = frozenset((REDUCE, FUSED, FUSED_RS, FUSED_AG))
 
 
 def _const(x):
@@ -127,40 +133,50 @@ class Program:
         for kind, what, ins, outs, extra, done in steps:
             xs = [env[x] if is_ref else x for is_ref, x in ins]
             if kind == MOVE:
-                env[outs[0]] = _move(what, xs[0], extra)
-            elif kind == REDUCE:
-                lay = what["layout"]
-                with op_cause(what["cause"], extra):
-                    out = np.asarray(_backend().all_reduce(
-                        xs[0], members=lay.group_members(what["axes"]), op=what["op"]))
-                env[outs[0]] = out if what["dst"] is not None else np.asarray(out[0])
-            elif kind == FUSED:
-                src = what["src"]
-                with op_cause(what["cause"], extra):
-                    res = _backend().all_reduce_fused(
-                        xs, members=src.group_members(src.partial), op="sum")
-                for vid, out, dst, scale in zip(outs, res, what["dsts"], what["scales"]):
-                    env[vid] = _scaled(out if dst is not None else np.asarray(out[0]), scale)
-            elif kind == FUSED_RS:
-                with op_cause(what["cause"], extra):
-                    res = _backend().reduce_scatter_fused(xs, what["members"], what["axes"])
-                for vid, out in zip(outs, res):
-                    env[vid] = out
-            elif kind == FUSED_AG:
-                with op_cause(what["cause"], extra):
-                    res = _backend().all_gather_fused(xs, what["members"], what["axes"])
-                for vid, out in zip(outs, res):
-                    env[vid] = out
-            elif kind == CALL:
+                with deferring():           # blocks of a known value: written if read
+                    env[outs[0]] = _move(what, xs[0], extra)
+            elif kind == CALL:              # Tensors: a deferred stack is written if read
                 what["fn"](*self._tensors(ins, xs, extra))
-            else:
-                res = _run_op(kind, what, xs, extra)
+            elif kind not in _COLLECTIVES:
+                if kind != "once":          # "once" reads a known value's replica itself
+                    xs = [as_stack(x) for x in xs]
+                with deferring():
+                    res = _run_op(kind, what, xs, extra)
                 for vid, o in zip(outs, res):
                     env[vid] = o
+            else:
+                self._collective(kind, what, [as_stack(x) for x in xs], outs, extra, env)
             if done and not keep:
                 for vid in done:
                     del env[vid]
         return env
+
+    @staticmethod
+    def _collective(kind, what, xs, outs, extra, env):
+        """REDUCE, FUSED, FUSED_RS, FUSED_AG: one collective through the backend."""
+        if kind == REDUCE:
+            lay = what["layout"]
+            with op_cause(what["cause"], extra):
+                out = np.asarray(_backend().all_reduce(
+                    xs[0], members=lay.group_members(what["axes"]), op=what["op"]))
+            env[outs[0]] = out if what["dst"] is not None else np.asarray(out[0])
+        elif kind == FUSED:
+            src = what["src"]
+            with op_cause(what["cause"], extra):
+                res = _backend().all_reduce_fused(
+                    xs, members=src.group_members(src.partial), op="sum")
+            for vid, out, dst, scale in zip(outs, res, what["dsts"], what["scales"]):
+                env[vid] = _scaled(out if dst is not None else np.asarray(out[0]), scale)
+        elif kind == FUSED_RS:
+            with op_cause(what["cause"], extra):
+                res = _backend().reduce_scatter_fused(xs, what["members"], what["axes"])
+            for vid, out in zip(outs, res):
+                env[vid] = out
+        elif kind == FUSED_AG:
+            with op_cause(what["cause"], extra):
+                res = _backend().all_gather_fused(xs, what["members"], what["axes"])
+            for vid, out in zip(outs, res):
+                env[vid] = out
 
     def _tensors(self, ins, xs, lays):
         out = []
@@ -217,21 +233,28 @@ def _move(attrs, x, reason):
             grid = (execute(plan, x, op_name=attrs["cause"], reason=attrs["reason"])
                     if plan is not None else move_stack(x, attrs["src"], dst, attrs["cause"],
                                                         attrs["reason"]))
-            grid = grid.reshape(dst.device_matrix + dst.local_shape)
+            grid = as_stack(grid).reshape(dst.device_matrix + dst.local_shape)
         return grid
     if kind == "slice":
         return local_stack(np.asarray(x), attrs["dst"])
     cause = attrs["cause"]
     if kind == "resolve":
-        src = attrs["src"]
+        src, dst = attrs["src"], attrs["dst"]
+        if isinstance(x, Deferred) and attrs.get("scale") is None and dst is not None \
+                and dst == src.without_partial():
+            # pending sums whose totals are known: the same AllReduce recorded, the
+            # result's blocks read from the totals (written only if read)
+            return execute(plan_redistribution(src, dst, x.itemsize), x, op_name=cause,
+                           reason=op_reason(reason))
         with op_cause(cause, reason):
-            out = np.asarray(_backend().all_reduce(x, members=src.group_members(src.partial),
+            out = np.asarray(_backend().all_reduce(as_stack(x),
+                                                   members=src.group_members(src.partial),
                                                    op="sum"))
         return _scaled(out if attrs["dst"] is not None else np.asarray(out[0]),
                        attrs.get("scale"))
     if kind == "gather":
         with op_cause(cause, reason):
-            return gather_stack(x, attrs["src"], cause)
+            return gather_stack(as_stack(x), attrs["src"], cause)
     plan = attrs["plan"]
     if plan is not None:
         return execute(plan, x, op_name=cause, reason=attrs["reason"])

@@ -242,6 +242,9 @@ def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
         raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
                          f"{want} (local devices, *local shape of {src!r})")
     if not len(plan):
+        known = known_totals(stack, dst.device_matrix, ())
+        if known is not None and not dst.partial:
+            return known                    # the blocks of a known value, as a grid
         return as_stack(stack).reshape(dst.device_matrix + dst.local_shape)
     with comm_cause(op_name, reason):
         _record_steps(plan, stack.itemsize)
