@@ -328,13 +328,15 @@ def _check_gradients(owner, gradients, params):
     for p, g in zip(params, gradients):
         if not p.requires_grad:
             continue
-        if not isinstance(g, (TensorBase, np.ndarray, numbers.Number)) or \
+        if isinstance(g, TensorBase):           # the usual case: no stack is read
+            shape, dtype = g.shape, g.dtype
+        elif not isinstance(g, (np.ndarray, numbers.Number)) or \
                 isinstance(g, (bool, np.bool_)):
             raise TypeError(f"{owner}: the gradient for parameter {p.name!r} is a "
                             f"{type(g).__name__}; expected a Tensor of shape {tuple(p.shape)}")
-        shape, dtype = tuple(np.shape(g)), (g.dtype if hasattr(g, "dtype")
-                                            else np.asarray(g).dtype)
-        if shape != tuple(p.shape):
+        else:
+            shape, dtype = np.shape(g), np.asarray(g).dtype
+        if tuple(shape) != tuple(p.shape):
             raise ValueError(f"{owner}: the gradient for parameter {p.name!r} has shape "
                              f"{shape}; the parameter has shape {tuple(p.shape)}")
         if np.dtype(dtype).kind not in "fiu":
