@@ -78,13 +78,13 @@ def test_a_deferred_stack_behaves_as_an_array():
 
 
 def test_kernels_outside_eager_execution_write_their_stacks():
-    """Graph mode keeps plain arrays: without `deferring` the grouped MatMul writes."""
+    """Graph mode keeps plain arrays: outside `DEFERRING` the grouped MatMul writes."""
     a = RNG.standard_normal((16, 24)).astype(np.float32)
     b = RNG.standard_normal((24, 8)).astype(np.float32)
     ga = TensorLayout((2, 4), ((0,), (1,)), a.shape).local_blocks_grid(a)
     gb = TensorLayout((2, 4), ((1,), ()), b.shape).local_blocks_grid(b)
     assert isinstance(rules.contract_groups(ga, gb, (2, 4), (1,)), np.ndarray)
-    with totals_mod.deferring():
+    with totals_mod.DEFERRING:
         assert isinstance(rules.contract_groups(ga, gb, (2, 4), (1,)), DeferredShares)
     assert not totals_mod.deferral_on()
 

@@ -254,6 +254,46 @@ cdef class Deferred:
         return self.shape[0]
 
 
+cdef int _defer_depth = 0       # > 0 while kernels may return Deferred stacks
+
+
+cdef class Deferring:
+    """The context in which kernels may return a :class:`Deferred` instead of writing
+    a stack (use the one instance, :data:`DEFERRING`): entered where the results
+    become Tensors, or steps that read deferred stacks (see
+    :mod:`dualmode.communication.totals`). Nests."""
+
+    def __enter__(self):
+        global _defer_depth
+        _defer_depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _defer_depth
+        _defer_depth -= 1
+        return False
+
+
+DEFERRING = Deferring()
+
+
+cpdef bint deferral_on():
+    """Whether a kernel may return a deferred stack now."""
+    return _defer_depth > 0
+
+
+cpdef list written(list xs):
+    """`xs` with every :class:`Deferred` written (its stack in its place)."""
+    cdef Py_ssize_t i
+    cdef list out = xs
+    for i in range(len(xs)):
+        if isinstance(xs[i], Deferred):
+            if out is xs:
+                out = list(xs)
+            out[i] = (<Deferred>xs[i]).materialize()
+    return out
+
+
 # ----------------------------------------------------------------------------
 # TensorBase: storage + tape link; the Python Tensor class adds the API
 # ----------------------------------------------------------------------------

@@ -17,8 +17,8 @@ A stack is remembered by identity (a weak reference: the entry leaves with the s
 and made read-only, as are its totals, so neither can change behind the record. A view
 or copy of a remembered stack is not remembered; it is added up as any other.
 
-In eager execution the stacks need not be written at all: while :func:`deferring` is
-on (the sharding engine runs an op's local computation or moves an input into its
+In eager execution the stacks need not be written at all: while :data:`DEFERRING` is
+on (a ``with DEFERRING:`` block: the sharding engine runs an op's local computation or moves an input into its
 strategy's layout), the grouped MatMul, and a redistribution of a known value into
 blocks that would be a copy, return a :class:`DeferredShares` instead of the stack. The Tensor that wraps it writes the stack
 on the first read of its ``_data``; the readers that know this form (the redistribution
@@ -32,9 +32,9 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .._core._tensor import Deferred
+from .._core._tensor import DEFERRING, Deferred, deferral_on
 
-__all__ = ["remember_totals", "known_totals", "group_totals", "DeferredShares", "deferring",
+__all__ = ["remember_totals", "known_totals", "group_totals", "DeferredShares", "DEFERRING",
            "deferral_on", "as_stack"]
 
 #: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes)
@@ -148,36 +148,6 @@ class DeferredShares(Deferred):
             else:
                 np.true_divide(self.totals, self.parts, out=out.reshape(dm + local))
         return remember_totals(out, self.totals, dm, self.axes)
-
-
-#: > 0 while kernels may return deferred stacks (see :func:`deferring`)
-_DEFERRING = [0]
-
-
-class _Deferring:
-    __slots__ = ()
-
-    def __enter__(self):
-        _DEFERRING[0] += 1
-
-    def __exit__(self, *exc):
-        _DEFERRING[0] -= 1
-
-
-_DEFER = _Deferring()
-
-
-def deferring():
-    """A context in which kernels may return :class:`DeferredShares` instead of writing
-    their shares: entered by the eager sharding engine around an op's local
-    computation, whose outputs become Tensors (never by graph mode, whose values are
-    plain arrays)."""
-    return _DEFER
-
-
-def deferral_on() -> bool:
-    """Whether a kernel may return a deferred stack now."""
-    return _DEFERRING[0] > 0
 
 
 def as_stack(stack):

@@ -338,7 +338,7 @@ def contract_groups(a, b, dm, axes):
     sum that adds up to the total is valid). When `b` repeats over every other device
     axis, all groups are one GEMM over their stacked rows. Returns a stack
     ``(prod(dm), m, c)``; with every axis summed it is a stride-0 view of one total.
-    While :func:`~dualmode.communication.totals.deferring` is on, the stack is returned
+    While :data:`~dualmode.communication.totals.DEFERRING` is on, the stack is returned
     unwritten (a :class:`~dualmode.communication.totals.DeferredShares`)."""
     nd = len(dm)
     others = [i for i in range(nd) if i not in axes]

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
-from ..communication.totals import (DeferredShares, as_stack, deferral_on, deferring,
+from ..communication.totals import (DEFERRING, DeferredShares, as_stack, deferral_on,
                                    known_totals)
 from ..ops._registry import REGISTRY
 from .devices import backend as _backend
@@ -293,7 +293,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
         if not checked:                     # the same signature validates the same way
             _validate(op, attrs, stacks, dtypes, plan)
             found[6] = True
-        with deferring():                   # the outputs become Tensors: may stay unwritten
+        with DEFERRING:                   # the outputs become Tensors: may stay unwritten
             outs = run_local(RULES[op.name], op, attrs, plan, stacks)
     for i, post in enumerate(plan.post):
         if post is not None:
@@ -418,7 +418,7 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
         stacks.append(_compact(grid, dm_c, need.local_shape))
     if validate:
         _validate(op, attrs, stacks, dtypes, plan)
-    with deferring():                       # the outputs become Tensors: may stay unwritten
+    with DEFERRING:                       # the outputs become Tensors: may stay unwritten
         return once_per_replica_set(op, attrs, plan, stacks, dm, reps)
 
 
@@ -438,7 +438,7 @@ def replica_grid(stack, need, dm, reps):
 def once_per_replica_set(op, attrs, plan, stacks, dm, reps):
     """`plan.local` on one replica along `reps` (inputs given so, see
     :func:`replica_grid`), every replica then given the results (a list of stacks;
-    while :func:`~dualmode.communication.totals.deferring` is on, a result without
+    while :data:`~dualmode.communication.totals.DEFERRING` is on, a result without
     pending sums is a deferred stack: its replicas are written only if read)."""
     dm_c = _replica_set(dm, reps)[0]
     out = plan.local(attrs, stacks)
@@ -500,7 +500,7 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
             grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)
         grids.append(grid)
     _validate(op, attrs, grids, dtypes, plan)
-    with deferring():                       # the outputs become Tensors: may stay unwritten
+    with DEFERRING:                       # the outputs become Tensors: may stay unwritten
         out = plan.local(attrs, grids)
     return list(out) if op.multi_output else [out]
 

@@ -20,7 +20,7 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
-from ..communication.totals import deferring
+from ..communication.totals import DEFERRING
 from ..communication.trace import note_memory
 from ..tensor import Parameter
 from ..ops.primitive import _flat
@@ -119,7 +119,7 @@ def _to(x, lay, op_name):
     if isinstance(x, Parameter) and not x.layerwise_parallel and is_sharded_layout(lay) \
             and (x._layout is None or isinstance(x._layout, TensorLayout)):
         return _store_sharded(x, lay, op_name)
-    with deferring():                       # a Tensor's stack: may stay unwritten
+    with DEFERRING:                       # a Tensor's stack: may stay unwritten
         stack = redistribute_tensor(x, lay, op_name)
     return moved(x, stack, lay)
 

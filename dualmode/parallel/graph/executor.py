@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..._core import _tensor as _core
-from ..._core._tensor import Deferred, TensorBase
-from ...communication.totals import as_stack, deferring
+from ..._core._tensor import Deferred, TensorBase, written
+from ...communication.totals import DEFERRING, as_stack
 from ..buffers import pooled
 from ..devices import backend as _backend
 from ..devices import op_cause, op_reason
@@ -133,19 +133,17 @@ class Program:
         for kind, what, ins, outs, extra, done in steps:
             xs = [env[x] if is_ref else x for is_ref, x in ins]
             if kind == MOVE:
-                with deferring():           # blocks of a known value: written if read
+                with DEFERRING:           # blocks of a known value: written if read
                     env[outs[0]] = _move(what, xs[0], extra)
             elif kind == CALL:              # Tensors: a deferred stack is written if read
                 what["fn"](*self._tensors(ins, xs, extra))
             elif kind not in _COLLECTIVES:
-                if kind != "once":          # "once" reads a known value's replica itself
-                    xs = [as_stack(x) for x in xs]
-                with deferring():
-                    res = _run_op(kind, what, xs, extra)
+                with DEFERRING:             # "once" reads a known value's replica itself
+                    res = _run_op(kind, what, xs if kind == "once" else written(xs), extra)
                 for vid, o in zip(outs, res):
                     env[vid] = o
             else:
-                self._collective(kind, what, [as_stack(x) for x in xs], outs, extra, env)
+                self._collective(kind, what, written(xs), outs, extra, env)
             if done and not keep:
                 for vid in done:
                     del env[vid]

@@ -193,7 +193,7 @@ def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
     added) and the destination blocks cut from it, one or two numpy passes whatever the
     number of steps. CommReport records exactly the collectives :func:`run_plan` would
     run. Plans that keep partial sums, or processes that hold only some devices, run
-    step by step. While :func:`~dualmode.communication.totals.deferring` is on, blocks
+    step by step. While :data:`~dualmode.communication.totals.DEFERRING` is on, blocks
     of a known value that would be a copy are returned unwritten (a deferred stack)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"run_plan_direct: expected a Plan, got {plan!r}")
