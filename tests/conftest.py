@@ -22,3 +22,19 @@ def eight():
     yield
     dm.reset_auto_parallel_context()
     communication.init()
+
+
+@pytest.fixture
+def deferred_writes(monkeypatch):
+    """A list that gets the shape of every deferred stack written
+    (:class:`dualmode.communication.totals.DeferredShares`) during the test."""
+    from dualmode.communication.totals import DeferredShares
+    found = []
+    real = DeferredShares._write
+
+    def spy(self):
+        found.append(self.shape)
+        return real(self)
+
+    monkeypatch.setattr(DeferredShares, "_write", spy)
+    return found

@@ -7,7 +7,6 @@ numbers and the CommReport of a train step do not depend on it."""
 import numpy as np
 import pytest
 
-import dualmode as dm
 from dualmode import Parameter, Tensor, nn, ops
 from dualmode._core import _tensor as _core
 from dualmode.communication import totals as totals_mod
@@ -17,21 +16,10 @@ from dualmode.parallel import rules, sharding
 from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.parallel.redistribution import executor
 
+from _steps import mean_square_step
+
 RNG = np.random.default_rng(11)
 LR = 0.05
-
-
-def _count_writes(monkeypatch):
-    """A list that gets one entry per deferred stack written."""
-    writes = []
-    real = DeferredShares._write
-
-    def spy(self):
-        writes.append(self.shape)
-        return real(self)
-
-    monkeypatch.setattr(DeferredShares, "_write", spy)
-    return writes
 
 
 def _no_deferral(monkeypatch):
@@ -39,8 +27,8 @@ def _no_deferral(monkeypatch):
         monkeypatch.setattr(mod, "deferral_on", lambda: False)
 
 
-def test_a_deferred_matmul_output_reads_as_its_shares(eight, monkeypatch):
-    writes = _count_writes(monkeypatch)
+def test_a_deferred_matmul_output_reads_as_its_shares(eight, deferred_writes):
+    writes = deferred_writes
     a = RNG.standard_normal((64, 1024)).astype(np.float32)  # large enough to be grouped
     w = RNG.standard_normal((1024, 32)).astype(np.float32)
     out = ops.MatMul().shard(((2, 4), (4, 1)))(Tensor(a), Tensor(w))
@@ -107,15 +95,7 @@ class _Net(nn.Cell):
 
 def _train_step(x, w1, w2, compiled=False, steps=1):
     net = _Net(w1, w2)
-    opt = nn.SGD(net.trainable_params(), learning_rate=LR)
-    grad_fn = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x))), None,
-                                opt.parameters)
-
-    def step(x):
-        loss, grads = grad_fn(x)
-        opt(grads)
-        return loss
-
+    step = mean_square_step(net, nn.SGD(net.trainable_params(), learning_rate=LR))
     if compiled:
         step = AutoParallel(step, parallel_mode="semi_auto")
     for _ in range(steps - 1):
@@ -140,11 +120,12 @@ def _numpy_step(x, w1, w2):
     return loss, w1 - LR * g1, w2 - LR * g2
 
 
-def test_a_train_step_writes_no_deferred_stack_and_equals_one_device(eight, monkeypatch):
+def test_a_train_step_writes_no_deferred_stack_and_equals_one_device(eight, monkeypatch,
+                                                                      deferred_writes):
     x = RNG.standard_normal((64, 512)).astype(np.float32)    # 128 KiB: its value is kept
     w1 = (RNG.standard_normal((512, 64)) * 0.05).astype(np.float32)
     w2 = (RNG.standard_normal((64, 16)) * 0.05).astype(np.float32)
-    writes = _count_writes(monkeypatch)
+    writes = deferred_writes
     made = []
     real_init = DeferredShares.__init__
 
@@ -162,7 +143,7 @@ def test_a_train_step_writes_no_deferred_stack_and_equals_one_device(eight, monk
 
 
 def test_a_compiled_train_step_writes_no_deferred_stack_and_equals_eager(eight,
-                                                                         monkeypatch):
+                                                                         deferred_writes):
     """Graph mode: moves and the optimizer read deferred stacks; the compiled step
     (its second run, on the weights of the first) equals two eager steps, numbers and
     CommReport."""
@@ -170,9 +151,9 @@ def test_a_compiled_train_step_writes_no_deferred_stack_and_equals_eager(eight,
     w1 = (RNG.standard_normal((512, 64)) * 0.05).astype(np.float32)
     w2 = (RNG.standard_normal((64, 16)) * 0.05).astype(np.float32)
     eager = _train_step(x, w1, w2, steps=2)
-    writes = _count_writes(monkeypatch)
+    deferred_writes.clear()
     compiled = _train_step(x, w1, w2, compiled=True, steps=2)
-    assert writes == []
+    assert deferred_writes == []
     assert compiled[3] == eager[3] and compiled[3]
     assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
     np.testing.assert_allclose(compiled[1], eager[1], rtol=1e-5, atol=1e-6)
