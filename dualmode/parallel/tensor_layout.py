@@ -293,6 +293,11 @@ class TensorLayout:
         return tuple(n // p for n, p in zip(self.shape, self.dim_parts))
 
     @cached_property
+    def stack_shape(self) -> Tuple[int, ...]:
+        """The shape of a stack of every device's block: ``(device_num, *local_shape)``."""
+        return (self.device_num,) + self.local_shape
+
+    @cached_property
     def split_axes(self) -> Axes:
         """Sorted device axes that split some dim."""
         return tuple(sorted(a for axes in self.tensor_map for a in axes))
@@ -385,7 +390,7 @@ class TensorLayout:
     def local_blocks(self, array) -> np.ndarray:
         """Split a global array into the stack ``(device_num, *local_shape)`` of local shards."""
         y = self._blocks_grid(array, "local_blocks")
-        return np.ascontiguousarray(y).reshape((self.device_num,) + self.local_shape)
+        return np.ascontiguousarray(y).reshape(self.stack_shape)
 
     def local_blocks_of(self, array, ranks) -> np.ndarray:
         """The stack ``(len(ranks), *local_shape)`` of the blocks of ``ranks`` only (the
@@ -404,14 +409,14 @@ class TensorLayout:
         out = self.blocks_view(array)
         if out is None:
             y = self._blocks_grid(array, "local_blocks_view")
-            return np.ascontiguousarray(y).reshape((self.device_num,) + self.local_shape)
+            return np.ascontiguousarray(y).reshape(self.stack_shape)
         return out
 
     def blocks_view(self, array) -> Optional[np.ndarray]:
         """:meth:`local_blocks` as a read-only view of ``array``, or None when its strides
         do not allow one (the blocks are not one strided grid)."""
         y = self._blocks_grid(array, "local_blocks_view")
-        shape = (self.device_num,) + self.local_shape
+        shape = self.stack_shape
         # for a C-contiguous array whether the blocks are one strided grid depends on
         # the layout alone: the answer is kept (a failed view costs an exception)
         contiguous = array.flags.c_contiguous if isinstance(array, np.ndarray) else False
@@ -470,7 +475,7 @@ class TensorLayout:
         """The global value from a stack ``(device_num, *local_shape)`` of local shards:
         one replica along replicated axes, summed along partial axes."""
         s = np.asarray(stack)
-        want = (self.device_num,) + self.local_shape
+        want = self.stack_shape
         if tuple(s.shape) != want:
             raise LayoutError(f"{self!r}: assemble got a stack of shape {s.shape}, expected "
                               f"{want} (device_num, *local_shape)")

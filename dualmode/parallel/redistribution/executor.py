@@ -203,14 +203,15 @@ def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
     backend = _resolve_backend(backend, src, stack)
     if not len(plan) or dst.partial or len(backend.local_ranks) != src.device_num:
         return run_plan(plan, as_stack(stack), backend, op_name=op_name, reason=reason)
-    want = (src.device_num,) + src.local_shape
-    if stack.shape != want:
+    if stack.shape != src.stack_shape:
         raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
-                         f"{want} (local devices, *local shape of {src!r})")
-    with comm_cause(op_name, reason):
-        _record_steps(plan, stack.itemsize)
-    known = known_totals(stack, src.device_matrix, src.partial) is not None
-    value = global_value(stack, src)
+                         f"{src.stack_shape} (local devices, *local shape of {src!r})")
+    if trace._STATE.reports:
+        with comm_cause(op_name, reason):
+            _record_steps(plan, stack.itemsize)
+    totals = known_totals(stack, src.device_matrix, src.partial)
+    known = totals is not None
+    value = src.assemble_totals(totals) if known else global_value(stack, src)
     if known and dst.split_axes and deferral_on():
         out = dst.blocks_view(value)
         if out is None:             # blocks that need a copy, for a Tensor: written if read
@@ -237,7 +238,7 @@ def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
     backend = _resolve_backend(backend, src, stack)
     if dst.partial or len(backend.local_ranks) != src.device_num:
         return None
-    want = (src.device_num,) + src.local_shape
+    want = src.stack_shape
     if stack.shape != want:
         raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
                          f"{want} (local devices, *local shape of {src!r})")
@@ -256,6 +257,6 @@ def execute(plan: Plan, stack: np.ndarray, backend=None, *, op_name: Optional[st
     """Run ``plan`` the cheapest way for this process: LocalSlice-only plans step by
     step (one indexing each), anything that communicates through
     :func:`run_plan_direct` when every device is local, else :func:`run_plan`."""
-    if any(s.communicates for s in plan):
+    if plan.communicates:
         return run_plan_direct(plan, stack, backend, op_name=op_name, reason=reason)
     return run_plan(plan, as_stack(stack), backend, op_name=op_name, reason=reason)

@@ -186,6 +186,14 @@ class Plan(tuple):
         """Number of steps that communicate."""
         return sum(1 for s in self if s.communicates)
 
+    @property
+    def communicates(self) -> bool:
+        """Whether some step communicates (kept: the executor asks on every call)."""
+        found = self.__dict__.get("_communicates")
+        if found is None:
+            found = self.__dict__["_communicates"] = any(s.communicates for s in self)
+        return found
+
     def _mesh(self, device_matrix) -> TensorLayout:
         """A replicated scalar layout over ``device_matrix`` (for groups and coordinates),
         built once per plan."""
