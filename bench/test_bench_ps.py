@@ -103,6 +103,7 @@ def _floor_run(tmp, steps):
         for proc in procs:
             proc.kill()
             proc.wait(timeout=10)
+            proc.stdout.close()
 
 
 def _read_line(proc, timeout):
