@@ -6,6 +6,7 @@ the op would have written; the readers that know the totals never write it; the
 numbers and the CommReport of a train step do not depend on it."""
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from dualmode import Parameter, Tensor, nn, ops
 from dualmode._core import _tensor as _core
@@ -14,9 +15,12 @@ from dualmode.communication.totals import DeferredShares, known_totals
 from dualmode.parallel import CommReport, TensorLayout
 from dualmode.parallel import rules, sharding
 from dualmode.parallel.auto_parallel import AutoParallel
+from dualmode.communication import SimBackend
+from dualmode.parallel.redistribute import execute, plan_redistribution, run_plan
 from dualmode.parallel.redistribution import executor
 
 from _steps import mean_square_step
+from test_redistribute import check_result, layout_pairs
 
 RNG = np.random.default_rng(11)
 LR = 0.05
@@ -187,3 +191,45 @@ def test_reading_a_deferred_output_in_place_sees_one_stack(eight):
     np.testing.assert_allclose(doubled.asnumpy(), 2 * (a @ w), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ops.exp(out * 0.01).asnumpy(), np.exp((a @ w) * 0.01),
                                rtol=1e-5, atol=1e-5)
+
+
+def _deferred_of(src, g):
+    """`src`'s stack of `g` as a DeferredShares: equal shares over its partial axes
+    (the blocks themselves when it has none)."""
+    dm_ = src.device_matrix
+    totals = src.without_partial().local_blocks_grid(g)
+    totals = np.ascontiguousarray(
+        totals[tuple(slice(0, 1) if a in src.partial else slice(None)
+                     for a in range(len(dm_)))])
+    parts = int(np.prod([dm_[a] for a in src.partial]))
+    return DeferredShares(totals, dm_, src.partial, parts)
+
+
+def _records(rep):
+    return [(r.kind, r.group_size, r.num_groups, r.bytes_per_device, r.op, r.reason)
+            for r in rep.records]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_pairs())
+def test_property_a_deferred_source_redistributes_as_its_written_stack(pair):
+    """Any redistribution of a deferred stack (read through its totals, the result
+    itself left deferred where it would be a copy) gives the numbers and CommReport of
+    the same plan run on the written stack, step by step."""
+    src, dst = pair
+    g = np.random.default_rng(2).standard_normal(src.shape)
+    d = _deferred_of(src, g)
+    written = d.materialize().copy()                     # an array nobody remembers
+    check_result(written, src, g)                        # the shares add up to g
+    d = _deferred_of(src, g)                             # a fresh, unwritten one
+    plan = plan_redistribution(src, dst, written.itemsize)
+    with CommReport() as rep_steps:
+        want = run_plan(plan, written, SimBackend(src.device_num), op_name="P")
+    with CommReport() as rep_deferred, totals_mod.DEFERRING:
+        got = execute(plan, d, SimBackend(src.device_num), op_name="P")
+    assert _records(rep_deferred) == _records(rep_steps)
+    got = totals_mod.as_stack(got)
+    assert got.shape == want.shape
+    check_result(got, dst, g)
+    if not dst.partial:
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
