@@ -29,20 +29,6 @@ def _setup(devices):
     communication.init()
 
 
-@pytest.fixture
-def writes(monkeypatch):
-    """One entry per deferred stack written (its shape)."""
-    found = []
-    real = DeferredShares._write
-
-    def spy(self):
-        found.append(self.shape)
-        return real(self)
-
-    monkeypatch.setattr(DeferredShares, "_write", spy)
-    return found
-
-
 # ------------------------------------------------------------------ share_of
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -80,7 +66,7 @@ def _records(report):
 
 
 @pytest.mark.parametrize("op", ["sum", "mean"])
-def test_fused_all_reduce_reads_a_deferred_total_without_writing(op, writes):
+def test_fused_all_reduce_reads_a_deferred_total_without_writing(op, deferred_writes):
     rng = np.random.default_rng(1)
     b = SimBackend(N)
     total = rng.standard_normal((300, 70)).astype(np.float32)
@@ -89,7 +75,7 @@ def test_fused_all_reduce_reads_a_deferred_total_without_writing(op, writes):
     lazy = _deferred(total)
     with CommReport() as fast:
         out = b.all_reduce_fused([lazy, equal_shares(other, N), plain], None, op)
-    assert writes == []
+    assert deferred_writes == []
     want = total if op == "sum" else np.true_divide(total, N, dtype=np.float32)
     for d in range(N):
         np.testing.assert_array_equal(out[0][d], want)
@@ -113,12 +99,12 @@ def test_groups_other_than_the_world_add_the_written_shares():
                                rtol=1e-6, atol=1e-6)
 
 
-def test_a_backend_that_does_not_read_deferred_stacks_gets_them_written(writes):
+def test_a_backend_that_does_not_read_deferred_stacks_gets_them_written(deferred_writes):
     b = SimBackend(N)
     b.reads_deferred = False
     total = np.random.default_rng(3).standard_normal((64, 32)).astype(np.float32)
     out = b.all_reduce_fused([_deferred(total)], None, "sum")[0]
-    assert writes == [(N, 64, 32)]
+    assert deferred_writes == [(N, 64, 32)]
     np.testing.assert_allclose(out[0], total, rtol=1e-6, atol=1e-6)
 
 
@@ -158,10 +144,10 @@ def _step(devices, steps=2):
     return losses, [p.asnumpy() for p in net.trainable_params()], _records(report), lazy
 
 
-def test_a_data_parallel_step_writes_no_gradient_and_equals_one_device(writes):
+def test_a_data_parallel_step_writes_no_gradient_and_equals_one_device(deferred_writes):
     try:
         losses, weights, _, lazy = _step(N)
-        assert writes == []
+        assert deferred_writes == []
         # the 128 x 256 weight's gradient (128 KiB) is deferred, the small ones written
         assert all(flags == [True, False, False, False] for flags in lazy)
         ref_losses, ref_weights, _, _ = _step(1)
