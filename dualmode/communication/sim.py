@@ -38,7 +38,7 @@ from .._core import _comm
 from .._core._tensor import Deferred
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
-from .totals import group_totals, known_totals, remember_totals
+from .totals import group_totals, known_totals, remember_totals, share_of
 
 __all__ = ["SimBackend", "replicated_view", "share_of", "equal_shares", "shares_total"]
 
@@ -53,16 +53,6 @@ def replicated_view(value: np.ndarray, n: int) -> np.ndarray:
     view = np.ndarray(shape, value.dtype, value, 0, (0,) + value.strides)
     view.flags.writeable = False
     return view
-
-
-def share_of(total: np.ndarray, n: int) -> np.ndarray:
-    """``total / n`` in `total`'s dtype, a fresh array. For a real float `total` and a
-    power of two `n` it is one multiplication by ``1 / n`` (exactly the quotient: both
-    are the correctly rounded value of the same real number, ``1 / n`` being exact),
-    which costs less than half a division pass."""
-    if total.dtype.kind == "f" and n & (n - 1) == 0:
-        return np.multiply(total, 1.0 / n, dtype=total.dtype)
-    return np.true_divide(total, n, dtype=total.dtype)
 
 
 def equal_shares(total: np.ndarray, n: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..communication.totals import DeferredShares, deferral_on, remember_totals
+from ..communication.totals import DeferredShares, deferral_on
 from ..ops._registry import REGISTRY, linearity
 from .._core import _tensor as _core
 from .._core._tensor import KIND_BINARY, KIND_UNARY, broadcast_shapes
@@ -357,16 +357,10 @@ def contract_groups(a, b, dm, axes):
     for i, s in zip(others, total.shape[:-2]):
         grid_shape[i] = s
     total = total.reshape(tuple(grid_shape) + total.shape[-2:])
-    if deferral_on():                               # written only if read as a stack
-        return DeferredShares(total, dm, axes, parts)
-    if all(g == 1 for g in grid_shape):             # one total: every device a view of it
-        out = grid_to_stack(np.true_divide(total, parts, dtype=total.dtype), dm)
-    else:
-        # the shares written straight into every device's block (one pass)
-        out = np.empty((math.prod(dm),) + total.shape[-2:], dtype=total.dtype)
-        np.true_divide(total, parts, out=out.reshape(tuple(dm) + total.shape[-2:]))
-    # whoever adds the shares up again reads the totals instead
-    return remember_totals(out, total, dm, axes)
+    # the shares (a view of one share when there is one total), remembering their
+    # totals: whoever adds them up again reads the totals instead
+    shares = DeferredShares(total, dm, axes, parts)
+    return shares if deferral_on() else shares.materialize()   # written only if read
 
 
 def _contract_rule(op):
