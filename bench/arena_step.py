@@ -3,11 +3,16 @@ beside the numpy step, in a fresh process whose glibc malloc is either left as i
 ("default") or kept steady ("steady", what bench/conftest.py sets for every other
 bench). Run by bench/test_bench_arena.py:
 
-    python bench/arena_step.py default|steady BATCH HIDDEN ROUNDS
+    python bench/arena_step.py default|steady BATCH HIDDEN ROUNDS [STEP,STEP...]
 
-Each round runs every step once, in turn (paired), timed with perf_counter and counted
-in minor page faults (getrusage ru_minflt). Prints JSON: for each step its median
-seconds and median page faults per step, and whether its first loss matched numpy's.
+Each round runs every step once, in turn (paired), timed with perf_counter, in CPU time
+of the process (user + system, getrusage: less disturbed by other processes on a busy
+machine, and it includes the kernel's page-fault work) and counted in minor page faults
+(ru_minflt). Prints JSON: for each step its median seconds, CPU seconds and page faults
+per step, and whether its first loss matched numpy's.
+The numpy step always runs; the others are all of them, or the ones named (glibc's
+state, hence the page faults of the default malloc, depends on everything the process
+allocated before: a process running one step beside numpy is what a user runs).
 Steps: ``numpy``; ``numpy-pooled`` (the same inside the pool); ``graph-pool`` and
 ``graph-nopool`` (the compiled step, pool on / off: ``set_buffer_pool(enabled=...)``
 before each call); ``eager-pool`` and ``eager-nopool`` (the PyNative sharded step, the
@@ -53,18 +58,25 @@ def _inside_pool(step):
     return run
 
 
-def steps(batch, hidden):
-    """name -> (no-argument step, first loss) and numpy's first loss."""
+STEPS = ("numpy-pooled", "graph-pool", "graph-nopool", "eager-pool", "eager-nopool")
+
+
+def steps(batch, hidden, names=STEPS):
+    """name -> (no-argument step, first loss) for numpy and the steps `names`."""
     x, y, ws = _data(batch, hidden)
     xt, yt = Tensor(x), Tensor(y)
     out = {}
     buffers.set_buffer_pool(enabled=True)
     for name, wrap in (("numpy", None), ("numpy-pooled", _inside_pool)):
+        if name != "numpy" and name not in names:
+            continue
         model = NumpySeed(ws)
         step = model.step if wrap is None else wrap(model.step)
         out[name] = (lambda s=step: s(x, y), float(step(x, y)))
     for name, graph, on in (("graph-pool", True, True), ("graph-nopool", True, False),
                             ("eager-pool", False, True), ("eager-nopool", False, False)):
+        if name not in names:
+            continue
         _, step = _dualmode_step(ws)
         if graph:
             step = AutoParallel(step, parallel_mode="semi_auto")
@@ -73,26 +85,30 @@ def steps(batch, hidden):
     return out
 
 
-def measure(batch, hidden, rounds):
+def measure(batch, hidden, rounds, names=STEPS):
     dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
                                  gradients_mean=True)
     communication.init()
-    made = steps(batch, hidden)
+    made = steps(batch, hidden, names)
     ref = made["numpy"][1]
     times = {name: [] for name in made}
+    cpu = {name: [] for name in made}
     faults = {name: [] for name in made}
     for _ in range(2):                                  # warm-up
         for run, _ in made.values():
             run()
     for _ in range(rounds):
         for name, (run, _) in made.items():
-            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            r = resource.getrusage(resource.RUSAGE_SELF)
             t = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t)
-            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+            r2 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu[name].append(r2.ru_utime + r2.ru_stime - r.ru_utime - r.ru_stime)
+            faults[name].append(r2.ru_minflt - r.ru_minflt)
     buffers.set_buffer_pool(enabled=True)
     return {name: {"median_s": float(np.median(times[name])),
+                   "cpu_s": float(np.median(cpu[name])),
                    "minflt": float(np.median(faults[name])),
                    "correct": bool(np.isclose(made[name][1], ref, rtol=1e-4))}
             for name in made} | {"pool": buffers.buffer_pool_stats()}
@@ -100,8 +116,13 @@ def measure(batch, hidden, rounds):
 
 if __name__ == "__main__":
     malloc, batch, hidden, rounds = sys.argv[1], *map(int, sys.argv[2:5])
+    names = tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else STEPS
+    unknown = set(names) - set(STEPS)
+    if unknown:
+        raise SystemExit(f"arena_step.py: unknown step {sorted(unknown)[0]!r}; "
+                         f"steps: {', '.join(STEPS)}")
     if malloc == "steady":
         steady_malloc()
     elif malloc != "default":
         raise SystemExit(f"arena_step.py: malloc must be 'default' or 'steady', got {malloc!r}")
-    print(json.dumps(measure(batch, hidden, rounds)))
+    print(json.dumps(measure(batch, hidden, rounds, names)))
