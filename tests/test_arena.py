@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy._core.multiarray import get_handler_name
 
-import dualmode as dm
 from dualmode import Parameter, Tensor, nn, ops
 from dualmode._core import _arena
 from dualmode._core.arena_reference import PoolReference
