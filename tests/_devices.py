@@ -8,14 +8,20 @@ import dualmode as dm
 from dualmode import communication
 
 
-@contextlib.contextmanager
-def devices(n=8, parallel_mode="semi_auto_parallel", **settings):
+def set_devices(n, parallel_mode="semi_auto_parallel", **settings):
+    """Run the rest of the test under `parallel_mode` on `n` simulated devices (None:
+    stand-alone); the test's autouse fixture resets the context afterwards."""
     dm.reset_auto_parallel_context()
-    dm.set_context(mode=dm.PYNATIVE_MODE)
     communication.init()
     if n:
         dm.set_auto_parallel_context(parallel_mode=parallel_mode, device_num=n, **settings)
         communication.init()
+
+
+@contextlib.contextmanager
+def devices(n=8, parallel_mode="semi_auto_parallel", **settings):
+    dm.set_context(mode=dm.PYNATIVE_MODE)
+    set_devices(n, parallel_mode, **settings)
     try:
         yield
     finally:

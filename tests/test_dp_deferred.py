@@ -12,21 +12,19 @@ import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import Tensor, communication, nn
+from dualmode import Tensor, nn
 from dualmode.communication import SimBackend
 from dualmode.communication.sim import equal_shares, share_of
 from dualmode.communication.totals import DeferredShares
 from dualmode.parallel import CommReport, dtensor
 
+from _devices import set_devices
+
 N = 8
 
 
 def _setup(devices):
-    dm.reset_auto_parallel_context()
-    if devices > 1:
-        dm.set_auto_parallel_context(parallel_mode="data_parallel", device_num=devices,
-                                     gradients_mean=True)
-    communication.init()
+    set_devices(devices if devices > 1 else None, "data_parallel", gradients_mean=True)
 
 
 # ------------------------------------------------------------------ share_of

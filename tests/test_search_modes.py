@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, communication, context, nn, ops
+from dualmode import Parameter, Tensor, context, nn, ops
 from dualmode.parallel import compile_count
 from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.parallel.graph import compile as graph_compile
@@ -17,6 +17,8 @@ from dualmode.parallel.graph.propagate import propagate, total_cost
 from dualmode.parallel.graph.search import (SEARCH_MODES, PlanTable, SearchError,
                                             SearchResult, dynamic_programming,
                                             recursive_programming, search)
+
+from _devices import set_devices
 
 MODES = list(SEARCH_MODES)
 
@@ -262,11 +264,7 @@ class _Net(nn.Cell):
 
 
 def _setup(devices):
-    dm.reset_auto_parallel_context()
-    if devices > 1:
-        dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=devices,
-                                     gradients_mean=True)
-    communication.init()
+    set_devices(devices if devices > 1 else None, "auto_parallel", gradients_mean=True)
 
 
 def _run(devices, parallel_mode=None, search_mode=None, steps=3):
