@@ -449,13 +449,19 @@ def once_per_replica_set(op, attrs, plan, stacks, dm, reps):
         o = np.asarray(outs[i])
         if not lay.partial and not any(lay.tensor_map):
             continue                                # a replicated result: kept as one value
-        if defer and not lay.partial:
+        if defer and not lay.partial and not _aliases(o, stacks):
+            # a fresh result (a view of an input could change before it is read)
             outs[i] = DeferredShares(o.reshape(dm_c + lay.local_shape), dm, (), 1)
             continue
         full = np.empty((n,) + lay.local_shape, dtype=o.dtype)
         full.reshape(dm + lay.local_shape)[...] = o.reshape(dm_c + lay.local_shape)
         outs[i] = full
     return outs
+
+
+def _aliases(out, arrays) -> bool:
+    """Whether `out` may share memory with one of `arrays`."""
+    return any(isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in arrays)
 
 
 def accepts_grids(local, prefer: bool = False):
