@@ -17,12 +17,13 @@ A stack is remembered by identity (a weak reference: the entry leaves with the s
 and made read-only, as are its totals, so neither can change behind the record. A view
 or copy of a remembered stack is not remembered; it is added up as any other.
 
-In eager execution the stacks need not be written at all: while :data:`DEFERRING` is
-on (a ``with DEFERRING:`` block: the sharding engine runs an op's local computation or moves an input into its
-strategy's layout), the grouped MatMul, and a redistribution of a known value into
-blocks that would be a copy, return a :class:`DeferredShares` instead of the stack. The Tensor that wraps it writes the stack
-on the first read of its ``_data``; the readers that know this form (the redistribution
-executor, through :func:`known_totals`) take the totals and the stack is never written.
+Such stacks need not be written at all. While :data:`DEFERRING` is on (a ``with
+DEFERRING:`` block around the steps whose results become Tensors, or graph steps that
+read deferred stacks), the grouped MatMul, a redistribution of a known value into blocks
+that would be a copy, and a result computed once per replica set return a
+:class:`DeferredShares` instead of the stack. A Tensor that wraps one writes the stack
+on the first read of its ``_data``; the readers that know this form (through
+:func:`known_totals`) take the totals, and the stack is never written.
 """
 from __future__ import annotations
 
@@ -138,8 +139,9 @@ class DeferredShares(Deferred):
     def _write(self):
         dm, local = self.device_matrix, self.shape[1:]
         if all(t == 1 for t in self.totals.shape[:len(dm)]):
-            # one total: every device a view of one share
-            out = np.broadcast_to(share_of(self.totals.reshape(local), self.parts),
+            # one total: every device a view of one share (of the value itself)
+            one = self.totals.reshape(local)
+            out = np.broadcast_to(one if self.parts == 1 else share_of(one, self.parts),
                                   self.shape)
         else:
             out = np.empty(self.shape, dtype=self.dtype)
