@@ -36,7 +36,7 @@ import numpy as np
 from .._core._tensor import DEFERRING, Deferred, deferral_on
 
 __all__ = ["remember_totals", "known_totals", "group_totals", "DeferredShares", "DEFERRING",
-           "deferral_on", "as_stack", "share_of"]
+           "deferral_on", "as_stack", "share_of", "stored"]
 
 #: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes)
 _TOTALS: dict = {}
@@ -160,6 +160,12 @@ def share_of(total: np.ndarray, n: int, out: Optional[np.ndarray] = None) -> np.
     if total.dtype.kind == "f" and n & (n - 1) == 0:
         return np.multiply(total, 1.0 / n, out=out, dtype=total.dtype)
     return np.true_divide(total, n, out=out, dtype=total.dtype)
+
+
+def stored(t):
+    """A distributed Tensor's stack as it is stored: a deferred stack stays unwritten
+    (for readers that take its totals, or :func:`as_stack` it when they must)."""
+    return t._lazy if t._lazy is not None else t._data
 
 
 def as_stack(stack):

@@ -73,7 +73,7 @@ def holds_all_devices(n: int) -> bool:
 def op_cause(op_name, reason=None):
     """Attribute the collectives issued inside the block to `op_name`: "forward", or
     "backward" while the tape runs a backward pass, unless `reason` says otherwise."""
-    return comm_cause(op_name, reason or ("backward" if _core.in_backward() else "forward"))
+    return comm_cause(op_name, op_reason(reason))
 
 
 def op_reason(reason=None) -> str:

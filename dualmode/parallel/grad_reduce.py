@@ -34,6 +34,7 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
+from ..communication.totals import stored
 from ..communication.trace import comm_cause
 from .devices import backend as _backend
 from .redistribute import plan_redistribution
@@ -264,8 +265,7 @@ def reduce_gradients(grads, params=None):
     mean = context.get_auto_parallel_context("gradients_mean")
     # a gradient's stack as it is: one not written yet (equal shares whose total is
     # known, Tensor._lazy) the sim backend reads without writing
-    stacks = [grads[i]._lazy if grads[i]._lazy is not None else grads[i]._data
-              for i in todo]
+    stacks = [stored(grads[i]) for i in todo]
     for bucket in fusion_buckets([math.prod(st.shape[1:]) * st.itemsize for st in stacks]):
         members = [todo[k] for k in bucket]
         inputs = [stacks[k] for k in bucket]

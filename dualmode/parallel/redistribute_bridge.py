@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core._tensor import TensorBase
-from ..communication.totals import as_stack, remember_totals
+from ..communication.totals import as_stack, remember_totals, stored
 from ..communication.trace import comm_cause, record
 from ..tensor import Parameter
 from .tensor_layout import TensorLayout
@@ -31,18 +31,12 @@ def redistribute_tensor(x, dst: TensorLayout, op_name=None, reason="redistributi
     """The local stack of `x` (a Tensor, distributed or not, or an array) in `dst`;
     the collectives are reported with `reason`."""
     if isinstance(x, TensorBase) and x._layout is not None:
-        return move_stack(_stored(x), x._layout, dst, op_name, reason)
+        return move_stack(stored(x), x._layout, dst, op_name, reason)
     value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
     stack = local_stack(value, dst)
     if isinstance(x, TensorBase) and not isinstance(x, Parameter):
         remember_blocks(stack, value, dst)
     return stack
-
-
-def _stored(x):
-    """A distributed Tensor's stack as the executor takes it: a deferred stack stays
-    unwritten (the executor reads its totals, or writes it when it must)."""
-    return x._lazy if x._lazy is not None else x._data
 
 
 def remember_blocks(stack, value, dst: TensorLayout):
@@ -98,7 +92,7 @@ def redistribute_grid(x, dst: TensorLayout, op_name=None, reason="redistribution
         src = x._layout
         if not isinstance(src, TensorLayout) or src.device_num != dst.device_num:
             return None
-        stack = _stored(x)
+        stack = stored(x)
         plan = plan_redistribution(src, dst, stack.itemsize or 1)
         return run_plan_grid(plan, stack, op_name=op_name, reason=reason)
     value = x._value() if isinstance(x, TensorBase) else np.asarray(x)

@@ -37,7 +37,7 @@ import numpy as np
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
 from ..communication.totals import (DEFERRING, DeferredShares, as_stack, deferral_on,
-                                   known_totals)
+                                   known_totals, stored)
 from ..ops._registry import REGISTRY
 from .devices import backend as _backend
 from .devices import holds_all_devices, live_backend as _live_backend, op_cause
@@ -409,8 +409,7 @@ def _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
             stacks.append(x._value() if isinstance(x, TensorBase) else x)
             continue
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
-            stacks.append(replica_grid(x._lazy if x._lazy is not None else x._data, need,
-                                       dm, reps))
+            stacks.append(replica_grid(stored(x), need, dm, reps))
             continue
         grid = redistribute_grid(x, need, op.name)
         if grid is None:                            # cannot happen with every device local
@@ -499,7 +498,7 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     grids = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
-            grids.append(stack_grid(x._lazy if x._lazy is not None else x._data, need))
+            grids.append(stack_grid(stored(x), need))
             continue
         grid = redistribute_grid(x, need, op.name)
         if grid is None:                            # cannot happen with every device local
