@@ -13,3 +13,23 @@ def sub_scaled(w: np.ndarray, g: np.ndarray, a: float) -> bool:
     leading axes: replicas); `a` rounded to their dtype first. False, doing nothing, for
     other arrays."""
     ...
+
+def relu_grad(y: np.ndarray, dy: np.ndarray) -> np.ndarray | None:
+    """``dy * (y > 0)`` in one pass for float32/float64 arrays of one shape and dtype,
+    C-contiguous or stacks of C-contiguous slices along the leading axis (any stride
+    there, 0 included); None for other inputs."""
+    ...
+
+def tanh_grad(y: np.ndarray, dy: np.ndarray) -> np.ndarray | None:
+    """``dy * (1 - y * y)`` in one pass (inputs as :func:`relu_grad`); None otherwise."""
+    ...
+
+def sigmoid_grad(y: np.ndarray, dy: np.ndarray) -> np.ndarray | None:
+    """``dy * y * (1 - y)`` in one pass (inputs as :func:`relu_grad`); None otherwise."""
+    ...
+
+def sparse_xent_grad(probs: np.ndarray, labels: np.ndarray, g: np.ndarray) -> np.ndarray | None:
+    """``probs * g[:, None]`` minus `g` at each row's label, in one pass, for C-contiguous
+    float32/float64 probs (N, C), g (N,) of that dtype and C-contiguous int32/int64 labels
+    in [0, C); None for other inputs."""
+    ...

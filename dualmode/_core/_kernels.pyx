@@ -6,6 +6,12 @@ tests compare it against.
 """
 from libc.math cimport exp, log
 
+import numpy as np
+
+cimport numpy as cnp
+
+cnp.import_array()
+
 ctypedef fused floating_t:
     float
     double
@@ -54,7 +60,6 @@ def sparse_softmax_xent(logits, labels):
     -------
     (loss (N,), probs (N, C)) in the dtype of `logits`.
     """
-    import numpy as np
     logits = np.ascontiguousarray(logits)
     labels = np.ascontiguousarray(labels)
     if logits.ndim != 2 or labels.ndim != 1 or labels.shape[0] != logits.shape[0]:
@@ -155,7 +160,6 @@ def sub_scaled(w, g, a):
     from one gradient block, which is read once. `a` is rounded to their dtype first,
     as numpy does with a Python float. Returns False (doing nothing) when the arrays do
     not qualify, so the caller takes the numpy form."""
-    import numpy as np
     if not (isinstance(w, np.ndarray) and isinstance(g, np.ndarray)) or \
             w.dtype != g.dtype or w.dtype not in (np.float32, np.float64) \
             or not w.flags.c_contiguous or not g.flags.c_contiguous or not w.flags.writeable:
@@ -172,3 +176,198 @@ def sub_scaled(w, g, a):
     else:
         _sub_scaled[double](w.reshape(rows, -1), g.reshape(-1), <double>float(a))
     return True
+
+
+# ----------------------------------------------------------------------------
+# elementwise gradients from an op's output: one pass, no temporaries
+# ----------------------------------------------------------------------------
+# Each reads the forward output y and the incoming gradient dy (one shape and
+# dtype) and writes the input gradient with numpy's rounding of the same formula:
+#   ReluGrad     dy * (y > 0)          (the bool as 0/1 of the dtype: -0 and NaN as numpy)
+#   TanhGrad     dy * (1 - y * y)
+#   SigmoidGrad  (dy * y) * (1 - y)
+# over "rows": one row for C-contiguous arrays, else one per index of the leading axis
+# when each leading slice is C-contiguous (a device stack, possibly stride 0 along it).
+
+cdef int _F32 = np.dtype(np.float32).num
+cdef int _F64 = np.dtype(np.float64).num
+cdef int _I32 = np.dtype(np.int32).num
+cdef int _I64 = np.dtype(np.int64).num
+cdef int _LL = np.dtype(np.longlong).num
+
+cdef int _RELU = 0
+cdef int _TANH = 1
+cdef int _SIGMOID = 2
+
+
+cdef void _grad_rows(int kind, const floating_t* y, Py_ssize_t y_step,
+                     const floating_t* dy, Py_ssize_t dy_step, floating_t* out,
+                     Py_ssize_t rows, Py_ssize_t n) noexcept nogil:
+    # row r of y starts y_step bytes after row r - 1 (0: one row read for every output
+    # row), likewise dy; the n elements of a row are contiguous; out is C-contiguous
+    cdef Py_ssize_t r, i
+    cdef const floating_t* yr
+    cdef const floating_t* dr
+    cdef floating_t* o
+    cdef floating_t one = 1, zero = 0, t, u      # typed: every step rounds as numpy's
+    for r in range(rows):
+        yr = <const floating_t*>(<const char*>y + r * y_step)
+        dr = <const floating_t*>(<const char*>dy + r * dy_step)
+        o = out + r * n
+        if kind == _RELU:
+            for i in range(n):
+                o[i] = dr[i] * (one if yr[i] > zero else zero)
+        elif kind == _TANH:
+            for i in range(n):
+                t = yr[i] * yr[i]
+                u = one - t
+                o[i] = dr[i] * u
+        else:
+            for i in range(n):
+                t = dr[i] * yr[i]
+                u = one - yr[i]
+                o[i] = t * u
+
+
+cdef bint _inner_contiguous(cnp.ndarray a, int first):
+    """Are dims first.. of `a` laid out C-contiguously (size-1 dims ignored)?"""
+    cdef Py_ssize_t expect = cnp.PyArray_ITEMSIZE(a)
+    cdef int d
+    for d in range(cnp.PyArray_NDIM(a) - 1, first - 1, -1):
+        if cnp.PyArray_DIM(a, d) != 1:
+            if cnp.PyArray_STRIDE(a, d) != expect:
+                return False
+            expect *= cnp.PyArray_DIM(a, d)
+    return True
+
+
+cdef object _output_grad(int kind, object y, object dy):
+    """The gradient array, or None when the inputs do not qualify (numpy's form then)."""
+    if type(y) is not np.ndarray or type(dy) is not np.ndarray:
+        return None
+    cdef cnp.ndarray ya = <cnp.ndarray>y, da = <cnp.ndarray>dy
+    cdef int num = cnp.PyArray_TYPE(ya)
+    if (num != _F32 and num != _F64) or cnp.PyArray_TYPE(da) != num:
+        return None
+    cdef int nd = cnp.PyArray_NDIM(ya)
+    if cnp.PyArray_NDIM(da) != nd or y.shape != dy.shape:
+        return None
+    cdef Py_ssize_t size = cnp.PyArray_SIZE(ya), rows = 1, y_step = 0, d_step = 0
+    if size == 0:
+        return np.empty(y.shape, y.dtype)
+    if not (_inner_contiguous(ya, 0) and _inner_contiguous(da, 0)):
+        # a stack: rows along the leading axis, each contiguous
+        if nd < 2 or not (_inner_contiguous(ya, 1) and _inner_contiguous(da, 1)):
+            return None
+        rows = cnp.PyArray_DIM(ya, 0)
+        y_step = cnp.PyArray_STRIDE(ya, 0)
+        d_step = cnp.PyArray_STRIDE(da, 0)
+    out = np.empty(y.shape, y.dtype)
+    cdef void* yp = cnp.PyArray_DATA(ya)
+    cdef void* dp = cnp.PyArray_DATA(da)
+    cdef void* op = cnp.PyArray_DATA(<cnp.ndarray>out)
+    cdef Py_ssize_t n = size // rows
+    with nogil:
+        if num == _F32:
+            _grad_rows(kind, <const float*>yp, y_step, <const float*>dp, d_step,
+                       <float*>op, rows, n)
+        else:
+            _grad_rows(kind, <const double*>yp, y_step, <const double*>dp, d_step,
+                       <double*>op, rows, n)
+    return out
+
+
+def relu_grad(y, dy):
+    """``dy * (y > 0)`` in one pass (ReLU's gradient from its output `y`), or None when
+    `y` and `dy` are not float32/float64 arrays of one shape and dtype, C-contiguous or
+    stacks of C-contiguous slices along their leading axis (the caller uses numpy)."""
+    return _output_grad(_RELU, y, dy)
+
+
+def tanh_grad(y, dy):
+    """``dy * (1 - y * y)`` in one pass (Tanh's gradient from its output), or None
+    (as :func:`relu_grad`)."""
+    return _output_grad(_TANH, y, dy)
+
+
+def sigmoid_grad(y, dy):
+    """``dy * y * (1 - y)`` in one pass (Sigmoid's gradient from its output), or None
+    (as :func:`relu_grad`)."""
+    return _output_grad(_SIGMOID, y, dy)
+
+
+# ----------------------------------------------------------------------------
+# sparse softmax cross-entropy gradient
+# ----------------------------------------------------------------------------
+cdef Py_ssize_t _xent_grad(const floating_t[:, ::1] probs, const index_t[::1] labels,
+                           const floating_t[:] g, floating_t[:, ::1] out) noexcept nogil:
+    """out = probs * g[:, None], then out[i, labels[i]] -= g[i]; returns -1, or the
+    first row whose label is outside [0, C) (nothing is promised about `out` then)."""
+    cdef Py_ssize_t n = probs.shape[0], c = probs.shape[1], i, j
+    cdef index_t lab
+    cdef floating_t gi
+    for i in range(n):
+        lab = labels[i]
+        if lab < 0 or lab >= c:
+            return i
+        gi = g[i]
+        for j in range(c):
+            out[i, j] = probs[i, j] * gi
+        out[i, lab] = out[i, lab] - gi
+    return -1
+
+
+cdef Py_ssize_t _xg_f_i(const float[:, ::1] p, const int[::1] y, const float[:] g,
+                        float[:, ::1] o):
+    with nogil:
+        return _xent_grad(p, y, g, o)
+
+
+cdef Py_ssize_t _xg_f_l(const float[:, ::1] p, const long long[::1] y, const float[:] g,
+                        float[:, ::1] o):
+    with nogil:
+        return _xent_grad(p, y, g, o)
+
+
+cdef Py_ssize_t _xg_d_i(const double[:, ::1] p, const int[::1] y, const double[:] g,
+                        double[:, ::1] o):
+    with nogil:
+        return _xent_grad(p, y, g, o)
+
+
+cdef Py_ssize_t _xg_d_l(const double[:, ::1] p, const long long[::1] y, const double[:] g,
+                        double[:, ::1] o):
+    with nogil:
+        return _xent_grad(p, y, g, o)
+
+
+def sparse_xent_grad(probs, labels, g):
+    """The gradient of per-row softmax cross-entropy with integer labels, given the
+    softmax `probs` (N, C) and the loss gradient `g` (N,): ``probs * g[:, None]`` with
+    ``g`` subtracted at each row's label, in one pass. None when the inputs do not
+    qualify (the caller uses numpy): `probs` C-contiguous float32/float64, `g` 1-D of
+    its dtype (any stride), `labels` C-contiguous int32/int64 of N, every label in
+    [0, C)."""
+    if type(probs) is not np.ndarray or type(labels) is not np.ndarray \
+            or type(g) is not np.ndarray:
+        return None
+    dt = probs.dtype
+    if (dt.num != _F32 and dt.num != _F64) or g.dtype != dt \
+            or probs.ndim != 2 or g.ndim != 1 or labels.ndim != 1 \
+            or not probs.flags.c_contiguous or not labels.flags.c_contiguous:
+        return None
+    n = probs.shape[0]
+    if g.shape[0] != n or labels.shape[0] != n:
+        return None
+    ln = labels.dtype.num
+    if ln != _I32 and ln != _I64 and ln != _LL:
+        return None
+    out = np.empty(probs.shape, dt)
+    cdef Py_ssize_t bad
+    if dt.num == _F32:
+        bad = _xg_f_i(probs, labels, g, out) if ln == _I32 else \
+            _xg_f_l(probs, labels, g, out)
+    else:
+        bad = _xg_d_i(probs, labels, g, out) if ln == _I32 else \
+            _xg_d_l(probs, labels, g, out)
+    return None if bad >= 0 else out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numpy as np
 
+from .._core import _kernels
 from ..common import dtype as _dt
 from . import _array as A
 from ._registry import (KIND_BINARY, KIND_UNARY, apply, binary, broadcast_shapes,
@@ -194,17 +195,23 @@ def _relu_kernel(x):
     return np.maximum(x, 0)
 
 
-# internal gradient ops: (forward output y, incoming gradient dy) -> input gradient
+# internal gradient ops: (forward output y, incoming gradient dy) -> input gradient, in
+# one pass by the Cython kernels (their numpy references: dualmode/_core/reference.py);
+# the numpy expression for what they do not take (other dtypes, broadcasting operands,
+# strided stacks)
 def _relu_grad_kernel(y, dy):
-    return dy * (y > 0)
+    out = _kernels.relu_grad(y, dy)
+    return dy * (y > 0) if out is None else out
 
 
 def _tanh_grad_kernel(y, dy):
-    return dy * (1 - y * y)
+    out = _kernels.tanh_grad(y, dy)
+    return dy * (1 - y * y) if out is None else out
 
 
 def _sigmoid_grad_kernel(y, dy):
-    return dy * y * (1 - y)
+    out = _kernels.sigmoid_grad(y, dy)
+    return dy * y * (1 - y) if out is None else out
 
 
 RELU_GRAD = register("ReluGrad", kind=KIND_BINARY, kernel=_relu_grad_kernel)
