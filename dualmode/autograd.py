@@ -11,8 +11,6 @@ import functools
 
 import numpy as np
 
-
-
 from ._core import _tensor as _core
 from ._core._tensor import TensorBase
 from .ops import _array, _math
@@ -58,7 +56,9 @@ def _check_weights(weights):
 
 
 def _zeros_like_meta(shape, dtype):
-    return _array.zeros(shape, dtype)
+    """The gradient of an output nothing used (of a multi-output op): zeros read by
+    the op's backward rule, stored once (a read-only stride-0 view)."""
+    return _core.wrap_dist(np.broadcast_to(np.zeros((), dtype), shape), None)
 
 
 def _detach(x):
@@ -128,8 +128,8 @@ def _differentiate(fn, positions, weights, single_weight, has_aux, args, kwargs,
             if r.dtype.kind != "f":
                 raise TypeError(f"grad: output {i} of the function has dtype {r.dtype}; "
                                 f"differentiated outputs must be floating tensors")
-        seeds = tuple(_array.ones(r.shape, r.dtype) for r in roots) if sens is None else \
-            tuple(s for s in sens if s is not None)
+        seeds = tuple(_core.wrap_dist(np.ones(r.shape, r.dtype), None) for r in roots) \
+            if sens is None else tuple(s for s in sens if s is not None)
         nslots = len(pos) + len(weights)
         grads = _core.run_backward(tuple(roots), seeds, tape, nslots, _math.ADD,
                                    _zeros_like_meta)

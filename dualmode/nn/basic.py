@@ -8,6 +8,7 @@ from .. import ops
 from .._core._tensor import TensorBase
 from ..common import dtype as _dt
 from ..common.initializer import HeUniform, Uniform, initializer
+from ..ops import _math
 from ..ops.primitive import Primitive
 from ..tensor import Parameter
 from ._checks import check_bool, check_float, check_int
@@ -30,8 +31,10 @@ def compute_operands(cell, name, x):
     dtype it computes in: float16 under ``Model(amp_level="O2")`` (the Model sets
     ``amp_dtype`` on the cell), else as stored; TypeError naming the layer when the input's
     dtype is not the weight's."""
-    weight, bias = cell.weight, getattr(cell, "bias", None)
-    amp = cell.__dict__.get("amp_dtype")
+    d = cell.__dict__      # registered Parameters live there (see Cell)
+    weight = d["weight"] if "weight" in d else cell.weight
+    bias = d["bias"] if "bias" in d else getattr(cell, "bias", None)
+    amp = d.get("amp_dtype")
     if amp is not None:
         x, weight = ops.cast(x, amp), ops.cast(weight, amp)
         bias = ops.cast(bias, amp) if bias is not None else None
@@ -95,9 +98,9 @@ class Dense(Cell):
         x, weight, bias = compute_operands(self, "Dense", x)
         if len(shape) != 2:
             x = ops.reshape(x, (-1, self.in_channels))
-        x = ops.matmul(x, weight, transpose_b=True)
+        x = _math.mat_mul(x, weight, False, True)      # 2-D: the MatMul op itself
         if self.has_bias:
-            x = ops.bias_add(x, bias)
+            x = _math.bias_add(x, bias)
         if self.activation is not None:
             x = self.activation(x)
         if len(shape) != 2:

@@ -75,12 +75,18 @@ class Cell:
         shard_fn = self.__dict__.get("_shard_fn")
         if shard_fn is not None:                   # Cell.shard: this cell runs as a graph
             return shard_fn(*inputs, **kwargs)
-        if _CALLS.depth == 0 and inputs and parallel_active():
-            inputs = distribute_inputs(inputs)     # network inputs are batch data
-        if _CALLS.depth == 0 and context._STATE.run.mode == context.GRAPH_MODE \
-                and not getattr(self, "_eager_only", False):
-            return graph_call(self, inputs, kwargs)
-        return self.call_construct(*inputs, **kwargs)
+        if _CALLS.depth == 0:
+            if inputs and parallel_active():
+                inputs = distribute_inputs(inputs)     # network inputs are batch data
+            if context._STATE.run.mode == context.GRAPH_MODE \
+                    and not getattr(self, "_eager_only", False):
+                return graph_call(self, inputs, kwargs)
+        # as call_construct (inlined: one frame less per layer)
+        _CALLS.depth += 1
+        try:
+            return self.construct(*inputs, **kwargs)
+        finally:
+            _CALLS.depth -= 1
 
     def call_construct(self, *inputs, **kwargs):
         """Run ``construct`` as a call inside a network (not a top-level one: its inputs

@@ -11,9 +11,10 @@ import numpy as np
 from .._core import _kernels
 from ..common import dtype as _dt
 from . import _array as A
+from .._core._tensor import TensorBase
 from ._registry import (KIND_BINARY, KIND_UNARY, apply, binary, broadcast_shapes,
                         check_float, check_nin, check_same_dtype, const, norm_axes, register,
-                        wrap)
+                        remember, wrap)
 
 # ---------------------------------------------------------------------------
 # gradient helpers
@@ -337,7 +338,20 @@ def _contract_dims(opname, a, b, ta, tb, batch=False):
     return m, n
 
 
+#: (shapes, dtypes, transposes) of MatMuls already validated -> their output meta
+_MATMUL_SEEN: dict = {}
+
+
 def _infer_matmul(attrs, a, b):
+    key = (a.shape, b.shape, a.dtype, b.dtype, attrs["transpose_a"], attrs["transpose_b"])
+    try:
+        return _MATMUL_SEEN[key]
+    except (KeyError, TypeError):     # a new (or unhashable) signature
+        pass
+    return remember(_MATMUL_SEEN, key, _check_matmul(attrs, a, b))
+
+
+def _check_matmul(attrs, a, b):
     check_nin("MatMul", (a, b), 2)
     for i, x in enumerate((a, b)):
         if x.ndim != 2:
@@ -360,10 +374,12 @@ def _bw_matmul(node, g):
     a, b = node.inputs
     ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
     ga = gb = None
-    if _needs(node, 0):
-        ga = matmul(b, g, tb, True) if ta else matmul(g, b, False, not tb)
-    if _needs(node, 1):
-        gb = matmul(g, a, True, ta) if tb else matmul(a, g, not ta, False)
+    if node.needs_grad(0):
+        ga = apply(MATMUL, _MM_ATTRS[tb][True], (b, g)) if ta else \
+            apply(MATMUL, _MM_ATTRS[False][not tb], (g, b))
+    if node.needs_grad(1):
+        gb = apply(MATMUL, _MM_ATTRS[True][ta], (g, a)) if tb else \
+            apply(MATMUL, _MM_ATTRS[not ta][False], (a, g))
     return ga, gb
 
 
@@ -378,11 +394,18 @@ def _mm_subscripts(attrs, ranks):
 MATMUL = register("MatMul", infer=_infer_matmul, kernel=_mm_kernel, backward=_bw_matmul,
                   family=("contract", _mm_subscripts))
 
+#: the attrs of MatMul, by [transpose_a][transpose_b] (shared: attrs are never mutated)
+_MM_ATTRS = {ta: {tb: {"transpose_a": ta, "transpose_b": tb} for tb in (False, True)}
+             for ta in (False, True)}
+
 
 def mat_mul(a, b, transpose_a=False, transpose_b=False):
     """The MatMul primitive: 2-D op(a) @ op(b), op = transpose when asked."""
-    return apply(MATMUL, {"transpose_a": bool(transpose_a), "transpose_b": bool(transpose_b)},
-                 (const(a, "MatMul"), const(b, "MatMul")))
+    if not isinstance(a, TensorBase):
+        a = const(a, "MatMul")
+    if not isinstance(b, TensorBase):
+        b = const(b, "MatMul")
+    return apply(MATMUL, _MM_ATTRS[bool(transpose_a)][bool(transpose_b)], (a, b))
 
 
 def matmul(a, b, transpose_a=False, transpose_b=False):
@@ -392,10 +415,13 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
     dims broadcast); a 1-D input is treated as a row (left) or column (right)
     vector whose unit dim is removed from the result.
     """
-    a, b = const(a, "MatMul"), const(b, "MatMul")
+    if not isinstance(a, TensorBase):
+        a = const(a, "MatMul")
+    if not isinstance(b, TensorBase):
+        b = const(b, "MatMul")
     ra, rb = a.ndim, b.ndim
     if ra == 2 and rb == 2:
-        return mat_mul(a, b, transpose_a, transpose_b)
+        return apply(MATMUL, _MM_ATTRS[bool(transpose_a)][bool(transpose_b)], (a, b))
     if ra == 0 or rb == 0:
         raise ValueError(f"MatMul: input {0 if ra == 0 else 1} is 0-d; matmul needs inputs of "
                          f"rank >= 1 (use ops.mul for scalars)")
@@ -496,7 +522,17 @@ def _reduced_shape(shape, axes, keep):
 
 
 def _make_reduce_infer(name, float_only=False, numeric_only=False):
+    cache = {}     # (shape, dtype, axes, keep_dims) already validated -> output meta
+
     def infer(attrs, x):
+        key = (x.shape, x.dtype, attrs["axis"], attrs["keep_dims"])
+        try:
+            return cache[key]
+        except (KeyError, TypeError):     # a new (or unhashable) signature
+            pass
+        return remember(cache, key, check(attrs, x))
+
+    def check(attrs, x):
         check_nin(name, (x,), 1)
         if float_only:
             check_float(name, x)
@@ -515,13 +551,21 @@ def _make_reduce_infer(name, float_only=False, numeric_only=False):
 def _expand_back(g, x, attrs):
     """Reshape a reduced gradient so it broadcasts against the input `x`."""
     if not attrs["keep_dims"]:
-        g = A.reshape(g, _reduced_shape(tuple(x.shape), attrs["axis"], True))
+        shape = _reduced_shape(tuple(x.shape), attrs["axis"], True)
+        if shape != tuple(g.shape):
+            g = apply(A.RESHAPE, {"shape": shape}, (g,))
     return g
+
+
+def _broadcast_back(g, shape):
+    """`g` (its shape broadcasts to `shape`, an input's) broadcast to `shape`."""
+    shape = tuple(shape)
+    return g if tuple(g.shape) == shape else apply(BROADCAST_TO, {"shape": shape}, (g,))
 
 
 def _bw_reduce_sum(node, g):
     x = node.inputs[0]
-    return (broadcast_to(_expand_back(g, x, node.attrs), x.shape),)
+    return (_broadcast_back(_expand_back(g, x, node.attrs), x.shape),)
 
 
 def _bw_reduce_mean(node, g):
@@ -530,7 +574,7 @@ def _bw_reduce_mean(node, g):
     for a in node.attrs["axis"]:
         count *= x.shape[a]
     g = div(g, float(count)) if count != 1 else g
-    return (broadcast_to(_expand_back(g, x, node.attrs), x.shape),)
+    return (_broadcast_back(_expand_back(g, x, node.attrs), x.shape),)
 
 
 def _bw_reduce_extreme(node, g):
@@ -568,12 +612,25 @@ REDUCE_MIN = register("ReduceMin", family=("reduce", "min"), infer=_make_reduce_
                       backward=_bw_reduce_extreme, save_outputs=True)
 
 
+#: (op name, axis as given (ints), rank) -> the normalised axes
+_AXES_SEEN: dict = {}
+
+
 def _reduce(op, x, axis, keep_dims):
-    x = const(x, op.name)
+    if not isinstance(x, TensorBase):
+        x = const(x, op.name)
     if not isinstance(keep_dims, (bool, np.bool_)):
         raise TypeError(f"{op.name}: keep_dims must be a bool, got {keep_dims!r}")
-    axes = norm_axes(op.name, axis, x.ndim)
-    if x.ndim and 0 in tuple(x.shape[a] for a in axes) and op in (REDUCE_MAX, REDUCE_MIN):
+    ndim = x.ndim
+    kind = type(axis)        # ints only (1.0 == 1 but is refused)
+    if kind is int or (kind is tuple and all(type(a) is int for a in axis)):
+        key = (op.name, axis, ndim)
+        axes = _AXES_SEEN.get(key)
+        if axes is None:
+            axes = remember(_AXES_SEEN, key, norm_axes(op.name, axis, ndim))
+    else:
+        axes = norm_axes(op.name, axis, ndim)
+    if (op is REDUCE_MAX or op is REDUCE_MIN) and ndim and 0 in tuple(x.shape[a] for a in axes):
         raise ValueError(f"{op.name}: cannot reduce an empty dimension (shape {x.shape})")
     return apply(op, {"axis": axes, "keep_dims": bool(keep_dims)}, (x,))
 
@@ -644,7 +701,20 @@ def broadcast_to(x, shape):
 # ---------------------------------------------------------------------------
 # BiasAdd
 # ---------------------------------------------------------------------------
+#: (shapes, dtypes) of BiasAdds already validated -> their output meta
+_BIAS_ADD_SEEN: dict = {}
+
+
 def _infer_bias_add(attrs, x, b):
+    key = (x.shape, b.shape, x.dtype, b.dtype)
+    try:
+        return _BIAS_ADD_SEEN[key]
+    except (KeyError, TypeError):     # a new (or unhashable) signature
+        pass
+    return remember(_BIAS_ADD_SEEN, key, _check_bias_add(x, b))
+
+
+def _check_bias_add(x, b):
     check_same_dtype("BiasAdd", (x, b))
     if x.ndim < 2:
         raise ValueError(f"BiasAdd: input 0 has rank {x.ndim}; expected rank >= 2 "
@@ -662,12 +732,20 @@ def _bias_add_kernel(attrs, x, b):
     return x + b.reshape((b.shape[0],) + (1,) * (x.ndim - 2))
 
 
+#: rank -> the ReduceSum attrs of BiasAdd's bias gradient (every dim but 1)
+_BIAS_GRAD_ATTRS = {}
+
+
 def _bw_bias_add(node, g):
-    x = node.inputs[0]
     gb = None
-    if _needs(node, 1):
-        gb = reduce_sum(g, tuple(i for i in range(x.ndim) if i != 1), False)
-    return (g if _needs(node, 0) else None), gb
+    if node.needs_grad(1):
+        ndim = g.ndim
+        attrs = _BIAS_GRAD_ATTRS.get(ndim)
+        if attrs is None:
+            attrs = _BIAS_GRAD_ATTRS[ndim] = {
+                "axis": tuple(i for i in range(ndim) if i != 1), "keep_dims": False}
+        gb = apply(REDUCE_SUM, attrs, (g,))
+    return (g if node.needs_grad(0) else None), gb
 
 
 def _bias_add_subscripts(attrs, ranks):
@@ -684,4 +762,8 @@ BIAS_ADD = register("BiasAdd", infer=_infer_bias_add, kernel=_bias_add_kernel,
 
 def bias_add(x, bias):
     """Add a 1-D bias along dim 1 (NC... layout)."""
-    return apply(BIAS_ADD, None, (const(x, "BiasAdd"), const(bias, "BiasAdd")))
+    if not isinstance(x, TensorBase):
+        x = const(x, "BiasAdd")
+    if not isinstance(bias, TensorBase):
+        bias = const(bias, "BiasAdd")
+    return apply(BIAS_ADD, None, (x, bias))

@@ -6,7 +6,8 @@ import numpy as np
 from .._core import _kernels
 from ..context import rng
 from . import _math as M
-from ._registry import apply, check_float, check_int_dtype, const, norm_axis, register, wrap
+from ._registry import (apply, check_float, check_int_dtype, const, norm_axis, register,
+                        remember, wrap)
 
 
 # ---------------------------------------------------------------------------
@@ -71,7 +72,20 @@ def log_softmax(x, axis=-1):
 # ---------------------------------------------------------------------------
 # fused sparse softmax cross-entropy: per-sample loss, probabilities kept for backward
 # ---------------------------------------------------------------------------
+#: (shapes, dtypes) of SparseSoftmaxCrossEntropyWithLogits already validated -> output meta
+_XENT_SEEN: dict = {}
+
+
 def _infer_sparse_xent(attrs, logits, labels):
+    key = (logits.shape, labels.shape, logits.dtype, labels.dtype)
+    try:
+        return _XENT_SEEN[key]
+    except (KeyError, TypeError):     # a new (or unhashable) signature
+        pass
+    return remember(_XENT_SEEN, key, _check_sparse_xent(logits, labels))
+
+
+def _check_sparse_xent(logits, labels):
     name = "SparseSoftmaxCrossEntropyWithLogits"
     check_float(name, logits)
     check_int_dtype(name, labels, 1, "labels")

@@ -14,7 +14,8 @@ from .._core._tensor import (KIND_BINARY, KIND_GENERIC, KIND_UNARY, OpDef, Tenso
 
 __all__ = ["REGISTRY", "register", "get_op", "linearity", "apply", "binary", "OpDef", "KIND_BINARY",
            "KIND_GENERIC", "KIND_UNARY", "broadcast_shapes", "const", "norm_axis",
-           "norm_axes", "wrap", "same_as_input", "check_nin", "check_float", "check_same_dtype", "check_int_dtype"]
+           "norm_axes", "wrap", "same_as_input", "check_nin", "check_float", "check_same_dtype", "check_int_dtype",
+           "remember"]
 
 REGISTRY: dict[str, OpDef] = {}
 
@@ -60,6 +61,26 @@ def get_op(name) -> OpDef:
     except KeyError:
         raise ValueError(f"get_op: no op named {name!r}; registered ops: "
                          f"{', '.join(sorted(REGISTRY))}") from None
+
+
+# ---------------------------------------------------------------------------
+# per-signature caches: what depends only on shapes, dtypes and attrs is worked out
+# (and validated) once per signature; a signature that failed is never stored, so
+# bad inputs meet the same checks and errors every time
+# ---------------------------------------------------------------------------
+_SEEN_MAX = 4096     # entries per cache; a full cache starts over
+
+
+def remember(cache, key, value):
+    """Store `value` under `key` in a per-signature cache (a dict looked up with
+    ``cache[key]``; a key that is not hashable is not stored) and return it."""
+    if len(cache) >= _SEEN_MAX:
+        cache.clear()
+    try:
+        cache[key] = value
+    except TypeError:        # unhashable: worked out again next time
+        pass
+    return value
 
 
 # ---------------------------------------------------------------------------

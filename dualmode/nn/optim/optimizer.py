@@ -236,14 +236,16 @@ class Optimizer(Cell):
         if len(gradients) != len(params):
             raise ValueError(f"{owner}: got {len(gradients)} gradients for {len(params)} "
                              f"parameters; they must be aligned with optimizer.parameters")
-        _check_gradients(owner, gradients, params)         # all of them, before any effect
+        # all of them, before any effect
+        distributed = _check_gradients(owner, gradients, params)
         worker = active_worker()
-        if worker is None:
-            # the sharded weights' gradient ReduceScatters and AllReduces, in fused
-            # buckets per comm_fusion (as a compiled step fuses them); the others move
-            # one by one below
-            gradients = fuse_gradient_moves(gradients, params)
-        gradients = reduce_gradients(gradients, params)   # data-parallel AllReduce
+        if distributed:
+            if worker is None:
+                # the sharded weights' gradient ReduceScatters and AllReduces, in fused
+                # buckets per comm_fusion (as a compiled step fuses them); the others
+                # move one by one below
+                gradients = fuse_gradient_moves(gradients, params)
+            gradients = reduce_gradients(gradients, params)   # data-parallel AllReduce
         # parameter server mode: the servers update the weights they hold (push the
         # gradients, pull the new values); this optimizer updates the others
         on_servers = worker.step(self, gradients) if worker is not None else ()
@@ -324,11 +326,16 @@ class Optimizer(Cell):
 def _check_gradients(owner, gradients, params):
     """Every gradient is an array of its parameter's shape: checked for all of them
     before any parameter, state or step counter changes (a bad gradient in the middle of
-    the list leaves everything as it was)."""
+    the list leaves everything as it was). Returns whether some gradient is a
+    distributed Tensor (none is: there is nothing to fuse, reduce or gather)."""
+    distributed = False
     for p, g in zip(params, gradients):
+        is_tensor = isinstance(g, TensorBase)
+        if is_tensor and g._layout is not None:
+            distributed = True
         if not p.requires_grad:
             continue
-        if isinstance(g, TensorBase):           # the usual case: no stack is read
+        if is_tensor:                           # the usual case: no stack is read
             shape, dtype = g.shape, g.dtype
         elif not isinstance(g, (np.ndarray, numbers.Number)) or \
                 isinstance(g, (bool, np.bool_)):
@@ -342,6 +349,7 @@ def _check_gradients(owner, gradients, params):
         if np.dtype(dtype).kind not in "fiu":
             raise TypeError(f"{owner}: the gradient for parameter {p.name!r} has dtype "
                             f"{np.dtype(dtype)}; expected a numeric dtype")
+    return distributed
 
 
 def _decays(p):
