@@ -3,7 +3,9 @@ baseline measured in the same run; the ratios go into ``extra_info`` and a table
 printed at the end of the session."""
 import ctypes
 import ctypes.util
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,36 @@ def record():
         return None
 
     return _record
+
+
+@pytest.fixture
+def paired(record):
+    """paired(benchmark, fn, args, baseline, baseline_args, key, baseline_key,
+    target=None, rounds=20, warmup_rounds=2): time `fn(*args)` with pytest-benchmark and,
+    before each of its rounds, one `baseline(*baseline_args)` timed by hand; record both
+    medians and the ratio. The two alternate round by round, so a drift of the machine's
+    speed during the run (this VM's swings 1.2-1.5x between minutes) moves both alike,
+    where two blocks of rounds one after the other would each see a different machine."""
+
+    def _paired(benchmark, fn, args, baseline, baseline_args, key, baseline_key,
+                target=None, rounds=20, warmup_rounds=2):
+        times = []
+
+        def setup():
+            start = time.perf_counter()
+            baseline(*baseline_args)
+            times.append(time.perf_counter() - start)
+            return args, {}
+
+        benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=warmup_rounds,
+                           iterations=1)
+        if getattr(benchmark, "stats", None) is None:     # --benchmark-disable
+            return None
+        _MEDIANS[baseline_key] = statistics.median(times[warmup_rounds:])
+        benchmark.extra_info["baseline_median_s"] = _MEDIANS[baseline_key]
+        return record(benchmark, key, baseline_key, target=target)
+
+    return _paired
 
 
 @pytest.fixture
