@@ -1,7 +1,7 @@
 """One training step of the 3-layer MLP (784-H-H-10, ReLU, softmax cross-entropy,
 SGD) against a hand-written numpy forward/backward/SGD step.
 
-Target: <= 1.15x the numpy step (PyTorch eager autograd measures 1.17x here).
+Target: <= 1.1x the numpy step (issue 17; PyTorch eager autograd measures 1.17x here).
 """
 import numpy as np
 import pytest
@@ -130,4 +130,4 @@ def test_mlp_step(benchmark, record, batch, hidden, impl):
     benchmark.extra_info["correct"] = step_matches_numpy(params, x, y)
     benchmark.pedantic(step, args=(xt, yt), iterations=1, **_rounds(batch))
     record(benchmark, f"dualmode mlp step B{batch} H{hidden}",
-           f"numpy mlp step B{batch} H{hidden}", target=1.15)
+           f"numpy mlp step B{batch} H{hidden}", target=1.1)
