@@ -14,6 +14,7 @@ import numpy as np
 from ._core import _tensor as _core
 from ._core._tensor import TensorBase
 from .ops import _array, _math
+from .ops._registry import remember
 from .tensor import Parameter
 
 __all__ = ["grad", "value_and_grad", "vjp"]
@@ -55,10 +56,18 @@ def _check_weights(weights):
                     f"got {type(weights).__name__}")
 
 
+#: (shape, dtype) -> read-only zeros of that shape taking no memory (stride 0)
+_ZEROS: dict = {}
+
+
 def _zeros_like_meta(shape, dtype):
     """The gradient of an output nothing used (of a multi-output op): zeros read by
-    the op's backward rule, stored once (a read-only stride-0 view)."""
-    return _core.wrap_dist(np.broadcast_to(np.zeros((), dtype), shape), None)
+    the op's backward rule, made once per shape and dtype (a read-only stride-0 view)."""
+    key = (shape, dtype)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = remember(_ZEROS, key, np.broadcast_to(np.zeros((), dtype), shape))
+    return _core.wrap_dist(z, None)
 
 
 def _detach(x):

@@ -549,9 +549,11 @@ def _make_reduce_infer(name, float_only=False, numeric_only=False):
 
 
 def _expand_back(g, x, attrs):
-    """Reshape a reduced gradient so it broadcasts against the input `x`."""
-    if not attrs["keep_dims"]:
-        shape = _reduced_shape(tuple(x.shape), attrs["axis"], True)
+    """Reshape a reduced gradient so it broadcasts against the input `x` (as it is when
+    the reduced axes are the leading ones: numpy aligns shapes from the right)."""
+    axes = attrs["axis"]
+    if not attrs["keep_dims"] and axes != tuple(range(len(axes))):
+        shape = _reduced_shape(tuple(x.shape), axes, True)
         if shape != tuple(g.shape):
             g = apply(A.RESHAPE, {"shape": shape}, (g,))
     return g
