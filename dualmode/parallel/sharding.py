@@ -44,6 +44,7 @@ from .devices import holds_all_devices, live_backend as _live_backend, op_cause
 from .tensor_layout import LayoutError, TensorLayout, stand_in
 from .redistribute import unify_device_matrices
 from .redistribute_bridge import redistribute_grid, redistribute_tensor
+from .replicas import ReplicaBlocks
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "decide", "refine",
            "reexpress", "same_placement", "common_device_matrix", "op_strategy_layouts",
@@ -279,7 +280,8 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
                                            validate=not checked)
         found[6] = True
-    elif grids:
+    elif grids or (getattr(plan.local, "accepts_grids", False)
+                   and _blocks_stored_once(inputs, plan.inputs)):
         outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm)
     else:
         stacks = []
@@ -426,6 +428,10 @@ def replica_grid(stack, need, dm, reps):
     replica along the device axes `reps`, as :func:`once_per_replica_set` takes it: a
     view of the stack, or of the whole value when it is known."""
     dm_c, first = _replica_set(dm, reps)
+    if type(stack) is ReplicaBlocks:                # a Parameter's replicas stored once
+        grid = stack.current_grid(need)
+        if grid is not None:
+            return _compact(grid, dm_c, need.local_shape)
     if not need.partial:
         known = known_totals(stack, dm, ())
         if known is not None:
@@ -493,6 +499,17 @@ def wants_grids(plan, lays, dm) -> bool:
     return found and holds_all_devices(math.prod(dm))
 
 
+def _blocks_stored_once(inputs, needs) -> bool:
+    """Is some input a Parameter whose replicas are stored once, in the layout the plan
+    needs (:mod:`.replicas`)? A local that accepts grids then reads that grid, instead
+    of having the Parameter's stack written."""
+    for x, need in zip(inputs, needs):
+        if isinstance(x, TensorBase) and type(x._lazy) is ReplicaBlocks \
+                and x._lazy.current_grid(need) is not None:
+            return True
+    return False
+
+
 def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
     """Run a grid-accepting `plan.local` with every input as a device grid."""
     grids = []
@@ -519,6 +536,10 @@ def stack_grid(stack, lay):
     dm = lay.device_matrix
     if lay.partial:
         return as_stack(stack).reshape(dm + lay.local_shape)
+    if type(stack) is ReplicaBlocks:                # a Parameter's replicas stored once
+        grid = stack.current_grid(lay)
+        if grid is not None:
+            return grid
     known = known_totals(stack, dm, ())
     if known is not None:
         return known

@@ -16,6 +16,7 @@ from .._core._tensor import TensorBase
 from .devices import live_backend as _live_backend
 from .devices import some_devices as _some_devices
 from .devices import world_stack
+from .replicas import replica_blocks
 from .tensor_layout import TensorLayout
 
 __all__ = ["is_batch_layout", "local_rows", "distribute", "assemble"]
@@ -60,6 +61,9 @@ def assemble(t) -> np.ndarray:
     program: under "mpi" an unrecorded AllGather over the world, so every rank must
     read it, in the same order)."""
     layout = t._layout
+    grid = replica_blocks(t)
+    if grid is not None:                   # a Parameter's replicas stored once: read them
+        return layout.assemble_totals(grid)
     s = t._data
     if isinstance(layout, TensorLayout) and s.shape[0] != layout.device_num:
         s = world_stack(s, layout)

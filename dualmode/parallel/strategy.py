@@ -28,6 +28,7 @@ from .devices import device_num, live_backend, parallel_active
 from .moves import moved
 from .tensor_layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
+from .replicas import store_blocks
 from .sharding import cacheable_strategy, op_strategy_layouts, same_placement
 from .strategy_checks import check_strategy_for
 
@@ -94,7 +95,7 @@ def _store_sharded(param, lay, op_name):
     if param._data is None and param._init is not None:
         param._data = delayed_local_shards(param, lay)      # delayed: only local blocks
         param._init = None
-    else:
+    elif not store_blocks(param, lay, param._value()):          # replicas stored once
         param._data = np.array(redistribute_tensor(param, lay, op_name))   # writable shards
     param._layout = lay
     param.__dict__["_sharded_by"] = op_name

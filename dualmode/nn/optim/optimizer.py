@@ -18,6 +18,7 @@ from ...parallel.grad_reduce import fuse_gradient_moves, reduce_gradients
 from ...parallel.graph.trace import current_trace
 from ...parallel.tensor_layout import TensorLayout
 from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
+from ...parallel.replicas import replica_blocks
 from ...parallel.strategy import is_sharded_layout
 from ...ps.optim import register_optimizer_class
 from ...ps.worker import active_worker
@@ -93,15 +94,23 @@ def _sharded_pair(g, p):
     """(gradient, weight) of a sharded parameter for an in-place update. When this
     process holds every device both are viewed over ``device_matrix + local_shape``,
     the gradient with size 1 along axes that split nothing: replicated blocks are
-    updated by broadcasting, without writing the gradient once per replica."""
+    updated by broadcasting, without writing the gradient once per replica. A weight
+    whose replicas are stored once (``parallel.replicas``) is that grid of distinct
+    blocks, each updated once."""
     layout = p._layout
-    w = _view_as(p._data, layout.device_matrix + layout.local_shape)
-    if w is not None and isinstance(g, TensorBase) and g._layout == layout \
-            and g._lazy is None:
-        return g._data.reshape(w.shape), w     # already in place (e.g. a fused move)
+    w = replica_blocks(p)
+    if w is None:
+        w = _view_as(p._data, layout.device_matrix + layout.local_shape)
+        if w is not None and isinstance(g, TensorBase) and g._layout == layout \
+                and g._lazy is None:
+            return g._data.reshape(w.shape), w     # already in place (e.g. a fused move)
     grid = redistribute_grid(g, layout, p.name, reason="gradient") if w is not None else None
     if grid is None:
         return _gradient_stack(g, layout, p.name), p._data
+    if grid.shape != w.shape:
+        # a grid of distinct blocks: the gradient's replicas hold equal blocks, the first
+        # stands for all
+        grid = grid[tuple(slice(0, 1) if n == 1 else slice(None) for n in w.shape)]
     return grid, w
 
 
@@ -262,7 +271,8 @@ class Optimizer(Cell):
                 if p._layout is not None and is_sharded_layout(p._layout):
                     # a sharded weight: its gradient moves into the weight's layout (the
                     # gradient communication) and the update runs on the local shards
-                    self._match_states(i, p, p._data)
+                    if self.__dict__.get("_state_names"):
+                        self._match_states(i, p, p._data)
                     g, w = _sharded_pair(g, p)
                     if scale != 1.0:
                         g = g * scale

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..._core import _tensor as _core
 from ..._core._tensor import Deferred, TensorBase, written
-from ...communication.totals import DEFERRING, as_stack
+from ...communication.totals import DEFERRING, as_stack, stored
 from ..buffers import pooled
 from ..devices import backend as _backend
 from ..devices import op_cause, op_reason
@@ -112,7 +112,8 @@ class Program:
                 val = _core.wrap_dist(gather_stack(p._data, p._layout, self.name), None)
             else:
                 val = _core.wrap_dist(redistribute_tensor(p, lay, self.name), lay)
-            env[v.id] = val._data if lay is not None else val._value()
+            # as stored: a Parameter's replicas stored once stay so (parallel/replicas.py)
+            env[v.id] = stored(val) if lay is not None else val._value()
         return env
 
     # ---- running -----------------------------------------------------------------------
