@@ -683,12 +683,22 @@ cdef object _finish(OpDef op, object attrs, tuple inputs, object out, bint rec,
         node.op = op
         node.attrs = attrs
         node.inputs = inputs
-        node.out_meta = tuple([(o.shape, o.dtype) for o in outs])
+        node.out_meta = tuple([_meta(<TensorBase>o) for o in outs])
         if op.save_outputs:
             node.outputs = tuple([_detached(<TensorBase>o) for o in outs])
         for x in outs:
             (<TensorBase>x)._node = node
     return result
+
+
+cdef inline tuple _meta(TensorBase t):
+    """(shape, dtype) of a Tensor just made by `_wrap` (its array read directly when it
+    is a plain written value)."""
+    cdef object a
+    if t._layout is None and t._lazy is None and type(t._arr) is _ndarray:
+        a = t._arr
+        return (a.shape, a.dtype)
+    return (t.shape, t.dtype)
 
 
 cdef TensorBase _detached(TensorBase o):
