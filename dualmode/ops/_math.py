@@ -594,10 +594,12 @@ def _sum_kernel(at, x):
 
 
 def _mean_kernel(at, x):
-    acc = np.float32 if x.dtype == np.float16 else x.dtype   # as np.mean
+    dt = x.dtype
+    acc = np.float32 if dt == np.float16 else dt   # as np.mean
     s = np.add.reduce(x, axis=at["axis"], dtype=acc, keepdims=at["keep_dims"])
     count = math.prod(x.shape[a] for a in at["axis"])
-    return np.true_divide(s, count, dtype=acc).astype(x.dtype, copy=False)
+    s = s / count      # in `acc` (a Python int is weak), a scalar stays a fast scalar
+    return s if acc is dt else s.astype(dt, copy=False)
 
 
 REDUCE_SUM = register("ReduceSum", family=("reduce", "sum"), linear=(0,), infer=_make_reduce_infer("ReduceSum", numeric_only=True),
