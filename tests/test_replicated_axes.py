@@ -72,7 +72,7 @@ def test_matmul_on_device_grids_equals_the_stack_path(eight, monkeypatch):
     calls = []
     orig = sharding._apply_on_grids
     monkeypatch.setattr(sharding, "_apply_on_grids",
-                        lambda *a: calls.append(1) or orig(*a))
+                        lambda *a, **k: calls.append(1) or orig(*a, **k))
     out, rep = grad_w()
     assert calls == [1]
     np.testing.assert_allclose(out.asnumpy(), x.T @ np.maximum(g, 0), rtol=1e-5, atol=1e-5)

@@ -40,17 +40,35 @@ from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
 from .totals import group_totals, known_totals, remember_totals, share_of
 
-__all__ = ["SimBackend", "replicated_view", "share_of", "equal_shares", "shares_total"]
+__all__ = ["SimBackend", "replicated_view", "broadcast_view", "share_of", "equal_shares",
+           "shares_total"]
 
 
 def replicated_view(value: np.ndarray, n: int) -> np.ndarray:
     """A read-only ``(n, *value.shape)`` view of one buffer (stride 0 on the device
     axis): every device holding the same value, stored once."""
-    shape = (n,) + value.shape
-    if not value.flags.c_contiguous:
-        return np.broadcast_to(value, shape)
-    # as np.broadcast_to, without its Python-level argument handling (5x cheaper)
-    view = np.ndarray(shape, value.dtype, value, 0, (0,) + value.strides)
+    return broadcast_view(value[None], (n,) + value.shape)
+
+
+def broadcast_view(a: np.ndarray, shape) -> np.ndarray:
+    """``np.broadcast_to(a, shape)`` for an array `a` of ``len(shape)`` dims (each of
+    its dims equal to the one in `shape`, or 1): a read-only view, stride 0 along the
+    broadcast dims. For a C-contiguous `a` it is made directly, without numpy's
+    Python-level argument handling (5x cheaper)."""
+    shape = tuple(shape)
+    if a.shape == shape and not a.flags.writeable:
+        return a
+    if not a.flags.c_contiguous or a.ndim != len(shape):
+        return np.broadcast_to(a, shape)
+    strides = []
+    for have, want, st in zip(a.shape, shape, a.strides):
+        if have == want:
+            strides.append(st)
+        elif have == 1:
+            strides.append(0)
+        else:
+            return np.broadcast_to(a, shape)        # numpy's error names the shapes
+    view = np.ndarray(shape, a.dtype, a, 0, tuple(strides))
     view.flags.writeable = False
     return view
 

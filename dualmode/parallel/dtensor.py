@@ -84,9 +84,11 @@ def register_layout_kind(layout_cls, apply_fn) -> None:
     LAYOUT_KINDS[layout_cls] = apply_fn
 
 
-#: call signature -> the data-parallel route taken for it (see :func:`_dp_signature`)
+#: call signature -> the data-parallel route taken for it (see :func:`_dp_signature`),
+#: or _MOVES when its rule moves data or ends with a collective (the rule then runs)
 _DP_ROUTES: dict = {}
 _DP_ROUTES_MAX = 4096
+_MOVES = "moves"
 
 
 def _dp_signature(op, attrs, inputs, layouts):
@@ -148,7 +150,11 @@ def dist_apply(op, attrs, inputs, rec):
     if batch:
         key = _dp_signature(op, attrs, inputs, layouts)
         route = _DP_ROUTES.get(key) if key is not None else None
-        if route is not None:
+        if route is _MOVES:          # this signature's rule moves data: run it (path 4)
+            out = sharded_apply(op, attrs, inputs, rec, layouts)
+            if out is not None:
+                return out
+        elif route is not None:
             return _run_dp_route(op, attrs, inputs, rec, route)
     return _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial)
 
@@ -239,12 +245,14 @@ def _batch_global(op, attrs, inputs, layouts, rec, key=None):
     if found is None:
         return None
     plan, lays = found[0], found[1]
-    if plan.post:
+    moves = bool(plan.post) or any(
+        need is not None and (need.partial or (
+            isinstance(x, TensorBase) and x._layout is not None and need != have))
+        for x, have, need in zip(inputs, lays, plan.inputs))
+    if moves:
+        if key is not None:   # the same signature runs its rule straight away next time
+            _remember_route(key, _MOVES)
         return None
-    for x, have, need in zip(inputs, lays, plan.inputs):
-        if need is not None and (need.partial or (
-                isinstance(x, TensorBase) and x._layout is not None and need != have)):
-            return None
     merged = [_merged(x) for x in inputs]
     if found[6]:              # this call signature was validated before: the kernel alone
         out = op.kernel(attrs, *merged) if op.kind == KIND_GENERIC else op.kernel(*merged)
@@ -255,13 +263,17 @@ def _batch_global(op, attrs, inputs, layouts, rec, key=None):
     out_lays = tuple(None if kind == "whole" else lay
                      for lay, (kind, _) in zip(plan.outputs, kinds))
     if key is not None:       # the same signature takes this route again, checks done
-        if len(_DP_ROUTES) >= _DP_ROUTES_MAX:
-            _DP_ROUTES.clear()
-        _DP_ROUTES[key] = (
+        _remember_route(key, (
             tuple(lay.shape if lay is not None else None for lay in layouts),
-            op.kind == KIND_GENERIC, kinds, out_lays, tuple(layouts))
+            op.kind == KIND_GENERIC, kinds, out_lays, tuple(layouts)))
     return _core.finish(op, attrs, inputs, _stored_outputs(out, op, kinds, merged), rec,
                         out_lays)
+
+
+def _remember_route(key, route):
+    if len(_DP_ROUTES) >= _DP_ROUTES_MAX:
+        _DP_ROUTES.clear()
+    _DP_ROUTES[key] = route
 
 
 def _run_dp_route(op, attrs, inputs, rec, route):

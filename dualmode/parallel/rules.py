@@ -288,7 +288,7 @@ def _matmul_local(op, ins, out_sub, dm, summed):
 
 
 def _swap(x, flag):
-    return np.swapaxes(x, -1, -2) if flag else x
+    return x.swapaxes(-1, -2) if flag else x
 
 
 def stack_matmul(a, b):

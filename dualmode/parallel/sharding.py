@@ -36,6 +36,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
+from ..communication.sim import broadcast_view
 from ..communication.totals import (DEFERRING, DeferredShares, as_stack, deferral_on,
                                    known_totals, stored)
 from ..ops._registry import REGISTRY
@@ -282,7 +283,9 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
         found[6] = True
     elif grids or (getattr(plan.local, "accepts_grids", False)
                    and _blocks_stored_once(inputs, plan.inputs)):
-        outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm)
+        outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm,
+                               validate=not checked)
+        found[6] = True
     else:
         stacks = []
         for x, need, same in zip(inputs, plan.inputs, ready):
@@ -348,7 +351,7 @@ def run_local(rule, op, attrs, plan, stacks):
     out = plan.local(attrs, stacks)
     outs = list(out) if op.multi_output else [out]
     if once:
-        outs = [np.broadcast_to(o, (n,) + o.shape[1:]) for o in map(np.asarray, outs)]
+        outs = [broadcast_view(o, (n,) + o.shape[1:]) for o in map(np.asarray, outs)]
     return outs
 
 
@@ -386,7 +389,7 @@ def _compact(grid, dm_c, local):
     """A grid broadcastable to ``dm_c + local`` as a stack ``(prod(dm_c), *local)``."""
     shape = dm_c + tuple(local)
     if grid.shape != shape:
-        grid = np.broadcast_to(grid, shape)
+        grid = broadcast_view(grid, shape)
     return grid.reshape((math.prod(dm_c),) + tuple(local))
 
 
@@ -510,8 +513,9 @@ def _blocks_stored_once(inputs, needs) -> bool:
     return False
 
 
-def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
-    """Run a grid-accepting `plan.local` with every input as a device grid."""
+def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm, validate=True):
+    """Run a grid-accepting `plan.local` with every input as a device grid (checking
+    the shapes first unless the same call signature passed before)."""
     grids = []
     for x, have, need in zip(inputs, lays, plan.inputs):
         if have == need and isinstance(x, TensorBase) and x._layout is not None:
@@ -521,7 +525,8 @@ def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm):
         if grid is None:                            # cannot happen with every device local
             grid = to_layout(x, need, op.name).reshape(dm + need.local_shape)
         grids.append(grid)
-    _validate(op, attrs, grids, dtypes, plan)
+    if validate:
+        _validate(op, attrs, grids, dtypes, plan)
     with DEFERRING:                       # the outputs become Tensors: may stay unwritten
         out = plan.local(attrs, grids)
     return list(out) if op.multi_output else [out]

@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..communication.sim import broadcast_view
 from ._layout_checks import (IndivisibleError, LayoutError, _is_int, check_device_num,
                              check_strategy, check_tensor_layout)
 
@@ -415,13 +416,13 @@ class TensorLayout:
     def blocks_view(self, array) -> Optional[np.ndarray]:
         """:meth:`local_blocks` as a read-only view of ``array``, or None when its strides
         do not allow one (the blocks are not one strided grid)."""
-        y = self._blocks_grid(array, "local_blocks_view")
-        shape = self.stack_shape
         # for a C-contiguous array whether the blocks are one strided grid depends on
         # the layout alone: the answer is kept (a failed view costs an exception)
         contiguous = array.flags.c_contiguous if isinstance(array, np.ndarray) else False
         if contiguous and self.__dict__.get("_blocks_not_a_view"):
             return None
+        y = self._blocks_grid(array, "local_blocks_view")
+        shape = self.stack_shape
         try:
             out = np.reshape(y, shape, copy=False)
         except ValueError:                      # the blocks are not one strided grid
@@ -454,7 +455,7 @@ class TensorLayout:
         y = x.reshape(ext).transpose(order).reshape(grid)
         if not broadcast or grid == self.device_matrix + self.local_shape:
             return y
-        return np.broadcast_to(y, self.device_matrix + self.local_shape)
+        return broadcast_view(y, self.device_matrix + self.local_shape)
 
     @cached_property
     def _grid_plan(self):

@@ -247,8 +247,9 @@ def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
         if known is not None and not dst.partial:
             return known                    # the blocks of a known value, as a grid
         return as_stack(stack).reshape(dst.device_matrix + dst.local_shape)
-    with comm_cause(op_name, reason):
-        _record_steps(plan, stack.itemsize)
+    if trace._STATE.reports:
+        with comm_cause(op_name, reason):
+            _record_steps(plan, stack.itemsize)
     return dst.local_blocks_grid(global_value(stack, src))
 
 
