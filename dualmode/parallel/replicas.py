@@ -44,7 +44,7 @@ class ReplicaBlocks(Deferred):
     def current_grid(self, layout):
         """The grid, when it is still the storage and `layout` is its layout; else None
         (read the stack)."""
-        if self._written or layout != self.layout:
+        if self._written or (layout is not self.layout and layout != self.layout):
             return None
         return self.grid
 

@@ -283,7 +283,7 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
         found[6] = True
     elif grids or (getattr(plan.local, "accepts_grids", False)
                    and _blocks_stored_once(inputs, plan.inputs)):
-        outs = _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm,
+        outs = _apply_on_grids(op, attrs, inputs, plan, dtypes, dm, ready,
                                validate=not checked)
         found[6] = True
     else:
@@ -513,12 +513,13 @@ def _blocks_stored_once(inputs, needs) -> bool:
     return False
 
 
-def _apply_on_grids(op, attrs, inputs, lays, plan, dtypes, dm, validate=True):
-    """Run a grid-accepting `plan.local` with every input as a device grid (checking
-    the shapes first unless the same call signature passed before)."""
+def _apply_on_grids(op, attrs, inputs, plan, dtypes, dm, ready, validate=True):
+    """Run a grid-accepting `plan.local` with every input as a device grid (`ready`: per
+    input, whether it is in the layout the plan needs; the shapes are checked first
+    unless the same call signature passed before)."""
     grids = []
-    for x, have, need in zip(inputs, lays, plan.inputs):
-        if have == need and isinstance(x, TensorBase) and x._layout is not None:
+    for x, same, need in zip(inputs, ready, plan.inputs):
+        if same and isinstance(x, TensorBase) and x._layout is not None:
             grids.append(stack_grid(stored(x), need))
             continue
         grid = redistribute_grid(x, need, op.name)
@@ -555,7 +556,7 @@ def stack_grid(stack, lay):
 def grid_to_stack(out, dm):
     """A result over the device grid (size 1 where it repeats) as a stack (n, *local)."""
     k = len(dm)
-    full = np.broadcast_to(out, tuple(dm) + out.shape[k:])
+    full = broadcast_view(out, tuple(dm) + out.shape[k:])
     return full.reshape((math.prod(dm),) + out.shape[k:])
 
 

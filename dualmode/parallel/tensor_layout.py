@@ -612,7 +612,13 @@ class TensorLayout:
 def _plain_ints(*groups) -> bool:
     """Every value an exact int (no bool, no numpy scalar): safe as a cache key, since
     the checks treat those differently while they hash alike."""
-    return all(isinstance(g, tuple) and all(type(v) is int for v in g) for g in groups)
+    for g in groups:                    # loops, not generators: called on every step
+        if type(g) is not tuple:
+            return False
+        for v in g:
+            if type(v) is not int:
+                return False
+    return True
 
 
 @functools.lru_cache(maxsize=4096)
