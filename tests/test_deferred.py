@@ -53,6 +53,17 @@ def test_a_deferred_matmul_output_reads_as_its_shares(eight, deferred_writes):
     np.testing.assert_allclose(out.asnumpy(), a @ w, rtol=1e-5, atol=1e-5)
 
 
+def test_asnumpy_of_a_deferred_output_reads_its_totals(eight, deferred_writes):
+    a = RNG.standard_normal((64, 1024)).astype(np.float32)  # large enough to be grouped
+    w = RNG.standard_normal((1024, 32)).astype(np.float32)
+    out = ops.MatMul().shard(((2, 4), (4, 1)))(Tensor(a), Tensor(w))
+    got = out.asnumpy()
+    assert deferred_writes == [] and out._lazy is not None   # the shares never written
+    np.testing.assert_allclose(got, a @ w, rtol=1e-5, atol=1e-5)
+    got[...] = 0                                             # a copy: out keeps its value
+    np.testing.assert_allclose(out.asnumpy(), a @ w, rtol=1e-5, atol=1e-5)
+
+
 def test_a_deferred_stack_behaves_as_an_array():
     lay = TensorLayout((2, 4), ((0,), ()), (8, 6), partial=(1,))
     value = RNG.standard_normal((8, 6)).astype(np.float32)

@@ -13,6 +13,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
+from ..communication.totals import known_totals, stored
 from .devices import live_backend as _live_backend
 from .devices import some_devices as _some_devices
 from .devices import world_stack
@@ -64,6 +65,12 @@ def assemble(t) -> np.ndarray:
     grid = replica_blocks(t)
     if grid is not None:                   # a Parameter's replicas stored once: read them
         return layout.assemble_totals(grid)
+    if isinstance(layout, TensorLayout):
+        # a stack whose whole value is known (pending sums' totals, deferred or not; the
+        # blocks of a plain value): read it, the stack is neither written nor added up
+        totals = known_totals(stored(t), layout.device_matrix, layout.partial)
+        if totals is not None:
+            return layout.assemble_totals(totals)
     s = t._data
     if isinstance(layout, TensorLayout) and s.shape[0] != layout.device_num:
         s = world_stack(s, layout)
