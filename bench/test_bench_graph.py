@@ -54,7 +54,10 @@ CASES = [(b, h, i) for b, h in SIZES for i in IMPLS]
 
 @pytest.mark.parametrize("batch,hidden,impl", CASES,
                          ids=[f"B{b}-H{h}-{i}" for b, h, i in CASES])
-def test_graph_step(benchmark, record, parallel_context, batch, hidden, impl):
+def test_graph_step(benchmark, record, paired, parallel_context, batch, hidden, impl):
+    """The numpy row times numpy alone. The eager row alternates its rounds with numpy
+    steps, the graph row with eager steps of the same program (``paired``): graph/eager
+    is measured over the same seconds."""
     parallel_context("semi_auto_parallel", 8)
     benchmark.group = f"seed train step, graph vs eager vs numpy, B={batch} H={hidden}"
     x, y, ws = _data(batch, hidden)
@@ -71,12 +74,18 @@ def test_graph_step(benchmark, record, parallel_context, batch, hidden, impl):
     xt, yt = Tensor(x), Tensor(y)
     loss = float(step(xt, yt).asnumpy())
     benchmark.extra_info["correct"] = bool(np.isclose(loss, ref_loss, rtol=1e-4))
-    benchmark.pedantic(step, args=(xt, yt), iterations=1, **rounds)
-    record(benchmark, f"{impl} seed step B{batch} H{hidden}",
+    if impl == "eager-8dev":
+        paired(benchmark, step, (xt, yt), NumpySeed(ws).step, (x, y),
+               f"eager-8dev seed step B{batch} H{hidden}",
+               f"numpy seed step B{batch} H{hidden}, paired with eager-8dev", **rounds)
+        return
+    _, eager = _step_fn(ws)
+    eager(xt, yt)
+    paired(benchmark, step, (xt, yt), eager, (xt, yt),
+           f"graph/eager seed step B{batch} H{hidden}",
+           f"eager-8dev seed step B{batch} H{hidden}, paired with graph-8dev", **rounds)
+    record(benchmark, f"graph-8dev seed step B{batch} H{hidden} (numpy alone)",
            f"numpy seed step B{batch} H{hidden}")
-    if impl == "graph-8dev":
-        record(benchmark, f"graph/eager seed step B{batch} H{hidden}",
-               f"eager-8dev seed step B{batch} H{hidden}")
 
 
 class _ShardedWeights(nn.Cell):
