@@ -8,12 +8,15 @@ copy of each distinct block: a writable device grid of shape ``device_matrix`` (
 along the replicated axes) ``+ local_shape``, in a :class:`ReplicaBlocks` (a deferred
 stack, ``Tensor._lazy``). The readers that take device grids use it as it is:
 
-* the sharding engine's grid inputs (``sharding.stack_grid``, ``sharding.replica_grid``);
+* the sharding engine's grid inputs (``sharding.stack_grid``, ``sharding.replica_grid``,
+  and a local that accepts grids is given them when a Parameter is stored so);
+* graph mode's ``Program.bind``, which passes it on as stored;
+* ``stacks.assemble`` (``asnumpy``), which reads the value from it;
 * a stateless optimizer update (``optimizer._sharded_pair``): each distinct block is
   updated once, from the gradient's grid.
 
-Anything else that reads the stack (``Tensor._data``, a move into another layout,
-``asnumpy``, a checkpoint, an optimizer with states) writes it once: the written stack
+Anything else that reads the stack (``Tensor._data``, a move into another layout, a
+checkpoint, an optimizer with states) writes it once: the written stack
 then becomes the Parameter's storage for good (the grid is no longer used), so every
 holder of the Parameter's storage keeps seeing one array, updated in place as before.
 """
