@@ -691,6 +691,17 @@ cdef object _finish(OpDef op, object attrs, tuple inputs, object out, bint rec,
     return result
 
 
+cdef inline object _shape(object x):
+    """`x.shape`, read from a Tensor's array directly when it is a plain written value
+    (no property dispatch: a Parameter's shape is a Python property)."""
+    cdef TensorBase t
+    if isinstance(x, TensorBase):
+        t = <TensorBase>x
+        if t._layout is None and t._lazy is None and type(t._arr) is _ndarray:
+            return (<object>t._arr).shape
+    return x.shape
+
+
 cdef inline tuple _meta(TensorBase t):
     """(shape, dtype) of a Tensor just made by `_wrap` (its array read directly when it
     is a plain written value)."""
@@ -843,7 +854,7 @@ cdef _walk(list order, dict pending, list results, long tape, long nslots, add_o
                 p = (<TensorBase>x)._node
                 if p is None:
                     continue
-                if g.shape != x.shape:
+                if _shape(g) != _shape(x):
                     raise RuntimeError(
                         f"{node.op.name}: backward rule gave input {i} a gradient of shape "
                         f"{g.shape}; the input has shape {x.shape}")
