@@ -175,6 +175,7 @@ cdef class Node:
     cdef readonly tuple out_meta     # ((shape, dtype), ...) per output
     cdef readonly long slot          # leaves: index of the gradient slot
     cdef readonly long tape          # leaves: id of the tape that watches them
+    cdef long _mark                  # the last _topo_order that reached this node
 
     def needs_grad(self, Py_ssize_t i):
         """Does input i need a gradient?"""
@@ -739,24 +740,30 @@ def wrap_dist(stack, layout):
 # ----------------------------------------------------------------------------
 # reverse-mode walk
 # ----------------------------------------------------------------------------
+cdef long _topo_walks = 0        # counts _topo_order calls: a node's _mark == this: seen
+
+
 cdef list _topo_order(list roots):
     """Nodes reachable from `roots`, each before every node it consumes
     (iterative post-order DFS, reversed; traced graphs are deep).
 
     A node is appended only after all of its inputs' nodes have been appended:
     the DFS descends into one unvisited input at a time, so a node marked seen
-    is either finished or on the current path (impossible in a DAG)."""
+    is either finished or on the current path (impossible in a DAG). Seen nodes
+    carry this walk's number in `_mark` (no set of ids to build)."""
+    global _topo_walks
+    _topo_walks += 1
+    cdef long walk = _topo_walks
     cdef list order = []
-    cdef set seen = set()
     cdef list nodes = []           # the current DFS path
     cdef list next_input = []      # per path entry: index of the next input to visit
     cdef Node node
     cdef object x, p
     cdef Py_ssize_t k, top, n_in
     for r in roots:
-        if r is None or id(r) in seen:
+        if r is None or (<Node>r)._mark == walk:
             continue
-        seen.add(id(r))
+        (<Node>r)._mark = walk
         nodes.append(r)
         next_input.append(0)
         while nodes:
@@ -770,12 +777,12 @@ cdef list _topo_order(list roots):
                 k += 1
                 if isinstance(x, TensorBase):
                     p = (<TensorBase>x)._node
-                    if p is not None and id(p) not in seen:
+                    if p is not None and (<Node>p)._mark != walk:
                         break
                 p = None
             next_input[top] = k
             if p is not None:
-                seen.add(id(p))
+                (<Node>p)._mark = walk
                 nodes.append(p)
                 next_input.append(0)
             else:
