@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import context
 from .._core import _tensor as _core
-from ..communication import _live_backend, get_backend
+from ..communication import _live_backend, get_backend, trace
 from ..communication.management import ensure_init, no_device_num_error
 from ..communication.trace import comm_cause
 
@@ -72,8 +72,27 @@ def holds_all_devices(n: int) -> bool:
 
 def op_cause(op_name, reason=None):
     """Attribute the collectives issued inside the block to `op_name`: "forward", or
-    "backward" while the tape runs a backward pass, unless `reason` says otherwise."""
+    "backward" while the tape runs a backward pass, unless `reason` says otherwise.
+    While no report listens nothing is recorded, so there is no cause to set (every op
+    of a step enters one)."""
+    if not trace._STATE.reports:
+        return _NO_CAUSE
     return comm_cause(op_name, op_reason(reason))
+
+
+class _NoCause:
+    """The ``with`` block of :func:`op_cause` while nothing records."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CAUSE = _NoCause()
 
 
 def op_reason(reason=None) -> str:

@@ -294,7 +294,14 @@ def output_kinds(plan) -> tuple:
     """How :func:`batch_global_outputs` stores each output of `plan`: ``("partial", n)``
     (n equal shares of a pending sum), ``("whole", 0)`` (replicated: one plain value),
     ``("batch", n)`` (a batch split: a view) or ``("blocks", layout)`` (cut into the
-    blocks of that layout)."""
+    blocks of that layout). Kept on the (immutable, cached) plan after the first ask."""
+    kinds = plan.__dict__.get("_output_kinds")
+    if kinds is None:
+        kinds = plan.__dict__["_output_kinds"] = _output_kinds(plan)
+    return kinds
+
+
+def _output_kinds(plan) -> tuple:
     kinds = []
     for lay in plan.outputs:
         if lay.partial:
