@@ -491,17 +491,21 @@ class TensorLayout:
         :mod:`dualmode.communication.totals`): shape ``device_matrix + local_shape``
         with size 1 along the partial axes (and size 1 or full along the replicated
         ones). A view of `grid` when its blocks allow (a split of dim 0 only)."""
-        k = len(self.device_matrix)
-        ok = grid.shape[k:] == self.local_shape and all(
-            t == (1 if a in self.partial else d) or (t == 1 and a in self.replicated_axes)
-            for a, (t, d) in enumerate(zip(grid.shape[:k], self.device_matrix)))
-        if not ok:
-            raise LayoutError(f"{self!r}: assemble_totals got a grid of shape {grid.shape}, "
-                              f"expected {self.device_matrix} with 1 along the partial "
-                              f"axes {self.partial}, then {self.local_shape}")
-        index, _, order = self._assemble_plan
-        first = tuple(0 if a in self.partial else i for a, i in enumerate(index))
-        return grid[first].transpose(order).reshape(self.shape)
+        # the shapes a grid of totals may have are few: each one's check is done once
+        seen = self.__dict__.setdefault("_totals_shapes", {})
+        first = seen.get(grid.shape)
+        if first is None:
+            k = len(self.device_matrix)
+            ok = grid.shape[k:] == self.local_shape and all(
+                t == (1 if a in self.partial else d) or (t == 1 and a in self.replicated_axes)
+                for a, (t, d) in enumerate(zip(grid.shape[:k], self.device_matrix)))
+            if not ok:
+                raise LayoutError(f"{self!r}: assemble_totals got a grid of shape "
+                                  f"{grid.shape}, expected {self.device_matrix} with 1 along "
+                                  f"the partial axes {self.partial}, then {self.local_shape}")
+            first = seen[grid.shape] = tuple(0 if a in self.partial else i
+                                             for a, i in enumerate(self._assemble_plan[0]))
+        return grid[first].transpose(self._assemble_plan[2]).reshape(self.shape)
 
     @cached_property
     def _assemble_plan(self):
