@@ -39,11 +39,11 @@ def _setup(momentum=0.0, rows=16, k=32, n=24):
     mm, relu = ops.MatMul().shard(STRATEGY), ops.ReLU()
     opt = nn.SGD([w], learning_rate=LR, momentum=momentum)
     step = mean_square_step(lambda t: relu(mm(t, w)), opt)
-    return x, w0, w, step
+    return x, w0, w, step, opt
 
 
 def test_the_replicas_are_stored_once_and_read_as_every_devices_block(eight):
-    x, w0, w, step = _setup()
+    x, w0, w, step, opt = _setup()
     step(Tensor(x))
     grid = replica_blocks(w)
     assert isinstance(w._lazy, ReplicaBlocks) and w._arr is None
@@ -60,7 +60,7 @@ def test_the_replicas_are_stored_once_and_read_as_every_devices_block(eight):
 
 
 def test_train_steps_update_each_block_once_and_equal_numpy(eight):
-    x, w0, w, step = _setup()
+    x, w0, w, step, opt = _setup()
     losses = [float(step(Tensor(x)).asnumpy()) for _ in range(4)]
     assert isinstance(w._lazy, ReplicaBlocks)          # never written during the steps
     ref_losses, ref_w = _numpy_steps(x, w0, 4)
@@ -72,7 +72,7 @@ def test_a_compiled_train_step_keeps_the_replicas_once_and_equals_numpy(eight):
     """A product large enough to run as one GEMM per group of devices, on grids (a
     small one runs per device: its graph has the stack written, then updates it)."""
     from dualmode.parallel.auto_parallel import AutoParallel
-    x, w0, w, step = _setup(rows=128, k=256, n=128)
+    x, w0, w, step, opt = _setup(rows=128, k=256, n=128)
     compiled = AutoParallel(step, parallel_mode="semi_auto")
     losses = [float(compiled(Tensor(x)).asnumpy()) for _ in range(3)]
     assert isinstance(w._lazy, ReplicaBlocks) and w._arr is None
@@ -82,7 +82,7 @@ def test_a_compiled_train_step_keeps_the_replicas_once_and_equals_numpy(eight):
 
 
 def test_a_stack_read_between_steps_becomes_the_storage(eight):
-    x, w0, w, step = _setup()
+    x, w0, w, step, opt = _setup()
     step(Tensor(x))
     lazy = w._lazy
     stack = w._data                                   # e.g. a user reading the shards
@@ -95,16 +95,41 @@ def test_a_stack_read_between_steps_becomes_the_storage(eight):
     np.testing.assert_allclose(stack[4], stack[0])    # the replicas stayed equal
 
 
-def test_an_optimizer_with_states_writes_the_stack_and_equals_numpy(eight):
-    x, w0, w, step = _setup(momentum=0.9)
+def test_an_optimizer_with_states_keeps_them_once_and_equals_numpy(eight):
+    x, w0, w, step, opt = _setup(momentum=0.9)
     losses = [float(step(Tensor(x)).asnumpy()) for _ in range(3)]
     ref_losses, ref_w = _numpy_steps(x, w0, 3, momentum=0.9)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(w.asnumpy(), ref_w, rtol=1e-5, atol=1e-6)
+    assert isinstance(w._lazy, ReplicaBlocks)
+    assert isinstance(opt.accum[0]._lazy, ReplicaBlocks)   # the momentum: once per block
+
+
+def test_adam_on_a_weight_stored_once_equals_numpy(eight):
+    x = RNG.standard_normal((16, 32)).astype(np.float32)
+    w0 = (RNG.standard_normal((32, 24)) / np.sqrt(32)).astype(np.float32)
+    w = Parameter(Tensor(w0.copy()), name="w")
+    mm, relu = ops.MatMul().shard(STRATEGY), ops.ReLU()
+    opt = nn.Adam([w], learning_rate=0.01)
+    step = mean_square_step(lambda t: relu(mm(t, w)), opt)
+    ref, m, v = w0.astype(np.float64), 0.0, 0.0
+    for t in range(1, 4):
+        step(Tensor(x))
+        h = x @ ref
+        a = np.maximum(h, 0)
+        g = x.T @ (2.0 * a * (h > 0) / a.size)
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        ref = ref - 0.01 * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t) * m / (np.sqrt(v) + 1e-8)
+    assert isinstance(w._lazy, ReplicaBlocks)
+    assert isinstance(opt.moment1[0]._lazy, ReplicaBlocks)
+    np.testing.assert_allclose(w.asnumpy(), ref, rtol=1e-4, atol=1e-5)
+    # the states' values read back as every device's block
+    np.testing.assert_allclose(opt.moment1[0].asnumpy(), m, rtol=1e-4, atol=1e-6)
 
 
 def test_a_checkpoint_of_a_weight_stored_once_round_trips(eight, tmp_path):
-    x, w0, w, step = _setup()
+    x, w0, w, step, opt = _setup()
     step(Tensor(x))
     path = str(tmp_path / "w.ckpt")
     save_checkpoint([w], path)

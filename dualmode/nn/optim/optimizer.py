@@ -18,7 +18,7 @@ from ...parallel.grad_reduce import fuse_gradient_moves, reduce_gradients
 from ...parallel.graph.trace import current_trace
 from ...parallel.tensor_layout import TensorLayout
 from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
-from ...parallel.replicas import replica_blocks
+from ...parallel.replicas import replica_blocks, store_blocks
 from ...parallel.strategy import is_sharded_layout
 from ...ps.optim import register_optimizer_class
 from ...ps.worker import active_worker
@@ -90,15 +90,15 @@ def _as_params(owner, params, where):
     return params
 
 
-def _sharded_pair(g, p):
+def _sharded_pair(g, p, once=True):
     """(gradient, weight) of a sharded parameter for an in-place update. When this
     process holds every device both are viewed over ``device_matrix + local_shape``,
     the gradient with size 1 along axes that split nothing: replicated blocks are
     updated by broadcasting, without writing the gradient once per replica. A weight
     whose replicas are stored once (``parallel.replicas``) is that grid of distinct
-    blocks, each updated once."""
+    blocks, each updated once (unless not `once`: the weight's stack is then written)."""
     layout = p._layout
-    w = replica_blocks(p)
+    w = replica_blocks(p) if once else None
     if w is None:
         w = _view_as(p._data, layout.device_matrix + layout.local_shape)
         if w is not None and isinstance(g, TensorBase) and g._layout == layout \
@@ -271,9 +271,14 @@ class Optimizer(Cell):
                 if p._layout is not None and is_sharded_layout(p._layout):
                     # a sharded weight: its gradient moves into the weight's layout (the
                     # gradient communication) and the update runs on the local shards
-                    if self.__dict__.get("_state_names"):
-                        self._match_states(i, p, p._data)
-                    g, w = _sharded_pair(g, p)
+                    names = self.__dict__.get("_state_names")
+                    if names:
+                        self._match_states(i, p, None)
+                    # a weight whose replicas are stored once is updated on its grid of
+                    # distinct blocks when its states are stored so as well
+                    once = not names or all(replica_blocks(getattr(self, n)[i]) is not None
+                                            for n in names)
+                    g, w = _sharded_pair(g, p, once)
                     if scale != 1.0:
                         g = g * scale
                     if decay[i]:
@@ -317,14 +322,27 @@ class Optimizer(Cell):
         """Give parameter i's optimizer states the layout of the parameter when it
         became sharded or per-device after the optimizer was built. A state holding a
         global value (e.g. restored from a checkpoint before the weight was sharded)
-        keeps it, cut into the parameter's local shards; otherwise it starts at zero."""
+        keeps it, cut into the parameter's local shards; otherwise it starts at zero.
+        The states of a weight whose replicas are stored once (``parallel.replicas``)
+        are stored so too; `w` is the weight's local array (None: read it if needed)."""
         for name in self.__dict__.get("_state_names", ()):
             st = getattr(self, name)[i]
             if st._layout != p._layout:
-                if st._layout is None and st._data is not None and \
-                        isinstance(p._layout, TensorLayout) and st.shape == p.shape:
+                restored = st._layout is None and st._data is not None and \
+                    isinstance(p._layout, TensorLayout) and st.shape == p.shape
+                value = st._value() if restored else None
+                if replica_blocks(p) is not None:
+                    once = store_blocks(st, p._layout, value if restored else
+                                        np.zeros(p.shape, p.dtype))
+                else:
+                    once = False
+                if once:
+                    pass                                # stored as its weight is
+                elif restored:
                     st._data = np.array(redistribute_tensor(st, p._layout, st.name))
                 else:
+                    if w is None:
+                        w = p._data
                     st._data = np.zeros(w.shape, w.dtype)
                 st._init = None
                 st._layout = p._layout
@@ -378,7 +396,11 @@ def _sub_scaled(w, g, a):
 def _storage(t, like=None):
     """The array an optimizer updates in place: the local shards of a distributed
     state or parameter, the value of a plain one; viewed with the shape of the weight
-    array `like` when given (a sharded weight is updated over its device grid)."""
+    array `like` when given (a sharded weight is updated over its device grid; a state
+    whose replicas are stored once, as its weight's, is that grid)."""
+    grid = replica_blocks(t)
+    if grid is not None and (like is None or grid.shape == like.shape):
+        return grid
     a = t._data if t._layout is not None else t._value()
     if like is not None and a.shape != like.shape:
         view = _view_as(a, like.shape)
