@@ -12,11 +12,12 @@ stack, ``Tensor._lazy``). The readers that take device grids use it as it is:
   and a local that accepts grids is given them when a Parameter is stored so);
 * graph mode's ``Program.bind``, which passes it on as stored;
 * ``stacks.assemble`` (``asnumpy``), which reads the value from it;
-* a stateless optimizer update (``optimizer._sharded_pair``): each distinct block is
-  updated once, from the gradient's grid.
+* an optimizer update (``optimizer._sharded_pair``): each distinct block is updated
+  once, from the gradient's grid; the optimizer's states of the weight are stored once
+  as well.
 
 Anything else that reads the stack (``Tensor._data``, a move into another layout, a
-checkpoint, an optimizer with states) writes it once: the written stack
+checkpoint's raw shards) writes it once: the written stack
 then becomes the Parameter's storage for good (the grid is no longer used), so every
 holder of the Parameter's storage keeps seeing one array, updated in place as before.
 """
