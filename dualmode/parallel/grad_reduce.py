@@ -189,16 +189,22 @@ def fuse_gradient_moves(grads, params):
     backend = _backend()
     for kind, bucket, members, axes, dsts in moves:
         stacks = [grads[i]._data for i in bucket]
-        with comm_cause(bucket_name(params[i].name for i in bucket), "gradient"):
-            if kind == "AllReduce":
-                outs = backend.all_reduce_fused(stacks, members, "sum")
-                outs = [out if dst is not None else np.asarray(out[0])
-                        for out, dst in zip(outs, dsts)]
-            else:
-                outs = backend.reduce_scatter_fused(stacks, members, axes)
+        if trace._STATE.reports:           # named for the reports that listen
+            with comm_cause(bucket_name(params[i].name for i in bucket), "gradient"):
+                outs = _fused_move(backend, kind, stacks, members, axes, dsts)
+        else:
+            outs = _fused_move(backend, kind, stacks, members, axes, dsts)
         for i, out, dst in zip(bucket, outs, dsts):
             grads[i] = _core.wrap_dist(out, dst)
     return grads
+
+
+def _fused_move(backend, kind, stacks, members, axes, dsts):
+    """One bucket of :func:`fuse_gradient_moves`: its collective, the results."""
+    if kind == "AllReduce":
+        outs = backend.all_reduce_fused(stacks, members, "sum")
+        return [out if dst is not None else np.asarray(out[0]) for out, dst in zip(outs, dsts)]
+    return backend.reduce_scatter_fused(stacks, members, axes)
 
 
 def _fused_moves(sig, scatter: bool) -> tuple:
