@@ -3,8 +3,9 @@
 A weight sharded over some device axes and repeated over the others (``((4, 1),)`` on 8
 devices: 4 row blocks, each held by 2 devices) holds one stack ``(devices, *block)`` in
 which every replica is a copy: the optimizer then updates each block once per replica.
-When this process holds every device ("sim"), :func:`store_blocks` keeps instead one
-copy of each distinct block: a writable device grid of shape ``device_matrix`` (size 1
+When this process holds every device ("sim") and the stack would take
+:data:`MIN_STACK_BYTES` or more, :func:`store_blocks` keeps instead one copy of each
+distinct block: a writable device grid of shape ``device_matrix`` (size 1
 along the replicated axes) ``+ local_shape``, in a :class:`ReplicaBlocks` (a deferred
 stack, ``Tensor._lazy``). The readers that take device grids use it as it is:
 
@@ -22,6 +23,8 @@ then becomes the Parameter's storage for good (the grid is no longer used), so e
 holder of the Parameter's storage keeps seeing one array, updated in place as before.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -60,12 +63,18 @@ class ReplicaBlocks(Deferred):
         return out
 
 
+#: the smallest stack (all devices' blocks) kept as a grid of distinct blocks: below it
+#: the grid path of a small op costs more than updating the replicas saves
+MIN_STACK_BYTES = 64 * 1024
+
+
 def store_blocks(param, layout: TensorLayout, value: np.ndarray) -> bool:
     """Store `param` (a Parameter, the global `value`) in `layout` with each distinct
     block once (see the module docstring), when `layout` repeats over some device axis,
-    this process holds every device and the dtype is a float; False (nothing stored)
-    otherwise."""
+    this process holds every device, the dtype is a float and the stack would take at
+    least :data:`MIN_STACK_BYTES`; False (nothing stored) otherwise."""
     if not layout.replicated_axes or layout.partial or value.dtype.kind != "f" \
+            or math.prod(layout.stack_shape) * value.dtype.itemsize < MIN_STACK_BYTES \
             or not holds_all_devices(layout.device_num):
         return False
     grid = np.array(layout.local_blocks_grid(value), order="C")     # owned, writable
