@@ -45,6 +45,7 @@ from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
 from ..communication.sim import equal_shares, share_of
 from ..communication.totals import DeferredShares
+from ..ops._registry import remember
 from .buffers import pooled_call
 from .devices import device_num, parallel_active
 from .devices import live_backend as _live_backend
@@ -87,7 +88,6 @@ def register_layout_kind(layout_cls, apply_fn) -> None:
 #: call signature -> the data-parallel route taken for it (see :func:`_dp_signature`),
 #: or _MOVES when its rule moves data or ends with a collective (the rule then runs)
 _DP_ROUTES: dict = {}
-_DP_ROUTES_MAX = 4096
 _MOVES = "moves"
 
 
@@ -251,7 +251,7 @@ def _batch_global(op, attrs, inputs, layouts, rec, key=None):
         for x, have, need in zip(inputs, lays, plan.inputs))
     if moves:
         if key is not None:   # the same signature runs its rule straight away next time
-            _remember_route(key, _MOVES)
+            remember(_DP_ROUTES, key, _MOVES)
         return None
     merged = [_merged(x) for x in inputs]
     if found[6]:              # this call signature was validated before: the kernel alone
@@ -263,17 +263,11 @@ def _batch_global(op, attrs, inputs, layouts, rec, key=None):
     out_lays = tuple(None if kind == "whole" else lay
                      for lay, (kind, _) in zip(plan.outputs, kinds))
     if key is not None:       # the same signature takes this route again, checks done
-        _remember_route(key, (
+        remember(_DP_ROUTES, key, (
             tuple(lay.shape if lay is not None else None for lay in layouts),
             op.kind == KIND_GENERIC, kinds, out_lays, tuple(layouts)))
     return _core.finish(op, attrs, inputs, _stored_outputs(out, op, kinds, merged), rec,
                         out_lays)
-
-
-def _remember_route(key, route):
-    if len(_DP_ROUTES) >= _DP_ROUTES_MAX:
-        _DP_ROUTES.clear()
-    _DP_ROUTES[key] = route
 
 
 def _run_dp_route(op, attrs, inputs, rec, route):
