@@ -13,8 +13,8 @@ from ..common import dtype as _dt
 from . import _array as A
 from .._core._tensor import TensorBase
 from ._registry import (KIND_BINARY, KIND_UNARY, apply, binary, broadcast_shapes,
-                        check_float, check_nin, check_same_dtype, const, norm_axes, register,
-                        remember, wrap)
+                        check_float, check_nin, check_same_dtype, checked_once, const,
+                        norm_axes, register, wrap)
 
 # ---------------------------------------------------------------------------
 # gradient helpers
@@ -344,11 +344,7 @@ _MATMUL_SEEN: dict = {}
 
 def _infer_matmul(attrs, a, b):
     key = (a.shape, b.shape, a.dtype, b.dtype, attrs["transpose_a"], attrs["transpose_b"])
-    try:
-        return _MATMUL_SEEN[key]
-    except (KeyError, TypeError):     # a new (or unhashable) signature
-        pass
-    return remember(_MATMUL_SEEN, key, _check_matmul(attrs, a, b))
+    return checked_once(_MATMUL_SEEN, key, _check_matmul, attrs, a, b)
 
 
 def _check_matmul(attrs, a, b):
@@ -526,11 +522,7 @@ def _make_reduce_infer(name, float_only=False, numeric_only=False):
 
     def infer(attrs, x):
         key = (x.shape, x.dtype, attrs["axis"], attrs["keep_dims"])
-        try:
-            return cache[key]
-        except (KeyError, TypeError):     # a new (or unhashable) signature
-            pass
-        return remember(cache, key, check(attrs, x))
+        return checked_once(cache, key, check, attrs, x)
 
     def check(attrs, x):
         check_nin(name, (x,), 1)
@@ -629,9 +621,7 @@ def _reduce(op, x, axis, keep_dims):
     kind = type(axis)        # ints only (1.0 == 1 but is refused)
     if kind is int or (kind is tuple and all(type(a) is int for a in axis)):
         key = (op.name, axis, ndim)
-        axes = _AXES_SEEN.get(key)
-        if axes is None:
-            axes = remember(_AXES_SEEN, key, norm_axes(op.name, axis, ndim))
+        axes = checked_once(_AXES_SEEN, key, norm_axes, op.name, axis, ndim)
     else:
         axes = norm_axes(op.name, axis, ndim)
     if (op is REDUCE_MAX or op is REDUCE_MIN) and ndim and 0 in tuple(x.shape[a] for a in axes):
@@ -711,11 +701,7 @@ _BIAS_ADD_SEEN: dict = {}
 
 def _infer_bias_add(attrs, x, b):
     key = (x.shape, b.shape, x.dtype, b.dtype)
-    try:
-        return _BIAS_ADD_SEEN[key]
-    except (KeyError, TypeError):     # a new (or unhashable) signature
-        pass
-    return remember(_BIAS_ADD_SEEN, key, _check_bias_add(x, b))
+    return checked_once(_BIAS_ADD_SEEN, key, _check_bias_add, x, b)
 
 
 def _check_bias_add(x, b):

@@ -6,8 +6,8 @@ import numpy as np
 from .._core import _kernels
 from ..context import rng
 from . import _math as M
-from ._registry import (apply, check_float, check_int_dtype, const, norm_axis, register,
-                        remember, wrap)
+from ._registry import (apply, check_float, check_int_dtype, checked_once, const, norm_axis,
+                        register, wrap)
 
 
 # ---------------------------------------------------------------------------
@@ -78,11 +78,7 @@ _XENT_SEEN: dict = {}
 
 def _infer_sparse_xent(attrs, logits, labels):
     key = (logits.shape, labels.shape, logits.dtype, labels.dtype)
-    try:
-        return _XENT_SEEN[key]
-    except (KeyError, TypeError):     # a new (or unhashable) signature
-        pass
-    return remember(_XENT_SEEN, key, _check_sparse_xent(logits, labels))
+    return checked_once(_XENT_SEEN, key, _check_sparse_xent, logits, labels)
 
 
 def _check_sparse_xent(logits, labels):

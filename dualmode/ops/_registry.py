@@ -15,7 +15,7 @@ from .._core._tensor import (KIND_BINARY, KIND_GENERIC, KIND_UNARY, OpDef, Tenso
 __all__ = ["REGISTRY", "register", "get_op", "linearity", "apply", "binary", "OpDef", "KIND_BINARY",
            "KIND_GENERIC", "KIND_UNARY", "broadcast_shapes", "const", "norm_axis",
            "norm_axes", "wrap", "same_as_input", "check_nin", "check_float", "check_same_dtype", "check_int_dtype",
-           "remember"]
+           "remember", "checked_once"]
 
 REGISTRY: dict[str, OpDef] = {}
 
@@ -69,6 +69,16 @@ def get_op(name) -> OpDef:
 # bad inputs meet the same checks and errors every time
 # ---------------------------------------------------------------------------
 _SEEN_MAX = 4096     # entries per cache; a full cache starts over
+
+
+def checked_once(cache, key, check, *args):
+    """``cache[key]``, or ``check(*args)`` (which raises on bad input) stored under
+    `key` and returned: a signature's checks run until it passes once."""
+    try:
+        return cache[key]
+    except (KeyError, TypeError):     # a new (or unhashable) signature
+        pass
+    return remember(cache, key, check(*args))
 
 
 def remember(cache, key, value):
