@@ -159,7 +159,7 @@ def test_a_data_parallel_step_writes_no_gradient_and_equals_one_device(deferred_
 def test_deferral_changes_neither_numbers_nor_the_comm_report(monkeypatch):
     try:
         deferred = _step(N)
-        monkeypatch.setattr(dtensor, "_DEFER_BYTES", 1 << 62)     # every gradient written
+        monkeypatch.setattr(dtensor.dist_apply, "defer_bytes", 1 << 62)     # every gradient written
         written = _step(N)
     finally:
         _setup(1)

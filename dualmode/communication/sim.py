@@ -35,10 +35,11 @@ import numbers
 import numpy as np
 
 from .._core import _comm
+from .._core._dp import broadcast_view, equal_shares
 from .._core._tensor import Deferred
 from .backend import Backend, fusion_offsets, register_backend
 from .groups import GroupPlan
-from .totals import group_totals, known_totals, remember_totals, share_of
+from .totals import group_totals, known_totals, share_of
 
 __all__ = ["SimBackend", "replicated_view", "broadcast_view", "share_of", "equal_shares",
            "shares_total"]
@@ -48,42 +49,6 @@ def replicated_view(value: np.ndarray, n: int) -> np.ndarray:
     """A read-only ``(n, *value.shape)`` view of one buffer (stride 0 on the device
     axis): every device holding the same value, stored once."""
     return broadcast_view(value[None], (n,) + value.shape)
-
-
-def broadcast_view(a: np.ndarray, shape) -> np.ndarray:
-    """``np.broadcast_to(a, shape)`` for an array `a` of ``len(shape)`` dims (each of
-    its dims equal to the one in `shape`, or 1): a read-only view, stride 0 along the
-    broadcast dims. For a C-contiguous `a` it is made directly, without numpy's
-    Python-level argument handling (5x cheaper)."""
-    shape = tuple(shape)
-    if a.shape == shape and not a.flags.writeable:
-        return a
-    if not a.flags.c_contiguous or a.ndim != len(shape):
-        return np.broadcast_to(a, shape)
-    strides = []
-    for have, want, st in zip(a.shape, shape, a.strides):
-        if have == want:
-            strides.append(st)
-        elif have == 1:
-            strides.append(0)
-        else:
-            return np.broadcast_to(a, shape)        # numpy's error names the shapes
-    view = np.ndarray(shape, a.dtype, a, 0, tuple(strides))
-    view.flags.writeable = False
-    return view
-
-
-def equal_shares(total: np.ndarray, n: int) -> np.ndarray:
-    """The stack of `n` equal shares ``total / n`` of a pending sum over the whole world
-    (a float `total`), stored once (:func:`replicated_view`), whose total is remembered
-    (:func:`~.totals.remember_totals`): the sum of its shares (an AllReduce, a
-    ReduceScatter over the whole world) is then `total` itself, read without a pass
-    over the shares, and exactly the single-device value (``n * (total / n)`` may
-    differ from it by a rounding). `total` becomes read-only: it is handed out as such
-    sums, so it must not change."""
-    view = replicated_view(share_of(total, n), n)
-    total.flags.writeable = False
-    return remember_totals(view, total[None], (n,), (0,))
 
 
 def shares_total(stack: np.ndarray):

@@ -28,48 +28,23 @@ on the first read of its ``_data``; the readers that know this form (through
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
+from .._core._dp import TOTALS, remember_totals, share_of
 from .._core._tensor import DEFERRING, Deferred, deferral_on
 
 __all__ = ["remember_totals", "known_totals", "group_totals", "DeferredShares", "DEFERRING",
            "deferral_on", "as_stack", "share_of", "stored"]
 
-#: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes)
-_TOTALS: dict = {}
-
-
-def remember_totals(stack: np.ndarray, totals: np.ndarray, device_matrix: Tuple[int, ...],
-                    axes) -> np.ndarray:
-    """Record that `stack` ``(prod(device_matrix), *local)`` holds pending sums over the
-    device `axes` whose totals are `totals`: a device grid ``device_matrix + local`` with
-    size 1 along `axes` (the devices of one group share one total) and along any axis
-    over which the totals repeat. Returns `stack`, now read-only."""
-    device_matrix = tuple(device_matrix)
-    axes = tuple(sorted(axes))
-    k = len(device_matrix)
-    fits = totals.shape[k:] == stack.shape[1:]
-    for a, (t, d) in enumerate(zip(totals.shape[:k], device_matrix)):
-        fits = fits and (t == 1 or (t == d and a not in axes))
-    if not fits:
-        raise ValueError(f"remember_totals: totals of shape {totals.shape} do not fit a "
-                         f"stack {stack.shape} summed over axes {axes} of device matrix "
-                         f"{device_matrix}")
-    if stack.flags.writeable:
-        stack.flags.writeable = False
-    if totals.flags.writeable:
-        totals.flags.writeable = False
-    key = id(stack)
-
-    def forget(ref):
-        if _TOTALS.get(key, (None,))[0] is ref:
-            del _TOTALS[key]
-
-    _TOTALS[key] = (weakref.ref(stack, forget), totals, device_matrix, axes)
-    return stack
+#: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes); kept
+#: by the C dispatch path (dualmode/_core/_dp.pyx), which records the equal shares it
+#: makes there. remember_totals(stack, totals, device_matrix, axes): record that
+#: `stack` ``(prod(device_matrix), *local)`` holds pending sums over the device `axes`
+#: whose totals are `totals` (a device grid ``device_matrix + local`` with size 1 along
+#: `axes` and along any axis over which the totals repeat); `stack` becomes read-only.
+_TOTALS = TOTALS
 
 
 def known_totals(stack: np.ndarray, device_matrix, axes) -> Optional[np.ndarray]:
@@ -150,16 +125,6 @@ class DeferredShares(Deferred):
             else:
                 share_of(self.totals, self.parts, out=out.reshape(dm + local))
         return remember_totals(out, self.totals, dm, self.axes)
-
-
-def share_of(total: np.ndarray, n: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """``total / n`` in `total`'s dtype (into `out` when given, broadcasting `total`).
-    For a real float `total` and a power of two `n` it is one multiplication by
-    ``1 / n`` (exactly the quotient: both are the correctly rounded value of the same
-    real number, ``1 / n`` being exact), which costs less than half a division pass."""
-    if total.dtype.kind == "f" and n & (n - 1) == 0:
-        return np.multiply(total, 1.0 / n, out=out, dtype=total.dtype)
-    return np.true_divide(total, n, out=out, dtype=total.dtype)
 
 
 def stored(t):

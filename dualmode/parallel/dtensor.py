@@ -42,8 +42,8 @@ import weakref
 import numpy as np
 
 from .._core import _tensor as _core
+from .._core._dp import Dispatch, share_of
 from .._core._tensor import KIND_GENERIC, TensorBase
-from ..communication.sim import equal_shares, share_of
 from ..communication.totals import DeferredShares
 from ..ops._registry import remember
 from .buffers import pooled_call
@@ -91,28 +91,6 @@ _DP_ROUTES: dict = {}
 _MOVES = "moves"
 
 
-def _dp_signature(op, attrs, inputs, layouts):
-    """A key for this call that fixes the data-parallel route (path 3): the op, its
-    attrs, the live backend and per input its layout (by identity: the route keeps it
-    alive) and dtype, or the dtype and shape of a whole value. None when an attribute
-    is unhashable."""
-    try:
-        key = [op, tuple(attrs.items()) if attrs else None, _live_backend_id()]
-        for x, lay in zip(inputs, layouts):
-            if lay is not None:
-                key += (id(lay), x._data.dtype)
-            elif isinstance(x, TensorBase):
-                d = x._data
-                key += (d.dtype, d.shape)
-            else:
-                key += (np.result_type(x), np.shape(x))
-        key = tuple(key)
-        hash(key)
-    except (TypeError, AttributeError):      # an unhashable attribute; a lazy value
-        return None
-    return key
-
-
 #: (weak reference to the live backend, its part of the route key), made once per backend
 _BACKEND_KEY = [None, None]
 
@@ -125,46 +103,6 @@ def _live_backend_id():
     if ref is None or ref() is not b:
         _BACKEND_KEY[:] = [weakref.ref(b), (id(b), b.world_size, len(b.local_ranks))]
     return _BACKEND_KEY[1]
-
-
-def dist_apply(op, attrs, inputs, rec):
-    """Run `op` when at least one input is distributed (see the module docstring)."""
-    # one pass over the inputs: their layouts, whether every distributed one is a batch
-    # split (paths 3 and the route cache), whether one holds pending sums (path 2)
-    layouts, batch, partial = [], True, False
-    for x in inputs:
-        lay = x._layout if isinstance(x, TensorBase) else None
-        layouts.append(lay)
-        if lay is None:
-            continue
-        if type(lay) is not TensorLayout:
-            kind = LAYOUT_KINDS.get(type(lay))
-            if kind is not None:                # path 1: another layout kind
-                return kind(op, attrs, inputs, rec)
-            batch = False
-        elif lay.partial:
-            partial, batch = True, False
-        elif batch:
-            batch = _batch_split(lay)
-    key = None
-    if batch:
-        key = _dp_signature(op, attrs, inputs, layouts)
-        route = _DP_ROUTES.get(key) if key is not None else None
-        if route is _MOVES:          # this signature's rule moves data: run it (path 4)
-            out = sharded_apply(op, attrs, inputs, rec, layouts)
-            if out is not None:
-                return out
-        elif route is not None:
-            return _run_dp_route(op, attrs, inputs, rec, route)
-    return _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial)
-
-
-def _batch_split(lay) -> bool:
-    """:func:`is_batch_layout`, kept on the (immutable) layout after the first ask."""
-    found = lay.__dict__.get("_is_batch_split")
-    if found is None:
-        found = lay.__dict__["_is_batch_split"] = is_batch_layout(lay)
-    return found
 
 
 def _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial):
@@ -266,22 +204,8 @@ def _batch_global(op, attrs, inputs, layouts, rec, key=None):
         remember(_DP_ROUTES, key, (
             tuple(lay.shape if lay is not None else None for lay in layouts),
             op.kind == KIND_GENERIC, kinds, out_lays, tuple(layouts)))
-    return _core.finish(op, attrs, inputs, _stored_outputs(out, op, kinds, merged), rec,
-                        out_lays)
-
-
-def _run_dp_route(op, attrs, inputs, rec, route):
-    """Path 3 for a call signature that took it before (`route`, made by
-    :func:`_batch_global`: per input the global shape its stack is viewed with, or None
-    for a whole value; whether the kernel takes the attrs; the outputs' kinds and
-    layouts): the stacks viewed as global values, the kernel, the outputs stored."""
-    shapes, generic, kinds, out_lays = route[0], route[1], route[2], route[3]
-    merged = [x._data.reshape(shape) if shape is not None else
-              x._value() if isinstance(x, TensorBase) else x
-              for x, shape in zip(inputs, shapes)]
-    out = op.kernel(attrs, *merged) if generic else op.kernel(*merged)
-    return _core.finish(op, attrs, inputs, _stored_outputs(out, op, kinds, merged), rec,
-                        out_lays)
+    return _core.finish(op, attrs, inputs, dist_apply.stored_outputs(out, op, kinds, merged),
+                        rec, out_lays)
 
 
 def output_kinds(plan) -> tuple:
@@ -309,54 +233,21 @@ def _output_kinds(plan) -> tuple:
     return tuple(kinds)
 
 
-#: eager equal shares of at least this many bytes are deferred (see :func:`_stored`)
-_DEFER_BYTES = 64 * 1024
-
-
-def _stored(o, kind, n, merged, defer=False):
-    """One output `o` of a kernel run on global values, stored as `kind` says (see
-    :func:`output_kinds`; `n` the devices, or the layout of "blocks"); `merged`: the
-    kernel's inputs (an output that is one of them is not fresh); `defer`: the stack
-    becomes a Tensor's (eager), so equal shares may be left unwritten."""
-    if type(o) is not np.ndarray:
-        o = np.asarray(o)                       # ufuncs on 0-d arrays give numpy scalars
-    if kind == "batch":
-        return o.reshape((n, o.shape[0] // n) + o.shape[1:])
-    if kind == "whole":
-        return o                                # replicated: one plain value
-    if kind == "partial":
-        if n > 1 and o.dtype.kind == "f" and o.flags.owndata and o.flags.writeable \
-                and not any(o is m for m in merged):
-            # a fresh result: n equal shares that remember it, so the AllReduce of this
-            # pending sum (a data-parallel gradient's) reads it without a pass; in eager
-            # execution large shares are not even written unless something reads them
-            # (small ones are: a loss is read, and writing costs less than deferring)
-            if defer and o.nbytes >= _DEFER_BYTES:
-                o.flags.writeable = False
-                return DeferredShares(o[None], (n,), (0,), n)
-            return equal_shares(o, n)
-        return _shares(o, n)
-    return n.local_blocks(o)
-
-
-def _stored_outputs(out, op, kinds, merged):
-    """The kernel's output(s) `out` stored per `kinds` for eager Tensors: one stack, or
-    a tuple of them for a multi-output op (as :func:`_core.finish` takes them)."""
-    if op.multi_output:
-        return tuple(_stored(o, kind, n, merged, True) for o, (kind, n) in zip(out, kinds))
-    kind, n = kinds[0]
-    return _stored(out, kind, n, merged, True)
-
-
 def batch_global_outputs(out, op, plan, merged=()):
     """The outputs of `op`'s kernel run once on the global values (`out`) stored in the
     layouts of its rule's `plan`: ``(arrays, layouts)``, a layout None for a replicated
     result kept as one plain value."""
     kinds = output_kinds(plan)
     outs = out if op.multi_output else (out,)
-    return ([_stored(o, kind, n, merged) for o, (kind, n) in zip(outs, kinds)],
+    merged = list(merged)
+    return ([dist_apply.stored(o, kind, n, merged) for o, (kind, n) in zip(outs, kinds)],
             [None if kind == "whole" else lay for lay, (kind, _) in zip(plan.outputs, kinds)])
 
+
+#: run `op` when at least one input is distributed (see the module docstring): paths 1
+#: to 3 for a signature seen before in C (dualmode/_core/_dp.pyx), the rest here
+dist_apply = Dispatch(_DP_ROUTES, _MOVES, TensorLayout, LAYOUT_KINDS, sharded_apply,
+                      _dist_apply, is_batch_layout, _live_backend_id, DeferredShares, _shares)
 
 # every distributed op runs in graph mode's buffer pool (buffers.py; ~0.6 us a call)
 _core.set_dist_hooks(pooled_call(dist_apply), assemble)
