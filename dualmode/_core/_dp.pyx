@@ -183,7 +183,8 @@ cdef class Dispatch:
     general      ``general(op, attrs, inputs, rec, layouts, key, batch, partial)``: the
                  general path, which adds the routes it finds to `routes`
     is_batch     ``is_batch(layout)``: a split on dim 0 only
-    backend_key  ``backend_key()``: the live backend's part of a signature
+    backend_state  the object whose ``backend`` is the live backend (or None), read
+                 for the backend's part of a signature
     deferred     ``deferred(totals, device_matrix, axes, parts)``: unwritten shares
     shares       ``shares(total, n)``: equal shares of a value that is not fresh
 
@@ -191,15 +192,17 @@ cdef class Dispatch:
     (see :meth:`stored`).
     """
     cdef readonly dict routes
-    cdef object moves, layout_cls, rule, general, is_batch, backend_key, deferred, shares
+    cdef object moves, layout_cls, rule, general, is_batch, backend_state, deferred, shares
+    cdef object _backend_ref, _backend_key
     cdef dict layout_kinds
     cdef public Py_ssize_t defer_bytes
 
     def __init__(self, dict routes, moves, layout_cls, dict layout_kinds, rule, general,
-                 is_batch, backend_key, deferred, shares):
+                 is_batch, backend_state, deferred, shares):
         self.routes, self.moves, self.layout_cls = routes, moves, layout_cls
         self.layout_kinds, self.rule, self.general = layout_kinds, rule, general
-        self.is_batch, self.backend_key = is_batch, backend_key
+        self.is_batch, self.backend_state = is_batch, backend_state
+        self._backend_ref = self._backend_key = None
         self.deferred, self.shares = deferred, shares
         self.defer_bytes = 64 * 1024
 
@@ -262,6 +265,18 @@ cdef class Dispatch:
         except (TypeError, AttributeError):   # an unhashable attribute; a lazy value
             return None
         return t
+
+    cdef object backend_key(self):
+        """The live backend's part of a signature: its identity, world size and the
+        number of devices this process holds (made once per backend)."""
+        b = self.backend_state.backend
+        if b is None:
+            return None
+        ref = self._backend_ref
+        if ref is None or ref() is not b:
+            self._backend_key = (id(b), b.world_size, len(b.local_ranks))
+            self._backend_ref = _weakref(b)
+        return self._backend_key
 
     cpdef object run_route(self, op, attrs, tuple inputs, rec, tuple route):
         """A call whose signature took the data-parallel route before (`route`: per

@@ -19,6 +19,11 @@ __all__ = ["backend", "live_backend", "device_num", "parallel_active", "some_dev
            "holds_all_devices", "op_cause", "world_stack"]
 
 
+#: the communication state whose ``backend`` is the live backend (None before
+#: ``communication.init()``), read directly by the C dispatch path (_core/_dp.pyx)
+BACKEND_STATE = context._STATE.comm
+
+
 def backend():
     """The live backend (RuntimeError naming ``init`` when there is none)."""
     return get_backend()

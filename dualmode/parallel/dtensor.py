@@ -37,8 +37,6 @@ recorded AllGather over the world.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from .._core import _tensor as _core
@@ -47,8 +45,7 @@ from .._core._tensor import KIND_GENERIC, TensorBase
 from ..communication.totals import DeferredShares
 from ..ops._registry import remember
 from .buffers import pooled_call
-from .devices import device_num, parallel_active
-from .devices import live_backend as _live_backend
+from .devices import BACKEND_STATE, device_num, parallel_active
 from .devices import some_devices as _some_devices
 from .moves import REDISTRIBUTE, gather_global, gather_stack, moved, resolve_partial
 from .rules import pending_sums
@@ -89,20 +86,6 @@ def register_layout_kind(layout_cls, apply_fn) -> None:
 #: or _MOVES when its rule moves data or ends with a collective (the rule then runs)
 _DP_ROUTES: dict = {}
 _MOVES = "moves"
-
-
-#: (weak reference to the live backend, its part of the route key), made once per backend
-_BACKEND_KEY = [None, None]
-
-
-def _live_backend_id():
-    b = _live_backend()
-    if b is None:
-        return None
-    ref = _BACKEND_KEY[0]
-    if ref is None or ref() is not b:
-        _BACKEND_KEY[:] = [weakref.ref(b), (id(b), b.world_size, len(b.local_ranks))]
-    return _BACKEND_KEY[1]
 
 
 def _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial):
@@ -247,7 +230,7 @@ def batch_global_outputs(out, op, plan, merged=()):
 #: run `op` when at least one input is distributed (see the module docstring): paths 1
 #: to 3 for a signature seen before in C (dualmode/_core/_dp.pyx), the rest here
 dist_apply = Dispatch(_DP_ROUTES, _MOVES, TensorLayout, LAYOUT_KINDS, sharded_apply,
-                      _dist_apply, is_batch_layout, _live_backend_id, DeferredShares, _shares)
+                      _dist_apply, is_batch_layout, BACKEND_STATE, DeferredShares, _shares)
 
 # every distributed op runs in graph mode's buffer pool (buffers.py; ~0.6 us a call)
 _core.set_dist_hooks(pooled_call(dist_apply), assemble)

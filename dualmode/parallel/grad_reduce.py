@@ -34,6 +34,7 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
+from ..communication.sim import shares_total
 from ..communication.totals import stored
 from ..communication import trace
 from ..communication.trace import comm_cause
@@ -273,6 +274,8 @@ def reduce_gradients(grads, params=None):
     # a gradient's stack as it is: one not written yet (equal shares whose total is
     # known, Tensor._lazy) the sim backend reads without writing
     stacks = [stored(grads[i]) for i in todo]
+    if not trace._STATE.reports and backend.reads_deferred:
+        todo, stacks = _known_sums(grads, todo, stacks, backend.world_size, mean)
     for bucket in fusion_buckets([math.prod(st.shape[1:]) * st.itemsize for st in stacks]):
         members = [todo[k] for k in bucket]
         inputs = [stacks[k] for k in bucket]
@@ -298,6 +301,25 @@ def reduce_gradients(grads, params=None):
                 total = total.astype(stacks[k].dtype)
             grads[i] = _core.wrap_dist(total, None)
     return grads
+
+
+def _known_sums(grads, todo, stacks, world: int, mean: bool):
+    """While no report records the AllReduces, the gradients among `todo` whose stacks
+    are equal shares over the whole world with a known total (a data-parallel gradient
+    on simulated devices) take the AllReduce's result, that total, directly: the same
+    numbers without the collective's machinery (about 10 us a gradient). Returns the
+    positions and stacks left for the collectives."""
+    left, left_stacks = [], []
+    for i, st in zip(todo, stacks):
+        total = shares_total(st) if st.shape[0] == world else None
+        if total is None:
+            left.append(i)
+            left_stacks.append(st)
+            continue
+        if not mean:
+            total = np.multiply(total, world, dtype=total.dtype)
+        grads[i] = _core.wrap_dist(total, None)
+    return left, left_stacks
 
 
 def _dp_partial(lay) -> bool:
