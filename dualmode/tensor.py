@@ -7,6 +7,7 @@ through the one dispatcher `apply`, so this module only adds the Python API.
 from __future__ import annotations
 
 import contextlib
+import copy
 import numbers
 import weakref
 
@@ -248,6 +249,88 @@ class Tensor(TensorBase):
         """A new tensor with the same value (differentiable, like any op)."""
         return _F.cast(self, self.dtype)
 
+    # ---- copy.copy, copy.deepcopy, pickle ----------------------------------------
+    def __copy__(self):
+        """``copy.copy``: a new tensor object over the same storage (a value updated in
+        place, as an optimizer updates a Parameter, shows in both) and the same
+        attributes; off the tape (a constant, like a detached tensor)."""
+        new = TensorBase.__new__(type(self))
+        self._copy_to(new, None)
+        return new
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy``: an independent tensor with an equal value, the same dtype,
+        shape and layout, and deep copies of its other attributes; off the tape.
+
+        A distributed tensor's storage is copied as it is stored, with no communication:
+        this process's stack of local shards (a deferred stack, such as a Parameter's
+        replicas stored once, stays deferred), in the same layout. A delayed value
+        (``no_init_parameters``) stays delayed, with a copy of its initializer, which
+        makes the same values."""
+        new = TensorBase.__new__(type(self))
+        memo[id(self)] = new
+        self._copy_to(new, memo)
+        return new
+
+    def _copy_to(self, new, memo):
+        """Give `new` (a bare instance of this class) this tensor's storage and
+        attributes: shared when `memo` is None (``copy.copy``), else deep-copied through
+        `memo` (arrays held elsewhere in the copied objects stay one array). The layout,
+        an immutable description, is shared; the tape node is not copied."""
+        def dup(v):
+            return v if memo is None else copy.deepcopy(v, memo)
+        lay = self._layout
+        if lay is not None and memo is not None:
+            memo.setdefault(id(lay), lay)
+        new._layout = lay
+        if self._lazy is not None:
+            new._lazy = dup(self._lazy)
+        else:
+            new._arr = dup(self._arr)
+        for name in _extra_slots(type(self)):
+            if hasattr(self, name):
+                setattr(new, name, dup(getattr(self, name)))
+        attrs = getattr(self, "__dict__", None)
+        if attrs:
+            new.__dict__.update(dup(attrs))
+
+    def __reduce_ex__(self, protocol):
+        """``pickle``: the global value (read as ``asnumpy`` reads it: under "mpi" an
+        AllGather, so every rank pickles the tensor, in the same order) or a delayed
+        value's initializer, and the other attributes. It loads as a plain global value
+        (no layout: the devices it was split over need not exist where it is loaded),
+        off the tape."""
+        delayed = self._layout is None and self._lazy is None and self._arr is None
+        value = None if delayed else np.asarray(self._value())
+        slots = {name: getattr(self, name) for name in _extra_slots(type(self))
+                 if hasattr(self, name)}
+        return _unpickle, (type(self), value, slots, getattr(self, "__dict__", None))
+
+
+def _extra_slots(cls) -> list:
+    """The instance attributes the subclass `cls` of Tensor declares in ``__slots__``
+    (its own and its bases'; the storage slots of TensorBase are not among them)."""
+    names = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return names
+
+
+def _unpickle(cls, value, slots, attrs):
+    """A tensor of class `cls` rebuilt from ``Tensor.__reduce_ex__``'s parts."""
+    t = TensorBase.__new__(cls)
+    t._data = value
+    for name, v in slots.items():
+        setattr(t, name, v)
+    if attrs:
+        t.__dict__.update(attrs)
+    if isinstance(t, Parameter):
+        _track(t)
+    return t
+
 
 # ---------------------------------------------------------------------------
 # Parameters
@@ -276,6 +359,12 @@ _LIVE = {}
 def _forget(key, ref):
     if _LIVE.get(key) is ref:
         del _LIVE[key]
+
+
+def _track(param) -> None:
+    """Count `param` among the live parameters (:func:`live_parameters`)."""
+    key = id(param)
+    _LIVE[key] = weakref.ref(param, lambda r, key=key: _forget(key, r))
 
 
 def live_parameters() -> list:
@@ -332,8 +421,7 @@ class Parameter(DeclaredShape, Tensor):
         self.requires_grad = requires_grad
         self.layerwise_parallel = layerwise_parallel
         self._node = None
-        key = id(self)
-        _LIVE[key] = weakref.ref(self, lambda r, key=key: _forget(key, r))
+        _track(self)
         init = getattr(default_input, "_init", None) if isinstance(default_input, TensorBase) \
             else None
         if init is not None and default_input._data is None:
@@ -431,6 +519,11 @@ class Parameter(DeclaredShape, Tensor):
             return Parameter(value, name=f"{prefix}.{self.name}",
                              requires_grad=self.requires_grad,
                              layerwise_parallel=self.layerwise_parallel)
+
+    def _copy_to(self, new, memo):
+        """As :meth:`Tensor._copy_to`; the copy is a live parameter too."""
+        super()._copy_to(new, memo)
+        _track(new)
 
     def __repr__(self):
         return (f"Parameter(name={self.name}, shape={self._shape}, dtype={self._dtype}, "

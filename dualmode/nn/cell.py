@@ -9,6 +9,8 @@ reading ``self.weight`` inside ``construct`` costs a plain attribute lookup.
 """
 from __future__ import annotations
 
+import copy
+import types
 from collections import OrderedDict
 
 from .. import context
@@ -25,6 +27,36 @@ def _check_child_name(owner, kind, name):
         raise TypeError(f"{owner}: a {kind} name must be a non-empty str, got {name!r}")
     if "." in name:
         raise ValueError(f"{owner}: {kind} name {name!r} must not contain '.'")
+
+
+#: what a Cell keeps compiled for itself: ``graph_call``'s cache (dropped by a copy, which
+#: compiles its own) and ``Cell.shard``'s function (made again for the copy)
+_COMPILED = ("_graph_fn", "_shard_fn")
+
+
+def _deepcopy_attr(owner, name, value, memo):
+    """A deep copy of the attribute `name` of a cell (through `memo`). A function that
+    closes over values (a ``value_and_grad`` of the network, ...) is made again over
+    deep copies of them, so the copied cell's function works on the copied network (the
+    copy module would share the function, still working on the original's)."""
+    if not isinstance(value, types.FunctionType) or not value.__closure__:
+        return copy.deepcopy(value, memo)
+    found = memo.get(id(value))
+    if found is not None:
+        return found
+    try:
+        cells = tuple(types.CellType(copy.deepcopy(c.cell_contents, memo))
+                      for c in value.__closure__)
+        fn = types.FunctionType(value.__code__, value.__globals__, value.__name__,
+                                value.__defaults__, cells)
+        fn.__kwdefaults__ = value.__kwdefaults__
+        fn.__dict__.update(copy.deepcopy(value.__dict__, memo))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{owner}: copy.deepcopy cannot copy attribute {name!r}, the function "
+                        f"{value.__qualname__} closing over values that cannot be copied "
+                        f"({e}); make it in construct, or from attributes of the cell") from None
+    memo[id(value)] = fn
+    return fn
 
 
 class _CALLS:
@@ -264,6 +296,41 @@ class Cell:
             if param.requires_grad:
                 param.set_param_ps(init_in_server)
         return self
+
+    # ---- copying -----------------------------------------------------------------
+    def __copy__(self):
+        """``copy.copy``: a new cell holding the same parameters, child cells and other
+        attributes, in registries of its own (assigning an attribute of the copy leaves
+        the original as it is)."""
+        return self._copied(None)
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy``: an independent cell: deep copies of its parameters (same
+        names, values, layouts and flags; see ``Parameter.__deepcopy__``), child cells
+        and other attributes, a parameter shared by several cells shared by their copies
+        too. It computes what the original computes; updating one (``set_data``, an
+        optimizer step) leaves the other as it is."""
+        return self._copied(memo)
+
+    def _copied(self, memo):
+        """The copy of this cell: attributes shared when `memo` is None (the registries
+        copied), else deep-copied through `memo`. Compiled state is not copied: the copy
+        compiles its own graph when called, with the same ``shard`` settings."""
+        new = type(self).__new__(type(self))
+        if memo is not None:
+            memo[id(self)] = new
+        attrs = new.__dict__
+        for name, value in self.__dict__.items():
+            if name in _COMPILED:
+                continue
+            if memo is not None:
+                attrs[name] = _deepcopy_attr(self.cls_name, name, value, memo)
+            else:
+                attrs[name] = OrderedDict(value) if name in ("_params", "_cells") else value
+        shard_fn = self.__dict__.get("_shard_fn")
+        if shard_fn is not None:
+            new.shard(shard_fn.in_strategy, shard_fn.out_strategy, shard_fn.parameter_plan)
+        return new
 
     # ---- modes -------------------------------------------------------------------
     def set_train(self, mode: bool = True) -> "Cell":
