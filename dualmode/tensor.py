@@ -299,9 +299,17 @@ class Tensor(TensorBase):
         AllGather, so every rank pickles the tensor, in the same order) or a delayed
         value's initializer, and the other attributes. It loads as a plain global value
         (no layout: the devices it was split over need not exist where it is loaded),
-        off the tape."""
+        off the tape. A tensor with one value per device and no global value (a
+        ``layerwise_parallel`` weight given its devices' slices) cannot be pickled."""
         delayed = self._layout is None and self._lazy is None and self._arr is None
         value = None if delayed else np.asarray(self._value())
+        if value is not None and value.shape != tuple(self.shape):
+            what = " ".join(str(w) for w in (type(self).__name__, getattr(self, "name", None))
+                            if w is not None)
+            raise TypeError(f"{what}: cannot be pickled: it holds one value per device "
+                            f"({self._layout!r}), read as a whole a stack of shape "
+                            f"{value.shape}, not a global value of its shape {self.shape}; "
+                            f"copy.deepcopy copies it within this process")
         slots = {name: getattr(self, name) for name in _extra_slots(type(self))
                  if hasattr(self, name)}
         return _unpickle, (type(self), value, slots, getattr(self, "__dict__", None))

@@ -14,6 +14,7 @@ import pytest
 
 import dualmode as dm
 from dualmode import Parameter, Tensor, nn, ops
+from dualmode.parallel import set_layerwise_slices
 from dualmode.parallel.replicas import ReplicaBlocks, replica_blocks
 from dualmode.tensor import live_parameters, no_init_parameters
 
@@ -134,6 +135,13 @@ def test_a_delayed_parameter_copy_stays_delayed_and_makes_the_same_values(how):
     dm.set_seed(0)                              # the same initializer, made again
     again = dm.common.initializer.initializer("normal", (5, 4)).asnumpy()
     np.testing.assert_array_equal(made, again)
+
+
+def test_a_copy_of_an_initializer_tensor_stays_delayed():
+    t = dm.common.initializer.initializer("uniform", (3, 4))
+    for c in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        assert type(c) is type(t) and c._data is None and c.shape == (3, 4)
+        np.testing.assert_array_equal(c.asnumpy(), t.asnumpy())
 
 
 # ---------------------------------------------------------------------------
@@ -324,3 +332,25 @@ def test_a_copy_of_a_sharded_cell_runs_its_own_graph_with_the_same_strategies(ei
         fn = c.__dict__["_shard_fn"]
         assert fn._cell is c and (fn.in_strategy, fn.out_strategy) == (((2, 1),), ((8, 1),))
     np.testing.assert_allclose(net(Tensor(x)).asnumpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layerwise_parameter_with_per_device_values_deep_copies_but_never_pickles():
+    dm.set_auto_parallel_context(parallel_mode="hybrid_parallel", device_num=2,
+                                 dataset_strategy="full_batch")
+    dm.communication.init()
+    try:
+        w = Parameter(Tensor(np.zeros((3, 2), np.float32)), name="w",
+                      layerwise_parallel=True)
+        whole = np.arange(12, dtype=np.float32).reshape(3, 4)
+        set_layerwise_slices(w, whole, dim=1)         # device d holds whole[:, 2d:2d+2]
+        c = copy.deepcopy(w)
+        assert c._layout is w._layout and c.shape == (3, 2) and c.layerwise_parallel
+        np.testing.assert_array_equal(c._data, [whole[:, :2], whole[:, 2:]])
+        c._data[0] = -1.0
+        np.testing.assert_array_equal(w._data, [whole[:, :2], whole[:, 2:]])
+        with pytest.raises(TypeError, match=r"Parameter w: cannot be pickled: it holds one "
+                                            r"value per device .* stack of shape \(2, 3, 2\)"):
+            pickle.dumps(w)
+    finally:
+        dm.reset_auto_parallel_context()
+        dm.communication.init()
