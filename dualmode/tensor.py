@@ -281,7 +281,7 @@ class Tensor(TensorBase):
             return v if memo is None else copy.deepcopy(v, memo)
         lay = self._layout
         if lay is not None and memo is not None:
-            memo.setdefault(id(lay), lay)
+            memo.setdefault(id(lay), lay)   # also shared where the copied objects hold it
         new._layout = lay
         if self._lazy is not None:
             new._lazy = dup(self._lazy)
