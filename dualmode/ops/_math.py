@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from .._core import _kernels
+from .._core._dp import broadcast_view
 from ..common import dtype as _dt
 from . import _array as A
 from .._core._tensor import TensorBase
@@ -667,8 +668,18 @@ def _infer_broadcast_to(attrs, x):
     return ((shape, x.dtype),)
 
 
+def _broadcast_to_kernel(attrs, x):
+    """``np.broadcast_to(x, shape)``, a read-only view made with the numpy C API
+    (``_core._dp.broadcast_view``) after the leading dims of size 1 are added."""
+    shape = attrs["shape"]
+    lead = len(shape) - np.ndim(x)
+    if lead > 0:
+        x = np.reshape(x, (1,) * lead + np.shape(x))
+    return broadcast_view(x, shape)
+
+
 BROADCAST_TO = register("BroadcastTo", linear=(0,), infer=_infer_broadcast_to,
-                        kernel=lambda at, x: np.broadcast_to(x, at["shape"]),
+                        kernel=_broadcast_to_kernel,
                         backward=lambda node, g: (unbroadcast(g, node.inputs[0].shape),))
 
 
