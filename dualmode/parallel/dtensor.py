@@ -89,6 +89,10 @@ _MOVES = "moves"
 
 
 def _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial):
+    """Paths 2 to 5 for a call the C dispatch (:data:`dist_apply`) has no route for:
+    `layouts` of the inputs, `key` the call's signature (None: not a pure batch split,
+    or unhashable), `batch` whether every distributed input is a batch split, `partial`
+    whether one holds pending sums. Path 3 remembers its route under `key`."""
     if partial:
         if pending_sums(op, attrs, layouts) is not None:
             # linear in its pending inputs (its registration says so): the rule keeps
