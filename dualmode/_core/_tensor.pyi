@@ -26,6 +26,7 @@ class OpDef:
     kernel: Callable[..., Any]
     backward: Optional[Callable[..., tuple]]
     save_outputs: bool
+    reads_inputs: bool
     float_only: bool
     numeric_only: bool
     multi_output: bool
@@ -33,8 +34,9 @@ class OpDef:
     extras: dict
     def __init__(self, name: str, *, kind: int = ..., infer: Optional[Callable] = ...,
                  kernel: Optional[Callable] = ..., backward: Optional[Callable] = ...,
-                 save_outputs: bool = ..., float_only: bool = ..., numeric_only: bool = ...,
-                 multi_output: bool = ..., out_dtype: Any = ...) -> None: ...
+                 save_outputs: bool = ..., reads_inputs: bool = ..., float_only: bool = ...,
+                 numeric_only: bool = ..., multi_output: bool = ...,
+                 out_dtype: Any = ...) -> None: ...
 
 class Node:
     """A recorded op application (or a watched leaf when `op` is None)."""
@@ -72,6 +74,14 @@ class Deferring:
     def __exit__(self, *exc: Any) -> bool: ...
 
 DEFERRING: Deferring
+
+class KeepingInputs:
+    """Context in which the tape keeps every op's inputs as they are (use
+    KEEPING_INPUTS), also of ops whose backward does not read them; nests."""
+    def __enter__(self) -> "KeepingInputs": ...
+    def __exit__(self, *exc: object) -> bool: ...
+
+KEEPING_INPUTS: KeepingInputs
 def deferral_on() -> bool: ...
 def written(xs: list) -> list: ...
 

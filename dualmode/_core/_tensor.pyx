@@ -122,6 +122,10 @@ cdef class OpDef:
     backward    backward(node, *douts) -> tuple of input gradients (None where an
                 input needs none), written with dualmode ops; None = not differentiable
     save_outputs  backward reads the op's outputs (node.outputs)
+    reads_inputs  backward reads the values of the op's inputs (default True); when
+                False the tape keeps only what the walk needs of them (their nodes,
+                shapes, dtypes and layouts), so their arrays can be freed as soon as
+                nothing else holds them (BiasAdd's input, ReLU's)
     float_only  UNARY/BINARY: inputs must have a floating dtype
     numeric_only  UNARY/BINARY: inputs must not be bool (numpy has no bool negative)
     out_dtype   UNARY/BINARY: output dtype when it differs from the inputs' (bool
@@ -134,6 +138,7 @@ cdef class OpDef:
     cdef readonly object kernel
     cdef readonly object backward
     cdef readonly bint save_outputs
+    cdef readonly bint reads_inputs
     cdef readonly bint float_only
     cdef readonly bint numeric_only
     cdef readonly bint multi_output
@@ -141,8 +146,8 @@ cdef class OpDef:
     cdef readonly dict extras
 
     def __init__(self, str name, *, int kind=0, infer=None, kernel=None, backward=None,
-                 bint save_outputs=False, bint float_only=False, bint numeric_only=False,
-                 bint multi_output=False, out_dtype=None):
+                 bint save_outputs=False, bint reads_inputs=True, bint float_only=False,
+                 bint numeric_only=False, bint multi_output=False, out_dtype=None):
         if kernel is None:
             raise TypeError(f"OpDef {name}: a kernel is required")
         if kind == _KIND_GENERIC and infer is None:
@@ -153,6 +158,7 @@ cdef class OpDef:
         self.kernel = kernel
         self.backward = backward
         self.save_outputs = save_outputs
+        self.reads_inputs = reads_inputs
         self.float_only = float_only
         self.numeric_only = numeric_only
         self.multi_output = multi_output
@@ -255,6 +261,63 @@ cdef class Deferred:
         return self.shape[0]
 
 
+cdef class _Absent(Deferred):
+    """The value of an input the tape does not keep (an op whose backward does not
+    read it: ``OpDef.reads_inputs`` False): its shape and dtype only."""
+    cdef str opname
+
+    def _write(self):
+        raise RuntimeError(f"{self.opname}: the tape does not keep the values of this op's "
+                           f"inputs (its backward does not read them); record under "
+                           f"dualmode._core._tensor.KEEPING_INPUTS to keep them")
+
+
+cdef int _keep_inputs = 0       # > 0: every op's inputs stay on the tape as they are
+
+
+cdef class KeepingInputs:
+    """While inside (the one instance, :data:`KEEPING_INPUTS`), the tape keeps the
+    inputs of every op as they are, also of ops whose backward does not read them
+    (a program checker that reads every op's values from the tape). Nests."""
+
+    def __enter__(self):
+        global _keep_inputs
+        _keep_inputs += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _keep_inputs
+        _keep_inputs -= 1
+        return False
+
+
+KEEPING_INPUTS = KeepingInputs()
+
+
+cdef object _stand_in(object x, str opname):
+    """What the tape keeps of the input `x` of an op whose backward does not read
+    input values: a Tensor with `x`'s node, output index and layout, whose value is an
+    :class:`_Absent` of `x`'s storage shape and dtype (reading it raises)."""
+    cdef TensorBase t, s
+    cdef _Absent a
+    if not isinstance(x, TensorBase):
+        return x
+    t = <TensorBase>x
+    store = t._lazy if t._lazy is not None else t._arr
+    if store is None:
+        return x                        # a delayed value: nothing held yet
+    a = _Absent.__new__(_Absent)
+    a.shape = store.shape
+    a.dtype = store.dtype
+    a.opname = opname
+    s = TensorBase.__new__(_TensorCls)     # a plain Tensor (a Parameter's shape is its own)
+    s._lazy = a
+    s._node = t._node
+    s._out_index = t._out_index
+    s._layout = t._layout
+    return s
+
+
 cdef int _defer_depth = 0       # > 0 while kernels may return Deferred stacks
 
 
@@ -335,6 +398,8 @@ cdef class TensorBase:
     def shape(self):
         if self._layout is not None:
             return self._layout.shape
+        if self._lazy is not None:
+            return (<Deferred>self._lazy).shape
         if self._data is None:
             self._materialize()
         return self._data.shape
@@ -351,6 +416,8 @@ cdef class TensorBase:
     def ndim(self):
         if self._layout is not None:
             return len(self._layout.shape)
+        if self._lazy is not None:
+            return len((<Deferred>self._lazy).shape)
         if self._data is None:
             self._materialize()
         return self._data.ndim
@@ -683,7 +750,10 @@ cdef object _finish(OpDef op, object attrs, tuple inputs, object out, bint rec,
         node = Node.__new__(Node)
         node.op = op
         node.attrs = attrs
-        node.inputs = inputs
+        if op.reads_inputs or _keep_inputs > 0:
+            node.inputs = inputs
+        else:
+            node.inputs = tuple([_stand_in(x, op.name) for x in inputs])
         node.out_meta = tuple([_meta(<TensorBase>o) for o in outs])
         if op.save_outputs:
             node.outputs = tuple([_detached(<TensorBase>o) for o in outs])

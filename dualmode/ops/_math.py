@@ -232,12 +232,12 @@ SQRT = register("Sqrt", kind=KIND_UNARY, kernel=np.sqrt, float_only=True, save_o
 SQUARE = register("Square", kind=KIND_UNARY, kernel=np.square, numeric_only=True,
                   backward=lambda node, g: (mul(g, mul(node.inputs[0], 2.0)),))
 TANH = register("Tanh", kind=KIND_UNARY, kernel=np.tanh, float_only=True, save_outputs=True,
-                backward=lambda node, g: (apply(TANH_GRAD, None, (node.outputs[0], g)),))
+                reads_inputs=False, backward=lambda node, g: (apply(TANH_GRAD, None, (node.outputs[0], g)),))
 SIGMOID = register("Sigmoid", kind=KIND_UNARY, kernel=_sigmoid_kernel, float_only=True,
-                   save_outputs=True,
+                   save_outputs=True, reads_inputs=False,
                    backward=lambda node, g: (apply(SIGMOID_GRAD, None, (node.outputs[0], g)),))
 RELU = register("ReLU", kind=KIND_UNARY, kernel=_relu_kernel, save_outputs=True,
-               numeric_only=True,
+               reads_inputs=False, numeric_only=True,
                 backward=lambda node, g: (apply(RELU_GRAD, None, (node.outputs[0], g)),))
 ABS = register("Abs", kind=KIND_UNARY, kernel=np.abs,
                backward=lambda node, g: (mul(g, sign(node.inputs[0])),))
@@ -758,7 +758,7 @@ def _bias_add_subscripts(attrs, ranks):
 
 
 BIAS_ADD = register("BiasAdd", infer=_infer_bias_add, kernel=_bias_add_kernel,
-                    backward=_bw_bias_add, family=("contract", _bias_add_subscripts, "add"))
+                    backward=_bw_bias_add, reads_inputs=False, family=("contract", _bias_add_subscripts, "add"))
 
 
 def bias_add(x, bias):

@@ -56,7 +56,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import context
-from .._core._tensor import TensorBase
+from .._core._tensor import KEEPING_INPUTS, TensorBase
 from ..autograd import value_and_grad
 from ..communication import init as _comm_init
 from ..communication import release as _comm_release
@@ -337,7 +337,8 @@ def _run(fn, inputs, weights, positions, seed) -> _Run:
         return diff
 
     context.set_seed(seed)
-    _, grads = value_and_grad(program, positions or None, list(weights) or None)(*inputs)
+    with KEEPING_INPUTS:        # every op's values are read from the tape below
+        _, grads = value_and_grad(program, positions or None, list(weights) or None)(*inputs)
     if positions and weights:
         grads = tuple(grads[0]) + tuple(grads[1])
     outs = captured[-1]

@@ -79,7 +79,7 @@ LAYOUT_KINDS: dict = {}
 
 def register_layout_kind(layout_cls, apply_fn) -> None:
     """Route ops with an input in `layout_cls` to ``apply_fn(op, attrs, inputs, rec)``."""
-    LAYOUT_KINDS[layout_cls] = apply_fn
+    LAYOUT_KINDS[layout_cls] = pooled_call(apply_fn)
 
 
 #: call signature -> the data-parallel route taken for it (see :func:`_dp_signature`),
@@ -232,9 +232,14 @@ def batch_global_outputs(out, op, plan, merged=()):
 
 
 #: run `op` when at least one input is distributed (see the module docstring): paths 1
-#: to 3 for a signature seen before in C (dualmode/_core/_dp.pyx), the rest here
-dist_apply = Dispatch(_DP_ROUTES, _MOVES, TensorLayout, LAYOUT_KINDS, sharded_apply,
-                      _dist_apply, is_batch_layout, BACKEND_STATE, DeferredShares, _shares)
+#: to 3 for a signature seen before in C (dualmode/_core/_dp.pyx), the rest here. Every
+#: path but a remembered data-parallel route runs in graph mode's buffer pool
+#: (buffers.py; ~0.6 us a call): a data-parallel op makes the arrays a single-device op
+#: makes, so it takes them where the rest of the program does (numpy's allocator, whose
+#: recently freed blocks are warm in the caches; pool blocks are reused by size class
+#: only, so a step between other work reads them cold: 1.11 vs 1.05x numpy at B256)
+dist_apply = Dispatch(_DP_ROUTES, _MOVES, TensorLayout, LAYOUT_KINDS,
+                      pooled_call(sharded_apply), pooled_call(_dist_apply), is_batch_layout,
+                      BACKEND_STATE, DeferredShares, _shares)
 
-# every distributed op runs in graph mode's buffer pool (buffers.py; ~0.6 us a call)
-_core.set_dist_hooks(pooled_call(dist_apply), assemble)
+_core.set_dist_hooks(dist_apply, assemble)
