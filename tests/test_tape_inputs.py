@@ -115,3 +115,20 @@ def test_data_parallel_step_with_stand_ins_equals_single_device():
     np.testing.assert_allclose(value.asnumpy(), want_value, rtol=1e-5)
     np.testing.assert_allclose(gw.asnumpy(), want_w, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gb.asnumpy(), want_b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_switches_nest_and_a_new_one_is_refused():
+    from dualmode._core._tensor import DEFERRING, Nesting, deferral_on
+    with DEFERRING:
+        with DEFERRING:
+            assert deferral_on()
+        assert deferral_on()
+    assert not deferral_on()
+    with KEEPING_INPUTS:
+        with KEEPING_INPUTS:
+            pass
+        _, _, seen = _run("relu", keep=False)          # still inside one: kept
+    assert seen["h"]() is not None
+    with pytest.raises(RuntimeError, match="Nesting: use the module's instances"):
+        with Nesting():
+            pass

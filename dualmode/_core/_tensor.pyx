@@ -275,23 +275,33 @@ cdef class _Absent(Deferred):
 cdef int _keep_inputs = 0       # > 0: every op's inputs stay on the tape as they are
 
 
-cdef class KeepingInputs:
-    """While inside (the one instance, :data:`KEEPING_INPUTS`), the tape keeps the
-    inputs of every op as they are, also of ops whose backward does not read them
-    (a program checker that reads every op's values from the tape). Nests."""
+cdef class Nesting:
+    """A switch that is on while at least one ``with`` block of it is open (nests).
+    The module's instances: :data:`DEFERRING`, :data:`KEEPING_INPUTS`."""
+    cdef int* depth
 
     def __enter__(self):
-        global _keep_inputs
-        _keep_inputs += 1
+        if self.depth == NULL:
+            raise RuntimeError("Nesting: use the module's instances (DEFERRING, "
+                               "KEEPING_INPUTS); a new one switches nothing")
+        self.depth[0] += 1
         return self
 
     def __exit__(self, *exc):
-        global _keep_inputs
-        _keep_inputs -= 1
+        self.depth[0] -= 1
         return False
 
 
-KEEPING_INPUTS = KeepingInputs()
+cdef Nesting _nesting(int* depth):
+    cdef Nesting switch = Nesting.__new__(Nesting)
+    switch.depth = depth
+    return switch
+
+
+#: while inside, the tape keeps the inputs of every op as they are, also of ops whose
+#: backward does not read them (a program checker that reads every op's values from
+#: the tape)
+KEEPING_INPUTS = _nesting(&_keep_inputs)
 
 
 cdef object _stand_in(object x, str opname):
@@ -321,24 +331,10 @@ cdef object _stand_in(object x, str opname):
 cdef int _defer_depth = 0       # > 0 while kernels may return Deferred stacks
 
 
-cdef class Deferring:
-    """The context in which kernels may return a :class:`Deferred` instead of writing
-    a stack (use the one instance, :data:`DEFERRING`): entered where the results
-    become Tensors, or steps that read deferred stacks (see
-    :mod:`dualmode.communication.totals`). Nests."""
-
-    def __enter__(self):
-        global _defer_depth
-        _defer_depth += 1
-        return self
-
-    def __exit__(self, *exc):
-        global _defer_depth
-        _defer_depth -= 1
-        return False
-
-
-DEFERRING = Deferring()
+#: the context in which kernels may return a :class:`Deferred` instead of writing a
+#: stack: entered where the results become Tensors, or steps that read deferred stacks
+#: (see :mod:`dualmode.communication.totals`)
+DEFERRING = _nesting(&_defer_depth)
 
 
 cpdef bint deferral_on():
