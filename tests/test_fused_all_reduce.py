@@ -76,6 +76,23 @@ def test_fused_paths_agree(monkeypatch, pack_bytes):
         np.testing.assert_allclose(o, _want(s, "sum"), rtol=1e-12)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_runs_of_small_stacks_between_large_ones(monkeypatch, op):
+    """Small stacks packed in runs that large ones (reduced in place) interrupt, at the
+    start, in the middle and at the end: each result equals numpy's reduction."""
+    monkeypatch.setattr(sim_module, "_PACK_BYTES", 64)          # 16 float32 per device
+    b = SimBackend(N)
+    rng = np.random.default_rng(11)
+    sizes = [3, 16, 40, 5, 2, 100, 7, 17, 1, 9]                  # > 16: reduced in place
+    stacks = [rng.standard_normal((N, m)).astype(np.float32) for m in sizes]
+    out = comm.fused_all_reduce(stacks, op=op, backend=b)
+    for s, o in zip(stacks, out):
+        want = s.sum(axis=0) if op == "sum" else s.mean(axis=0)
+        assert o.shape == s.shape
+        for d in range(N):
+            np.testing.assert_allclose(o[d], want, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_over_sub_groups_packs_and_reduces_each_group():
     b = SimBackend(8)
     members = axis_groups((2, 4), (1,))          # 2 groups of 4

@@ -256,12 +256,14 @@ class SimBackend(Backend):
         if not rowed:
             return outs
         offsets, total = fusion_offsets([stacks[i] for i in rowed])
+        ends = offsets[1:] + [total]               # member k: row[offsets[k]:ends[k]]
         row = np.empty(total, dtype=stacks[0].dtype)
+        pack_elems = _PACK_BYTES // row.itemsize
         run = []                                   # (position, offset) of small stacks
 
-        def flush():
+        def flush(hi):                             # hi: where the run's last member ends
             if run:
-                lo, hi = run[0][1], run[-1][1] + stacks[run[-1][0]][0].size
+                lo = run[0][1]
                 buf = np.empty((n, hi - lo), dtype=row.dtype)
                 _comm.pack([np.ascontiguousarray(stacks[i]) for i, _ in run], buf,
                            [o - lo for _, o in run])
@@ -270,20 +272,20 @@ class SimBackend(Backend):
                     np.divide(row[lo:hi], n, out=row[lo:hi])
                 run.clear()
 
-        for i, o in zip(rowed, offsets):
-            s = stacks[i]
-            if s[0].nbytes <= _PACK_BYTES:
+        for i, o, e in zip(rowed, offsets, ends):
+            if e - o <= pack_elems:
                 run.append((i, o))
                 continue
-            flush()
-            piece = row[o:o + s[0].size].reshape(s.shape[1:])
+            flush(o)
+            s = stacks[i]
+            piece = row[o:e].reshape(s.shape[1:])
             self._reduce_all(s, op, piece)
             if op == "mean":
                 np.divide(piece, n, out=piece)
-        flush()
+        flush(total)
         full = replicated_view(row, n)
-        for i, o in zip(rowed, offsets):
-            outs[i] = full[:, o:o + stacks[i][0].size].reshape(stacks[i].shape)
+        for i, o, e in zip(rowed, offsets, ends):
+            outs[i] = full[:, o:e].reshape(stacks[i].shape)
         return outs
 
     def _reduce_scatter_fused(self, stacks, plan, axes, op):
