@@ -16,9 +16,10 @@ before without Python frames of its own:
   totals (:func:`remember_totals`, :data:`TOTALS`), which
   :mod:`dualmode.communication.totals` documents and extends.
 
-The pure-Python reference of the dispatch is the parallel layer's general path
-(``dtensor.dist_apply(..., fast=False)``), which the tests compare with this one;
-:func:`broadcast_view`'s is ``np.broadcast_to``.
+The pure-Python reference of a remembered route is the parallel layer's general path
+(``dtensor._dist_apply``, which decides the route afresh and runs it once); the tests
+(tests/test_dp_dispatch.py) compare the two and numpy. :func:`broadcast_view`'s
+reference is ``np.broadcast_to``.
 """
 cimport numpy as cnp
 from cpython.object cimport PyTypeObject
