@@ -38,12 +38,9 @@ from .._core._tensor import DEFERRING, Deferred, deferral_on
 __all__ = ["remember_totals", "known_totals", "group_totals", "DeferredShares", "DEFERRING",
            "deferral_on", "as_stack", "share_of", "stored"]
 
-#: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes); kept
-#: by the C dispatch path (dualmode/_core/_dp.pyx), which records the equal shares it
-#: makes there. remember_totals(stack, totals, device_matrix, axes): record that
-#: `stack` ``(prod(device_matrix), *local)`` holds pending sums over the device `axes`
-#: whose totals are `totals` (a device grid ``device_matrix + local`` with size 1 along
-#: `axes` and along any axis over which the totals repeat); `stack` becomes read-only.
+#: id(stack) -> (weak reference to the stack, totals, device matrix, summed axes): the
+#: registry kept in C (``_core._dp.TOTALS``; ``remember_totals`` documented there), so
+#: the data-parallel dispatch records the equal shares it makes without a Python call
 _TOTALS = TOTALS
 
 
