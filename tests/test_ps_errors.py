@@ -239,17 +239,25 @@ def test_ps_push_of_wrong_shapes_refused():
     g = _Group("opt0", keys, opts)
     assert len(opts) == 2                           # the sparse table has its own optimizer
     ids, rows = np.array([1, 4]), np.zeros((2, 2), np.float32)
+    cached = np.array([4, 9])
     grad = np.ones((4, 3), np.float32)
-    assert split_push(g, [grad, ids, rows], "w")[0] is grad
-    with pytest.raises(PSError, match=r"push from worker 1: 2 arrays for 2 shard\(s\) of opt0; "
-                                      r"expected 3"):
-        split_push(g, [grad, ids], "push from worker 1")
+    assert split_push(g, [grad, ids, rows, cached], "w")[0] is grad
+    with pytest.raises(PSError, match=r"push from worker 1: 3 arrays for 2 shard\(s\) of opt0; "
+                                      r"expected 4"):
+        split_push(g, [grad, ids, rows], "push from worker 1")
     with pytest.raises(PSError, match=r"push from worker 1: the gradient of 'fc.weight' has "
                                       r"shape \(3, 4\); the shard has shape \(4, 3\)"):
-        split_push(g, [grad.T.copy(), ids, rows], "push from worker 1")
+        split_push(g, [grad.T.copy(), ids, rows, cached], "push from worker 1")
     with pytest.raises(PSError, match=r"the rows of 'table' have shape \(2, 3\) for \(2,\) "
                                       r"ids; expected rows of shape \(2,\)"):
-        split_push(g, [grad, ids, np.zeros((2, 3), np.float32)], "push from worker 1")
-    with pytest.raises(PSError, match=r"the ids of 'table' must be integers in this "
-                                      r"server's rows \[0, 10\), got int64 ids in \[1, 12\]"):
-        split_push(g, [grad, np.array([1, 12]), rows], "push from worker 1")
+        split_push(g, [grad, ids, np.zeros((2, 3), np.float32), cached], "push from worker 1")
+    with pytest.raises(PSError, match=r"the ids of 'table' must be a 1-D array of integers in "
+                                      r"this server's rows \[0, 10\), got int64 \(2,\) in "
+                                      r"\[1, 12\]"):
+        split_push(g, [grad, np.array([1, 12]), rows, cached], "push from worker 1")
+    with pytest.raises(PSError, match=r"the cached ids of 'table' must be a 1-D array of "
+                                      r"integers in this server's rows \[0, 10\), got "
+                                      r"float64 \(1,\) in \[2.0, 2.0\]"):
+        split_push(g, [grad, ids, rows, np.array([2.0])], "push from worker 1")
+    with pytest.raises(PSError, match=r"the cached ids of 'table' .* got int64 \(1, 1\)"):
+        split_push(g, [grad, ids, rows, np.array([[2]])], "push from worker 1")

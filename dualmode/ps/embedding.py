@@ -3,12 +3,12 @@
 Each forward pass looks at the de-duplicated ids of its batch. Without a cache
 (``vocab_cache_size=0``) their rows are pulled from the servers (only those rows) into
 the worker's table before the lookup; with a cache of K rows, the rows used most
-recently (at most K) stay valid on the worker and only the others are pulled. After
-each optimizer step the servers answer with the rows the step changed (the union over
-all workers in sync mode), and the cached ones are overwritten with them, so a cached
-row always equals the server's: results equal the uncached run. The gradient pushed for
-the table is its rows at the ids used since the last step (de-duplicated), and the
-servers update those rows only.
+recently (at most K) stay valid on the worker and only the others are pulled. The
+gradient pushed for the table is its rows at the ids used since the last step
+(de-duplicated), with the cached ids; the servers' step is the dense one (see
+:mod:`.server`), and their answer carries the cached rows that changed since they last
+answered this worker, which overwrite the cached ones. So a cached row always equals the
+server's: results equal the uncached run and the single device.
 """
 from __future__ import annotations
 
@@ -29,12 +29,15 @@ class RowCache:
         self.lru: "collections.OrderedDict[int, None]" = collections.OrderedDict()
         self.touched: List[np.ndarray] = []
 
+    def cached_ids(self) -> np.ndarray:
+        """The ids whose rows are valid here (int64, least recently used first)."""
+        return np.fromiter(self.lru.keys(), dtype=np.int64, count=len(self.lru))
+
     def to_pull(self, uniq: np.ndarray) -> np.ndarray:
         """The ids among `uniq` whose rows are not valid here."""
         if not self.capacity or not self.lru:
             return uniq
-        cached = np.fromiter(self.lru.keys(), dtype=np.int64, count=len(self.lru))
-        return uniq[~np.isin(uniq, cached)]
+        return uniq[~np.isin(uniq, self.cached_ids())]
 
     def use(self, uniq: np.ndarray) -> None:
         """Mark `uniq` as used now (cached, most recent) and to be pushed."""

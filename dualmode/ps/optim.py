@@ -24,7 +24,7 @@ from .._core import _ps_kernels
 from ..tensor import Parameter
 
 __all__ = ["register_optimizer_class", "optimizer_spec", "build_optimizer", "state_arrays",
-           "optimizer_meta", "restore_optimizer", "fusable", "fused_step",
+           "optimizer_meta", "restore_optimizer", "row_local", "fusable", "fused_step",
            "fused_update_reference"]
 
 #: optimizer class name -> class (registered by dualmode.nn.Optimizer.__init_subclass__)
@@ -124,6 +124,15 @@ def unswap_rows(saved, rows: np.ndarray) -> None:
         full[rows] = t._data
         t._data = full
         t._shape = full.shape
+
+
+def row_local(opt) -> bool:
+    """Whether `opt`'s step leaves every row whose gradient is zero as it was, so that a
+    sparse table's step may run on the rows a step used alone: plain SGD (no momentum)
+    without weight decay. Momentum and Adam move a row through their state, and weight
+    decay moves every row."""
+    return type(opt).__name__ == "SGD" and _CLASSES.get("SGD") is type(opt) and \
+        opt.momentum == 0.0 and not any(opt._decay)
 
 
 def fusable(opt) -> bool:

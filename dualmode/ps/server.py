@@ -11,11 +11,13 @@ A **group** is the set of shards one optimizer of the workers owns on this serve
 ``init``       the group's shards (names, shapes, optimizer spec) with the worker's
                initial values; the first worker's values are kept, and a worker whose
                values differ is refused (seed every worker alike). Answer: the values.
-``push``       one step's gradients (dense arrays, or ids and rows for a sparse
-               table). sync: the step is applied when every live worker has pushed it,
-               with the mean of their gradients; async: at once (a gradient more than
+``push``       one step's gradients (dense arrays; for a sparse table the ids used
+               since the last push, their rows, and the ids the worker keeps cached).
+               sync: the step is applied when every live worker has pushed it, with
+               the mean of their gradients; async: at once (a gradient more than
                ``staleness`` versions old is dropped). Answer, once applied: the new
-               values (for a sparse table: the rows the step changed).
+               values (for a sparse table: the worker's cached rows that changed since
+               this server last answered it).
 ``pull_rows``  rows of a sparse table by id.
 
 No copies on the way: a push's arrays are views of the received frames, and the answer
@@ -37,6 +39,14 @@ copy to update instead.
 With DM_RECOVERY_PATH set, the shards, optimizer states and versions are written to
 ``<path>/server_<id>.safetensors`` (atomically) after every ``recovery_interval``
 applied steps; a server restarted by hand loads it and goes on from there.
+
+A sparse table's step is the dense one: the workers push only the rows they used, and
+the server applies its optimizer to the whole shard with zero gradients elsewhere
+(Momentum, Adam and weight decay also move rows a step did not use, as on one device),
+except for plain SGD (:func:`.optim.row_local`), whose step on the used rows alone is
+the same. Each row remembers the version that last changed it, and each worker the
+version of its last answer, so an answer carries the cached rows that are out of date
+on that worker, in sync and async mode alike.
 """
 from __future__ import annotations
 
@@ -55,7 +65,7 @@ from .. import context
 from ..tensor import Parameter, Tensor
 from .env import ClusterEnv
 from .optim import (build_optimizer, fusable, fused_step, optimizer_meta, restore_optimizer,
-                    state_arrays, swap_rows, unswap_rows)
+                    row_local, state_arrays, swap_rows, unswap_rows)
 from .scheduler import log
 from .transport import (_DTYPE_OF, PSError, Template, answer_template, decode, local_host,
                         push_template, recv, recv_frames, send, send_encoded, send_tracked)
@@ -79,7 +89,10 @@ class _Key:
     opt: Any                          # the optimizer updating this shard
     slot: int                         # the shard's index in opt.parameters
     fused: bool = False               # updated by fused_step (never in place)
-    changed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: a sparse table: the version that last changed each row of the shard
+    row_version: Optional[np.ndarray] = None
+    #: a sparse table whose optimizer's step runs on the used rows alone (row_local)
+    row_local: bool = False
     sending: list = field(default_factory=list)      # trackers of replies of param._data
 
     @property
@@ -94,13 +107,18 @@ class _Group:
     opts: List[Tuple[Any, List[int]]]   # each optimizer, with the indices of its keys
     version: int = 0
     pending: Dict[int, Dict[int, List[np.ndarray]]] = field(default_factory=dict)
-    owed: Dict[int, List[Tuple[bytes, dict]]] = field(default_factory=dict)
+    #: step -> the pushes to answer once it is applied: (identity, header, the ids
+    #: each sparse shard's pusher keeps cached)
+    owed: Dict[int, List[Tuple[bytes, dict, list]]] = field(default_factory=dict)
     since_checkpoint: int = 0
     dropped: int = 0
     #: the header of the answers to pushes, encoded once (dense shards only), else None
     answer_template: Optional[Template] = None
     #: every shard is updated fused (its answers are not tracked)
     all_fused: bool = False
+    #: worker -> the version of this group's last answer to it (sparse tables' rows
+    #: changed after it are out of date in that worker's cache)
+    answered: Dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         dense = not any(k.sparse for k in self.keys)
@@ -120,7 +138,7 @@ def _public_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
 def _make_keys(specs: List[Dict[str, Any]], values: List[np.ndarray]):
     """The shards `specs` with their initial `values`, and their optimizers: the dense
     shards that share an optimizer spec share one optimizer (one call per step updates
-    them all); a sparse table has its own (its update runs on the rows a step touched)."""
+    them all); a sparse table has its own."""
     params = [Parameter(Tensor._from_array(np.array(v, dtype=spec["dtype"])), name=spec["name"])
               for spec, v in zip(specs, values)]
     buckets: Dict[Any, List[int]] = {}
@@ -132,16 +150,21 @@ def _make_keys(specs: List[Dict[str, Any]], values: List[np.ndarray]):
     for idx in buckets.values():
         opt = build_optimizer(specs[idx[0]]["opt"], [params[k] for k in idx])
         opts.append((opt, idx))
-        fused = not specs[idx[0]].get("sparse") and fusable(opt)
+        sparse = bool(specs[idx[0]].get("sparse"))
+        fused = not sparse and fusable(opt)
         for slot, k in enumerate(idx):
             keys[k] = _Key(specs[k], params[k], opt, slot, fused)
+            if sparse:
+                keys[k].row_version = np.zeros(params[k].shape[0], np.int64)
+                keys[k].row_local = row_local(opt)
     return keys, opts
 
 
 def split_push(g: _Group, arrays: List[np.ndarray], where: str) -> list:
-    """The pushed arrays per key (a sparse key: its ids and rows), checked against
-    the shards' shapes before anything changes (PSError naming the shard)."""
-    need = sum(2 if key.sparse else 1 for key in g.keys)
+    """The pushed arrays per key (a sparse key: its ids, their rows and the ids the
+    worker keeps cached), checked against the shards' shapes before anything changes
+    (PSError naming the shard)."""
+    need = sum(3 if key.sparse else 1 for key in g.keys)
     if need != len(arrays):
         raise PSError(f"{where}: {len(arrays)} arrays for {len(g.keys)} shard(s) of "
                       f"{g.gid}; expected {need}")
@@ -149,19 +172,15 @@ def split_push(g: _Group, arrays: List[np.ndarray], where: str) -> list:
     for key in g.keys:
         shape = key.param._data.shape
         if key.sparse:
-            ids, rows = arrays[i], arrays[i + 1]
+            ids, rows, cached = arrays[i:i + 3]
             if ids.ndim != 1 or rows.shape != ids.shape + shape[1:]:
                 raise PSError(f"{where}: the rows of {key.spec['name']!r} have shape "
                               f"{rows.shape} for {ids.shape} ids; expected rows of "
                               f"shape {shape[1:]}")
-            lo, hi = key.spec["rows"]
-            if ids.dtype.kind not in "iu" or (len(ids) and (ids.min() < lo or ids.max() >= hi)):
-                raise PSError(f"{where}: the ids of {key.spec['name']!r} must be integers in "
-                              f"this server's rows [{lo}, {hi}), got {ids.dtype} ids in "
-                              f"[{ids.min() if len(ids) else '-'}, "
-                              f"{ids.max() if len(ids) else '-'}]")
-            out.append((ids, rows))
-            i += 2
+            _check_ids(where, key, "ids", ids)
+            _check_ids(where, key, "cached ids", cached)
+            out.append((ids, rows, cached))
+            i += 3
         else:
             if arrays[i].shape != shape:
                 raise PSError(f"{where}: the gradient of {key.spec['name']!r} has shape "
@@ -169,6 +188,17 @@ def split_push(g: _Group, arrays: List[np.ndarray], where: str) -> list:
             out.append(arrays[i])
             i += 1
     return out
+
+
+def _check_ids(where: str, key: _Key, what: str, ids: np.ndarray) -> None:
+    """PSError unless `ids` is a 1-D integer array of rows of `key`'s shard."""
+    lo, hi = key.spec["rows"]
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or \
+            (len(ids) and (ids.min() < lo or ids.max() >= hi)):
+        raise PSError(f"{where}: the {what} of {key.spec['name']!r} must be a 1-D array of "
+                      f"integers in this server's rows [{lo}, {hi}), got {ids.dtype} "
+                      f"{ids.shape} in [{ids.min() if ids.size else '-'}, "
+                      f"{ids.max() if ids.size else '-'}]")
 
 
 def make_writable(key: _Key) -> None:
@@ -251,7 +281,6 @@ class _Server:
             keys = []
             for k, key in enumerate(g.keys):
                 tensors[f"{gid}/{k}/value"] = key.param._data
-                tensors[f"{gid}/{k}/changed"] = key.changed
                 for name, arr in state_arrays(key.opt, key.slot).items():
                     tensors[f"{gid}/{k}/state/{name}"] = arr
                 keys.append({"spec": key.spec, "opt": optimizer_meta(key.opt, key.slot)})
@@ -284,7 +313,6 @@ class _Server:
                 states = {name.rsplit("/", 1)[1]: arr for name, arr in arrays.items()
                           if name.startswith(f"{gid}/{k}/state/")}
                 restore_optimizer(key.opt, key.slot, km["opt"], states)
-                key.changed = arrays[f"{gid}/{k}/changed"]
             self.groups[gid] = _Group(gid, keys, opts, version=gm["version"])
         log("server", f"server {self.id} resumed from {path}: " + ", ".join(
             f"{gid} at step {g.version}" for gid, g in self.groups.items()))
@@ -335,6 +363,7 @@ class _Server:
             seen = self.pushes.setdefault(ident, [])
             if all(t[1] != gid for t in seen):
                 seen.append((push_template(gid, worker, g.specs()), gid, worker))
+        cached = [t[2] if key.sparse else None for key, t in zip(g.keys, grads)]
         if self.cfg.mode == "async":
             if self.cfg.staleness is not None and g.version - head["base"] > self.cfg.staleness:
                 g.dropped += 1
@@ -342,13 +371,13 @@ class _Server:
                     f"step {head['base']} (now {g.version}; staleness={self.cfg.staleness})")
             else:
                 self.apply(g, [grads], mean=False)
-            return self.answer(ident, head, g, head.get("want_rows"))
+            return self.answer(ident, head, g, cached)
         if step < g.version:              # pushed again after a restart: already applied
-            return self.answer(ident, head, g, head.get("want_rows"))
+            return self.answer(ident, head, g, cached)
         if step > g.version:
             return self.reply(ident, head, {"op": "replay", "version": g.version})
         g.pending.setdefault(step, {})[worker] = grads
-        g.owed.setdefault(step, []).append((ident, head))
+        g.owed.setdefault(step, []).append((ident, head, cached))
         self.maybe_apply(g)
 
     def maybe_apply(self, g: _Group) -> None:
@@ -358,8 +387,8 @@ class _Server:
             return
         self.apply(g, [got[w] for w in sorted(got)], mean=True)
         g.pending.pop(step, None)
-        for ident, head in g.owed.pop(step, []):
-            self.answer(ident, head, g, head.get("want_rows"))
+        for ident, head, cached in g.owed.pop(step, []):
+            self.answer(ident, head, g, cached)
 
     def apply(self, g: _Group, pushes: list, mean: bool) -> None:
         """One step of `g`'s optimizers with the sum (`mean`: the mean) of `pushes`
@@ -383,12 +412,20 @@ class _Server:
                 if mean and n > 1:
                     grad /= n
                 local = uniq - first.spec["rows"][0]
-                saved = swap_rows(opt, first.slot, local)
-                try:
-                    opt((Tensor._from_array(grad),))
-                finally:
-                    unswap_rows(saved, local)
-                first.changed = uniq
+                if first.row_local:
+                    # the step on the used rows alone is the dense step
+                    saved = swap_rows(opt, first.slot, local)
+                    try:
+                        opt((Tensor._from_array(grad),))
+                    finally:
+                        unswap_rows(saved, local)
+                    first.row_version[local] = g.version + 1
+                else:
+                    # the dense step: zero gradients in the rows no worker used
+                    dense = np.zeros(first.param.shape, first.param.dtype)
+                    dense[local] = grad
+                    opt((Tensor._from_array(dense),))
+                    first.row_version[:] = g.version + 1
             else:
                 grads = []
                 for k in idx:
@@ -410,7 +447,10 @@ class _Server:
             self.checkpoint()
             g.since_checkpoint = 0
 
-    def answer(self, ident: bytes, head: dict, g: _Group, want_rows) -> None:
+    def answer(self, ident: bytes, head: dict, g: _Group, cached: list) -> None:
+        """The new values after a push: every dense shard, and of each sparse one the
+        rows among the pusher's `cached` ids (per key; None for a dense one) that
+        changed since this group last answered that worker."""
         req = head.get("req")
         if g.all_fused and g.answer_template is not None and type(req) is int:
             # the shards' new buffers, never written again: sent as they are
@@ -419,20 +459,18 @@ class _Server:
             self.pull_bytes += g.answer_template.nbytes
             return
         arrays, sent = [], []
+        since = g.answered.get(head["worker"], -1)
         for k, key in enumerate(g.keys):
             if key.sparse:
-                if want_rows and want_rows[k]:
-                    ids = key.changed
-                    arrays += [ids, key.param._data[ids - key.spec["rows"][0]]]
-                    sent += [None, None]
-                else:
-                    arrays += [np.zeros(0, np.int64),
-                               np.zeros((0,) + key.param._data.shape[1:], key.param._data.dtype)]
-                    sent += [None, None]
+                local = cached[k] - key.spec["rows"][0]
+                local = local[key.row_version[local] > since]
+                arrays += [local + key.spec["rows"][0], key.param._data[local]]
+                sent += [None, None]
             else:
                 arrays.append(key.param._data)
                 sent.append(None if key.fused else key)
         self.reply(ident, head, {"op": "pulled", "version": g.version}, arrays, sent)
+        g.answered[head["worker"]] = g.version
 
     def on_pull_rows(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
         g = self.groups.get(head["group"])

@@ -147,8 +147,8 @@ def push_template(group: str, worker: int,
     """The header of worker `worker`'s pushes of the dense shards `specs` (dtype name,
     shape) of optimizer group `group` to one server: per push its step, the version its
     gradients were computed on and the request id."""
-    return Template({"op": "push", "group": group, "worker": worker,
-                     "want_rows": [False] * len(specs)}, specs, ("step", "base", "req"))
+    return Template({"op": "push", "group": group, "worker": worker}, specs,
+                    ("step", "base", "req"))
 
 
 def answer_template(specs: Sequence[Tuple[str, Sequence[int]]]) -> Template:

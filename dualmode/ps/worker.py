@@ -387,22 +387,24 @@ class WorkerClient:
                                                                 params[sh.index].dtype)
                                                     for sh in lst], *templates)
                 continue
-            arrays, want = [], []
+            arrays = []
             for sh in lst:
                 g = gradients[sh.index]
                 g = g._value() if isinstance(g, TensorBase) else np.asarray(g)
                 p = params[sh.index]
                 if sh.sparse:
+                    # the rows used since the last push, and the cached ids (the
+                    # answer refreshes those of them that changed)
                     cache = self.sparse.get(id(p))
-                    ids = cache.touched_ids() if cache is not None else np.zeros(0, np.int64)
+                    ids, cached = (cache.touched_ids(), cache.cached_ids()) \
+                        if cache is not None else (np.zeros(0, np.int64),) * 2
                     ids = ids[(ids >= sh.rows[0]) & (ids < sh.rows[1])]
-                    arrays += [ids, np.asarray(g[ids], p.dtype)]
-                    want.append(bool(cache is not None and cache.capacity))
+                    cached = cached[(cached >= sh.rows[0]) & (cached < sh.rows[1])]
+                    arrays += [ids, np.asarray(g[ids], p.dtype), cached]
                 else:
                     part = g if sh.rows is None else g[sh.rows[0]:sh.rows[1]]
                     arrays.append(np.asarray(part, p.dtype))
-                    want.append(False)
-            requests[k] = _Request(dict(head, want_rows=want), arrays)
+            requests[k] = _Request(dict(head), arrays)
         for i in held:
             cache = self.sparse.get(id(params[i]))
             if cache is not None:
