@@ -321,3 +321,73 @@ def test_ps_make_writable_copies_a_shard_still_being_sent():
     key.sending = [SimpleNamespace(done=True)]
     make_writable(key)
     assert key.param._data is kept
+
+
+def test_ps_sparse_answers_carry_the_cached_rows_that_changed():
+    """A server's step of a sparse table is the dense one, and each answer carries the
+    pusher's cached rows changed since that worker's last answer: with Adam every row
+    moves (zero gradients still move rows through the moments), with plain SGD only the
+    used ones. Values against the single-device optimizer on dense gradients; no
+    processes (the server's handlers with its reply captured)."""
+    from types import SimpleNamespace
+
+    import dualmode as dm
+    from dualmode.ps.server import _Group, _make_keys, _Server
+    from dualmode.tensor import Parameter, Tensor
+
+    specs = []
+    for name, opt in (("adam_table", {"cls": "Adam", "hyper": {"beta1": 0.9, "beta2": 0.999,
+                                                                 "eps": 1e-8,
+                                                                 "use_nesterov": False}}),
+                      ("sgd_table", {"cls": "SGD", "hyper": {"momentum": 0.0, "dampening": 0.0,
+                                                               "nesterov": False}})):
+        opt.update(loss_scale=1.0, lr=0.1, weight_decay=0.0)
+        specs.append({"name": name, "shape": [10, 2], "dtype": "float32", "rows": [0, 10],
+                      "sparse": True, "opt": opt})
+    rng = np.random.default_rng(3)
+    init = [rng.standard_normal((10, 2)).astype(np.float32) for _ in specs]
+    keys, opts = _make_keys(specs, [v.copy() for v in init])
+    assert [k.row_local for k in keys] == [False, True]
+    server = _Server.__new__(_Server)
+    server.groups = {"opt0": _Group("opt0", keys, opts)}
+    server.cfg = SimpleNamespace(mode="sync", staleness=None, recovery_interval=1)
+    server.env = SimpleNamespace(recovery_path=None)
+    server.live, server.pushes, server.push_bytes = {0, 1}, {}, 0
+    answers = {}
+    server.reply = lambda ident, req, head, arrays=(), sent=None: \
+        answers.__setitem__(req["worker"], [np.array(a) for a in arrays])
+
+    refs = [Parameter(Tensor(v.copy()), name=f"ref{i}") for i, v in enumerate(init)]
+    ref_opts = [dm.nn.Adam([refs[0]], learning_rate=0.1), dm.nn.SGD([refs[1]], learning_rate=0.1)]
+    cached = {0: np.array([1, 3, 7]), 1: np.array([9])}
+    steps = [{0: [1, 3], 1: [3, 5]}, {0: [1], 1: [9]}]
+    for step, used in enumerate(steps):
+        dense = np.zeros((10, 2), np.float32)
+        for w in (0, 1):
+            ids = np.array(used[w])
+            rows = rng.standard_normal((len(ids), 2)).astype(np.float32)
+            dense_w = np.zeros((10, 2), np.float32)
+            dense_w[ids] = rows
+            dense = dense + dense_w
+            head = {"op": "push", "group": "opt0", "worker": w, "step": step, "base": step,
+                    "req": step}
+            server.on_push(bytes([w]), head, [ids, rows, cached[w]] * 2)
+        for ref, opt in zip(refs, ref_opts):
+            opt((Tensor(dense / 2),))
+        for w in (0, 1):
+            adam_ids, adam_rows, sgd_ids, sgd_rows = answers[w]
+            # Adam: every cached row moved; SGD: the cached rows some worker used this
+            # step (the first answer carries every cached row)
+            want_sgd = cached[w] if step == 0 else \
+                np.intersect1d(cached[w], np.concatenate([used[0], used[1]]))
+            np.testing.assert_array_equal(adam_ids, cached[w])
+            np.testing.assert_array_equal(sgd_ids, want_sgd)
+            np.testing.assert_allclose(adam_rows, refs[0].asnumpy()[adam_ids], rtol=1e-6)
+            np.testing.assert_allclose(sgd_rows, refs[1].asnumpy()[sgd_ids], rtol=1e-6)
+        if step == 0:
+            after_first = [k.param._data.copy() for k in keys]
+    for key, ref in zip(keys, refs):
+        np.testing.assert_allclose(key.param._data, ref.asnumpy(), rtol=1e-6, atol=1e-7)
+    # row 5, used in the first step only, moved in the second under Adam, not under SGD
+    assert not np.array_equal(keys[0].param._data[5], after_first[0][5])
+    np.testing.assert_array_equal(keys[1].param._data[5], after_first[1][5])
