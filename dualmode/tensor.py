@@ -490,6 +490,18 @@ class Parameter(DeclaredShape, Tensor):
         servers."""
         return bool(self.__dict__.get("_ps", False))
 
+    def _check_param_ps(self, init_in_server) -> None:
+        """The errors of ``set_param_ps(init_in_server)``, raised before anything is
+        marked."""
+        if not isinstance(init_in_server, bool):
+            raise TypeError(f"Parameter {self.name}: set_param_ps(init_in_server="
+                            f"{init_in_server!r}) needs a bool")
+        if init_in_server and not self.__dict__.get("ps_sparse", False):
+            raise ValueError(f"Parameter {self.name}: set_param_ps(init_in_server=True) is "
+                             "supported for the embedding_table of an nn.EmbeddingLookup "
+                             "with sparse=True only; other weights are initialised on the "
+                             "workers (init_in_server=False)")
+
     def set_param_ps(self, init_in_server: bool = False):
         """Hold this weight on the parameter servers (parameter server mode, SPEC §6):
         workers push its gradient and pull its new value at each optimizer call.
@@ -499,16 +511,15 @@ class Parameter(DeclaredShape, Tensor):
         Parameters
         ----------
         init_in_server : bool
-            Must be False: the value is initialised on the workers (all alike, from the
-            same seed) and sent to the servers at the first optimizer call.
+            False: the value is initialised on the workers (all alike, from the same
+            seed) and sent to the servers at the first optimizer call. True (as in
+            MindSpore, only for the ``embedding_table`` of an ``nn.EmbeddingLookup``
+            with ``sparse=True``): each server makes its rows from the table's
+            initializer, the same values bit for bit, and a worker never makes or holds
+            the whole table, only the rows it looks up.
         """
-        if not isinstance(init_in_server, bool):
-            raise TypeError(f"Parameter {self.name}: set_param_ps(init_in_server="
-                            f"{init_in_server!r}) needs a bool")
-        if init_in_server:
-            raise ValueError(f"Parameter {self.name}: set_param_ps(init_in_server=True) is "
-                             "not supported; dualmode initialises server-held weights on the "
-                             "workers (init_in_server=False) and sends them to the servers")
+        self._check_param_ps(init_in_server)
+        self.__dict__["ps_init_in_server"] = init_in_server
         self.__dict__["_ps"] = True
         return self
 

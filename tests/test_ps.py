@@ -145,6 +145,31 @@ def test_ps_embedding_sparse_equals_single_device(cache, opt, tmp_path):
         assert "embedding_table(20, 6)" in c.log("server_0") + c.log("server_1")
 
 
+@pytest.mark.parametrize("cache", [0, 8])
+def test_ps_embedding_initialised_on_the_servers(cache, tmp_path):
+    """set_param_ps(init_in_server=True) on the table: each server makes its rows from
+    the table's initializer; the workers make only the rows they look up before the
+    first step and then pull them. The losses (the first one included) and the
+    weights equal the single device, which makes the whole table; each worker's own
+    table holds only rows it used."""
+    cfg = {"opt": "adam", "steps": 4, "embed": True, "cache": cache, "init_in_server": True}
+    with Cluster(tmp_path, cfg) as c:
+        c.start_all()
+        assert set(c.wait().values()) == {0}, c.all_logs()
+        mod = program()
+        ref_losses, ref_weights = mod.reference(cfg, workers=2)
+        for rank in (0, 1):
+            _assert_weights(c.result(rank)[2], ref_weights)
+            used = np.concatenate([mod.batch(s, rank, 2, 4)[1].asnumpy().ravel()
+                                   for s in range(cfg["steps"])])
+            held = np.load(os.path.join(tmp_path, f"worker_{rank}_held_rows.npy"))
+            assert 0 < len(held) < mod.VOCAB and set(held.tolist()) <= set(used.tolist())
+        mean = (c.result(0)[0] + c.result(1)[0]) / 2
+        np.testing.assert_allclose(mean, ref_losses, rtol=1e-5)
+        logs = c.log("server_0") + c.log("server_1")
+        assert logs.count("embedding_table(20, 6) (initialised here)") == 2, logs
+
+
 def test_ps_killed_worker_job_goes_on(tmp_path):
     """Worker 1 dies at step 3: after the heartbeat timeout the servers apply the steps
     with worker 0 alone, and say so."""

@@ -164,10 +164,43 @@ def test_ps_parameter_marks():
     assert net.set_param_ps() is net
     assert net.weight.is_param_ps and net.bias.is_param_ps
     with pytest.raises(ValueError, match=r"Parameter weight: set_param_ps\(init_in_server=True"
-                                         r"\) is not supported"):
+                                         r"\) is supported for the embedding_table of an "
+                                         r"nn.EmbeddingLookup with sparse=True only"):
         net.weight.set_param_ps(init_in_server=True)
     with pytest.raises(TypeError, match=r"set_param_ps\(init_in_server='yes'\) needs a bool"):
         net.weight.set_param_ps(init_in_server="yes")
+    assert net.weight.__dict__["ps_init_in_server"] is False       # unchanged
+    dense = nn.EmbeddingLookup(10, 3, sparse=False)
+    with pytest.raises(ValueError, match=r"embedding_table: set_param_ps\(init_in_server=True"):
+        dense.embedding_table.set_param_ps(init_in_server=True)
+
+
+def test_ps_init_in_server_marks():
+    """A cell marks its weights init_in_server only when every one can take it (else
+    nothing is marked); a table whose value this process already made cannot be
+    initialised on the servers."""
+    from dualmode.ps.embedding import server_initialised
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.lookup = nn.EmbeddingLookup(10, 3)
+            self.fc = nn.Dense(3, 2)
+
+    net = Net()
+    with pytest.raises(ValueError, match=r"Parameter fc.weight: set_param_ps\(init_in_server"):
+        net.set_param_ps(init_in_server=True)
+    assert not any(p.is_param_ps for p in net.trainable_params())
+    table = net.lookup.embedding_table
+    assert server_initialised(table) is None                  # not marked
+    net.lookup.set_param_ps(init_in_server=True)
+    assert table.is_param_ps and not net.fc.weight.is_param_ps
+    # outside a parameter server worker the table was made at once: the mark cannot
+    # keep this process from making it
+    with pytest.raises(RuntimeError, match=r"Parameter lookup.embedding_table: set_param_ps\("
+                                           r"init_in_server=True\), but this worker already "
+                                           r"made the table's value"):
+        server_initialised(table)
 
 
 def test_ps_optimizer_that_cannot_run_on_servers():

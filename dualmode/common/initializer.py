@@ -31,7 +31,7 @@ from ..tensor import DeclaredShape, Tensor
 from . import dtype as _dt
 
 __all__ = ["initializer", "Initializer", "Normal", "Uniform", "Zero", "One", "Constant",
-           "XavierUniform", "HeUniform", "HeNormal"]
+           "XavierUniform", "HeUniform", "HeNormal", "describe", "described"]
 
 _MASK64 = (1 << 64) - 1
 _KEY_TAG = 0x74696E69                   # "init": the key-derivation counter's high words
@@ -327,6 +327,50 @@ _NAMED = {
     "one": One, "xavier_uniform": XavierUniform, "he_uniform": HeUniform,
     "he_normal": HeNormal,
 }
+
+
+#: the initializers that can be described to another process (describe / described)
+_DESCRIBABLE = {cls.__name__: cls for cls in (Normal, Uniform, Zero, One, Constant,
+                                              XavierUniform, HeUniform, HeNormal)}
+
+
+def describe(init: Initializer) -> dict:
+    """A JSON-able description of the bound initializer `init` (its class, arguments and
+    key), from which :func:`described` rebuilds it in another process, where any block
+    of its tensor is the same bit for bit. ValueError naming the initializer when it
+    cannot be described (a user subclass, an unbound random one, a non-scalar
+    argument)."""
+    name = type(init).__name__
+    if _DESCRIBABLE.get(name) is not type(init):
+        raise ValueError(f"{name} cannot be described to another process; expected one of "
+                         + ", ".join(_DESCRIBABLE))
+    if init._random and init._key is None:
+        raise ValueError(f"{name} is not bound to a key (Initializer.bind); its values would "
+                         "differ between processes")
+    args = {}
+    for k, v in vars(init).items():
+        if k.startswith("_"):
+            continue
+        if isinstance(v, np.generic):
+            v = v.item()
+        if not isinstance(v, (bool, int, float, str)):
+            raise ValueError(f"{name}: argument {k}={v!r} cannot be described to another "
+                             "process; expected a number or a string")
+        args[k] = v
+    return {"cls": name, "args": args, "key": init._key}
+
+
+def described(desc: dict) -> Initializer:
+    """The initializer :func:`describe` described (ValueError for an unknown class)."""
+    cls = _DESCRIBABLE.get(desc.get("cls"))
+    if cls is None:
+        raise ValueError(f"initializer class {desc.get('cls')!r} is not known; expected one "
+                         f"of {', '.join(_DESCRIBABLE)}")
+    init = cls.__new__(cls)
+    vars(init).update(desc["args"])
+    if desc.get("key") is not None:
+        init._key = int(desc["key"])
+    return init
 
 
 class _DelayedTensor(DeclaredShape, Tensor):

@@ -291,10 +291,13 @@ class Cell:
 
     def set_param_ps(self, recurse: bool = True, init_in_server: bool = False) -> "Cell":
         """Hold every trainable weight of this cell (and its descendants when `recurse`)
-        on the parameter servers (``Parameter.set_param_ps``); returns self."""
-        for param in self.get_parameters(expand=recurse):
-            if param.requires_grad:
-                param.set_param_ps(init_in_server)
+        on the parameter servers (``Parameter.set_param_ps``); returns self. A weight
+        that cannot take `init_in_server` is refused before any is marked."""
+        params = [p for p in self.get_parameters(expand=recurse) if p.requires_grad]
+        for param in params:
+            param._check_param_ps(init_in_server)
+        for param in params:
+            param.set_param_ps(init_in_server)
         return self
 
     # ---- copying -----------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Embedding: a lookup table of learnable vectors indexed by integer ids."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .. import ops
@@ -8,7 +10,7 @@ from ..ps.embedding import RowCache, before_lookup
 from ..ps.worker import active_worker
 from ..common import dtype as _dt
 from ..common.initializer import Initializer, _as_init
-from ..tensor import Tensor
+from ..tensor import Tensor, no_init_parameters
 from ._checks import check_bool, check_int, check_tensor
 from .basic import make_parameter
 from .cell import Cell
@@ -116,7 +118,11 @@ class EmbeddingLookup(Cell):
     ``sparse=True`` a step pushes and pulls only the rows of the batch's de-duplicated
     ids, and ``vocab_cache_size=K`` keeps the K most recently used rows valid on the
     worker so only the others are pulled (the servers' changes to cached rows come back
-    with each step: results equal the uncached run). See ``dualmode.ps.embedding``.
+    with each step: results equal the uncached run). With
+    ``embedding_table.set_param_ps(init_in_server=True)`` the servers make their rows
+    from the table's initializer and the worker never makes the whole table, only the
+    rows it looks up (build the network after ``init()``). See
+    ``dualmode.ps.embedding``.
 
     Parameters
     ----------
@@ -167,9 +173,13 @@ class EmbeddingLookup(Cell):
         if self.dtype.kind not in "iu":
             raise TypeError(f"{owner}: dtype {self.dtype} is the dtype of the ids and must be "
                             "an integer dtype (int32 or int64)")
-        self.embedding_table = make_parameter(owner, "param_init", param_init,
-                                              (self.vocab_size, self.embedding_size),
-                                              _dt.float32, "embedding_table")
+        # on a parameter server worker the table is made when first read, so that one
+        # the servers initialise (set_param_ps(init_in_server=True)) is never made here
+        with no_init_parameters() if active_worker() is not None else \
+                contextlib.nullcontext():
+            self.embedding_table = make_parameter(owner, "param_init", param_init,
+                                                  (self.vocab_size, self.embedding_size),
+                                                  _dt.float32, "embedding_table")
         table = self.embedding_table
         table.ps_split = True              # split by rows over the servers
         table.ps_sparse = self.sparse

@@ -13,11 +13,13 @@ server's: results equal the uncached run and the single device.
 from __future__ import annotations
 
 import collections
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
-__all__ = ["RowCache", "before_lookup"]
+from ..common.initializer import Initializer
+
+__all__ = ["RowCache", "before_lookup", "server_initialised"]
 
 
 class RowCache:
@@ -69,12 +71,42 @@ class RowCache:
             param._value()[ids[keep]] = rows[keep]
 
 
+def server_initialised(param) -> Optional[Initializer]:
+    """The initializer of the table `param` when the servers initialise it
+    (``set_param_ps(init_in_server=True)``), else None. The first time, the worker's
+    table, still delayed (an ``EmbeddingLookup`` built on a worker makes it so), gets
+    zeros for storage (pages the system maps only as rows are written) instead of its
+    value, and its initializer is kept; RuntimeError when the value was already made."""
+    if not param.__dict__.get("ps_init_in_server"):
+        return None
+    init = param.__dict__.get("ps_initializer")
+    if init is None:
+        if param._data is not None or param._init is None:
+            raise RuntimeError(f"Parameter {param.name}: set_param_ps(init_in_server=True), "
+                               "but this worker already made the table's value; build the "
+                               "network after init() and mark the table before its first "
+                               "use, so that only the servers make it")
+        init = param.__dict__["ps_initializer"] = param._init
+        param._data = np.zeros(param.shape, param.dtype)
+        param._init = None
+    return init
+
+
 def before_lookup(client, param, cache: RowCache, ids: np.ndarray) -> None:
     """Make the rows of `ids` in `param` current (pull what is not cached) and note the
-    ids for the next push."""
+    ids for the next push. Before the first optimizer call no server holds the table
+    yet: a server-initialised table's rows are made here from its initializer (the
+    values the servers will make), any other table is the worker's own value."""
     uniq = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
     client.sparse[id(param)] = cache
     need = cache.to_pull(uniq)
+    init = server_initialised(param)
     if len(need):
-        client.pull_rows(param, need)
+        if client.holds(param):
+            client.pull_rows(param, need)
+        elif init is not None:
+            starts = np.zeros((len(need), param.ndim), np.int64)
+            starts[:, 0] = need
+            rows = init.blocks(param.shape, param.dtype, starts, (1,) + param.shape[1:])
+            param._data[need] = rows[:, 0]
     cache.use(uniq)

@@ -10,7 +10,10 @@ A **group** is the set of shards one optimizer of the workers owns on this serve
 
 ``init``       the group's shards (names, shapes, optimizer spec) with the worker's
                initial values; the first worker's values are kept, and a worker whose
-               values differ is refused (seed every worker alike). Answer: the values.
+               values differ is refused (seed every worker alike). A table the servers
+               initialise comes with its initializer instead, and its rows are made
+               here (:func:`_initial_values`). Answer: the values (not those of such a
+               table).
 ``push``       one step's gradients (dense arrays; for a sparse table the ids used
                since the last push, their rows, and the ids the worker keeps cached).
                sync: the step is applied when every live worker has pushed it, with
@@ -62,6 +65,7 @@ from safetensors import safe_open
 from safetensors.numpy import save as st_save
 
 from .. import context
+from ..common.initializer import described
 from ..tensor import Parameter, Tensor
 from .env import ClusterEnv
 from .optim import (build_optimizer, fusable, fused_step, optimizer_meta, restore_optimizer,
@@ -132,7 +136,28 @@ class _Group:
 
 
 def _public_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: spec[k] for k in ("name", "shape", "dtype", "rows", "sparse")}
+    return {k: spec.get(k) for k in ("name", "shape", "dtype", "rows", "sparse", "init")}
+
+
+def _initial_values(specs: List[Dict[str, Any]], arrays: List[np.ndarray]) -> list:
+    """The initial value of each shard of an ``init``: the array the worker sent, or,
+    for a table the servers initialise (``set_param_ps(init_in_server=True)``), its rows
+    made here from the table's initializer (the values the whole table has on one
+    device, bit for bit)."""
+    if len(arrays) != len(specs):
+        raise PSError(f"init: {len(arrays)} arrays for {len(specs)} shard(s)")
+    out = []
+    for spec, a in zip(specs, arrays):
+        desc = spec.get("init")
+        if desc is None:
+            out.append(a)
+            continue
+        table = tuple(desc["table_shape"])
+        starts = np.zeros((1, len(table)), np.int64)
+        starts[0, 0] = spec["rows"][0]
+        out.append(described(desc).blocks(table, spec["dtype"], starts,
+                                          tuple(spec["shape"]))[0])
+    return out
 
 
 def _make_keys(specs: List[Dict[str, Any]], values: List[np.ndarray]):
@@ -327,10 +352,11 @@ class _Server:
                                   f"at step {head['step']}: it was restarted without a "
                                   "recovery checkpoint (set DM_RECOVERY_PATH on the servers "
                                   "to resume after a server fails)")
-            keys, opts = _make_keys(specs, arrays)
+            keys, opts = _make_keys(specs, _initial_values(specs, arrays))
             g = self.groups[gid] = _Group(gid, keys, opts)
-            log("server", f"{gid}: {len(keys)} shard(s) from worker {worker}: "
-                + ", ".join(f"{k.spec['name']}{tuple(k.spec['shape'])}" for k in keys))
+            log("server", f"{gid}: {len(keys)} shard(s) from worker {worker}: " + ", ".join(
+                f"{k.spec['name']}{tuple(k.spec['shape'])}"
+                + (" (initialised here)" if "init" in k.spec else "") for k in keys))
             self.checkpoint()
         else:
             mine = [_public_spec(k.spec) for k in g.keys]
@@ -341,13 +367,18 @@ class _Server:
                                   "worker must build the same network and optimizer")
             if g.version == 0:
                 for k, a in zip(g.keys, arrays):
-                    if not np.array_equal(k.param._data, a):
+                    if "init" not in k.spec and not np.array_equal(k.param._data, a):
                         return self.error(ident, head, f"worker {worker}'s initial value "
                                           f"of parameter {k.spec['name']!r} differs from "
                                           "the first worker's; seed every worker alike "
                                           "(dm.set_seed) before building the network")
+        # the values of the shards the worker sent (a server-initialised table's are
+        # not sent: the worker keeps only the rows it uses)
+        made = ["init" in k.spec for k in g.keys]
         self.reply(ident, head, {"op": "init_ok", "version": g.version},
-                   [k.param._data for k in g.keys], [None if k.fused else k for k in g.keys])
+                   [k.param._data[:0].reshape(-1) if m else k.param._data
+                    for k, m in zip(g.keys, made)],
+                   [None if k.fused or m else k for k, m in zip(g.keys, made)])
 
     def on_push(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
         gid, worker, step = head["group"], head["worker"], head["step"]

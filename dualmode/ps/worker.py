@@ -37,6 +37,8 @@ import zmq
 from .. import context
 from .._core._tensor import TensorBase
 from ..communication import trace
+from ..common.initializer import describe
+from .embedding import server_initialised
 from .env import ClusterEnv
 from .optim import optimizer_spec
 from .placement import Shard, place
@@ -318,12 +320,22 @@ class WorkerClient:
             keys, arrays = [], []
             for sh in lst:
                 p = params[sh.index]
-                value = np.asarray(p._value())
-                part = value if sh.rows is None else value[sh.rows[0]:sh.rows[1]]
-                keys.append({"name": p.name, "shape": list(part.shape),
-                             "dtype": part.dtype.name, "opt": specs[sh.index],
-                             "rows": None if sh.rows is None else list(sh.rows),
-                             "sparse": sh.sparse})
+                init = server_initialised(p)
+                if init is None:
+                    value = np.asarray(p._value())
+                    part = value if sh.rows is None else value[sh.rows[0]:sh.rows[1]]
+                    shape, dtype = part.shape, part.dtype
+                else:
+                    # the server makes its rows from the initializer: nothing to send
+                    shape = (sh.rows[1] - sh.rows[0],) + tuple(p.shape[1:])
+                    dtype, part = np.dtype(p.dtype), np.zeros(0, p.dtype)
+                key = {"name": p.name, "shape": list(shape), "dtype": dtype.name,
+                       "opt": specs[sh.index],
+                       "rows": None if sh.rows is None else list(sh.rows),
+                       "sparse": sh.sparse}
+                if init is not None:
+                    key["init"] = dict(describe(init), table_shape=list(p.shape))
+                keys.append(key)
                 arrays.append(part)
             inits[k] = _Request({"op": "init", "group": sess.gid, "worker": self.rank,
                                  "keys": keys, "step": 0}, arrays)
@@ -435,6 +447,8 @@ class WorkerClient:
                         cache.refresh(p, ids, rows)
                     continue
                 value = next(it)
+                if init and "ps_initializer" in p.__dict__:
+                    continue                  # initialised on the server: not sent back
                 target = p._value()
                 if sh.rows is not None:
                     target[sh.rows[0]:sh.rows[1]] = value
@@ -445,6 +459,12 @@ class WorkerClient:
                 else:
                     np.copyto(target, value.reshape(target.shape))
         sess.version = max(versions) if versions else sess.version
+
+    def holds(self, p) -> bool:
+        """Whether the servers hold parameter `p` (an optimizer of this worker has
+        placed it)."""
+        return any(s.params[sh.index] is p for s in self.sessions.values()
+                   for lst in s.shards.values() for sh in lst)
 
     def pull_rows(self, p, ids: np.ndarray) -> None:
         """Write the servers' current rows `ids` of the sparse table `p` into it."""
@@ -473,10 +493,7 @@ class WorkerClient:
         """Pull every row of the sparse server-held tables among `params` (the worker
         keeps only the rows it used current; call this before reading whole tables)."""
         for p in params:
-            if id(p) in self.sparse and any(
-                    sh.sparse and s.params[sh.index] is p
-                    for s in self.sessions.values() for lst in s.shards.values()
-                    for sh in lst):
+            if id(p) in self.sparse and self.holds(p):
                 self.pull_rows(p, np.arange(p.shape[0], dtype=np.int64))
 
     def _record(self, pushed: int, pulled: int) -> None:

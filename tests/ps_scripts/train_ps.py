@@ -7,8 +7,10 @@ hidden width, 16; 4096 makes fc1's weights frames ZeroMQ sends without a copy), 
 EmbeddingLookup), cache (its vocab_cache_size), mode ("sync" | "async"), hybrid (keep
 fc2 on the workers), sleep (seconds per step, to give a test time to kill a process),
 stop_after (this worker exits after that many steps, with its rank given as
-stop_rank). Each worker writes OUT_DIR/worker_<rank>.npz: its losses and the final
-weights. :func:`reference` trains the same network on one device on the concatenated
+stop_rank), init_in_server (the servers initialise the embedding table). Each worker
+writes OUT_DIR/worker_<rank>.npz: its losses and the final weights (with embed, also
+worker_<rank>_held_rows.npy: the rows of its own table that are not zero before it pulls
+the table whole). :func:`reference` trains the same network on one device on the concatenated
 batches (the oracle).
 """
 import json
@@ -137,12 +139,20 @@ def main():
             net.lookup.set_param_ps()
     else:
         net.set_param_ps()
+    if cfg.get("init_in_server"):
+        net.lookup.embedding_table.set_param_ps(init_in_server=True)
     with dm.parallel.CommReport() as report:
         losses = train(cfg, net, opt, rank, workers, cfg["steps"])
+    held = None
+    if cfg.get("embed"):
+        # the rows of the worker's own table that are not zero, before pulling it whole
+        held = np.flatnonzero(np.any(net.lookup.embedding_table._data != 0, axis=1))
     dm.ps.pull_weights(net)
     weights = [p.asnumpy() for p in net.trainable_params()]
     np.savez(os.path.join(out, f"worker_{rank}.npz"), np.array(losses),
              np.array([report.bytes("Push"), report.bytes("Pull")]), *weights)
+    if held is not None:
+        np.save(os.path.join(out, f"worker_{rank}_held_rows.npy"), held)
     print(f"worker {rank} done: losses {losses}", flush=True)
 
 
