@@ -5,13 +5,20 @@ packs runs of small ones; every path is checked against numpy's reduction of eac
 with stride-0 (replicated) stacks, every op, sub-world groups (the packed fallback), and
 the data-parallel gradient path (reduce_gradients) against the unfused one.
 """
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dualmode as dm
 from dualmode import Parameter, Tensor, communication as comm
 from dualmode.communication import SimBackend, axis_groups
 from dualmode.communication import sim as sim_module
+from dualmode.communication.sim import equal_shares, share_of
+from dualmode.communication.totals import DeferredShares, remember_totals
+from dualmode._core import _fusion, fusion_reference
 from dualmode._core._tensor import wrap_dist
 from dualmode.parallel import CommReport, reduce_gradients
 from dualmode.parallel.tensor_layout import TensorLayout
@@ -156,3 +163,226 @@ def test_reduce_gradients_fused_equals_single_device_gradient(mean, fusion):
 
 def _dp_partial(shape):
     return TensorLayout((N,), ((),) * len(shape), shape, (0,))
+
+
+# ------------------------------------------------- the C loops against their references
+#
+# The member loops run in C (dualmode/_core/_fusion.pyx); their pure-Python references
+# are fusion_reference.check_stacks / fusion_offsets and
+# SimBackend._all_reduce_fused_reference. Results must agree bit for bit (both add each
+# column's rows in row order), and both must equal numpy's reduction of each stack.
+
+KERNEL_DTYPES = [np.float32, np.float64, np.int32, np.int64]
+OPS_ALL = ["sum", "mean", "max", "min", "prod"]
+KINDS = ["plain", "strided", "transposed", "stride0", "shares", "deferred_known",
+         "deferred_blocks", "remembered"]
+FLOAT_ONLY = {"shares", "deferred_known", "remembered"}    # made of shares total / n
+
+
+class _ReferenceSim(SimBackend):
+    """The simulated backend running the pure-Python fused AllReduce."""
+    _all_reduce_fused = SimBackend._all_reduce_fused_reference
+
+
+def _values(rng, shape, dtype):
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(-3, 4, size=shape).astype(dtype)
+
+
+def _member(rng, kind, n, local, dtype):
+    """One stack (or deferred stack) of `kind` with buffers of shape `local`."""
+    m = math.prod(local)
+    if kind in FLOAT_ONLY and np.dtype(dtype).kind != "f":
+        kind = "plain"
+    if kind == "plain":
+        return _values(rng, (n,) + local, dtype)
+    if kind == "strided":                      # rows of every other element
+        return _values(rng, (n, 2 * m), dtype)[:, ::2].reshape((n,) + local)[...]
+    if kind == "transposed":                   # device axis innermost in memory
+        return _values(rng, (m, n), dtype).T.reshape((n,) + local)
+    if kind == "stride0":
+        return np.broadcast_to(_values(rng, local, dtype), (n,) + local)
+    total = _values(rng, local, dtype)
+    if kind == "shares":
+        return equal_shares(total, n)
+    if kind == "deferred_known":
+        return DeferredShares(total[None], (n,), (0,), n)
+    if kind == "deferred_blocks":              # a deferred stack whose sum is not known
+        return DeferredShares(_values(rng, (n,) + local, dtype), (n,), (), 1)
+    stack = np.empty((n,) + local, dtype)      # "remembered": written shares, total known
+    stack[...] = share_of(total, n)
+    return remember_totals(stack, total[None], (n,), (0,))
+
+
+def _bits(a):
+    return a.shape, a.dtype, np.ascontiguousarray(a).tobytes()
+
+
+LOCALS = [(), (1,), (5,), (2, 3), (40,), (3, 0), (7, 9), (2, 2, 2)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_c_fused_all_reduce_equals_its_reference_bit_for_bit(data):
+    """Mixed members (small and large, deferred, stride-0, strided, remembered totals),
+    every op, every kernel dtype: the C loop and the Python reference give the same
+    bits and the same read-only stride-0 views, each equal to numpy's reduction."""
+    n = data.draw(st.sampled_from([2, 3, 8]), "n")
+    dtype = data.draw(st.sampled_from(KERNEL_DTYPES), "dtype")
+    floats = np.dtype(dtype).kind == "f"
+    op = data.draw(st.sampled_from(OPS_ALL if floats else ["sum", "max", "min", "prod"]),
+                   "op")
+    specs = data.draw(st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from(LOCALS)),
+                               min_size=1, max_size=12), "members")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16), "seed"))
+    stacks = [_member(rng, kind, n, local, dtype) for kind, local in specs]
+    saved = sim_module._PACK_BYTES
+    sim_module._PACK_BYTES = 64            # 16 float32 per device: small and large members
+    try:
+        got = SimBackend(n).all_reduce_fused(stacks, None, op)
+        ref = _ReferenceSim(n).all_reduce_fused(stacks, None, op)
+    finally:
+        sim_module._PACK_BYTES = saved
+    assert len(got) == len(ref) == len(stacks)
+    for s, g, r in zip(stacks, got, ref):
+        assert _bits(g) == _bits(r)
+        assert not g.flags.writeable and g.strides[0] == 0
+        written = np.asarray(s)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-12,
+                                                                         atol=1e-12)
+        np.testing.assert_allclose(g, _want(written, op), **tol)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("op", OPS_ALL)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_c_fused_every_kind_of_member_equals_the_reference(dtype, op, n):
+    """Every kind of member at every buffer shape in one call, in a shuffled order: the
+    C loop and the Python reference agree bit for bit (n=3: summing equal shares does
+    not give their total back, so a remembered total must be read as the reference
+    reads it)."""
+    if op == "mean" and np.dtype(dtype).kind != "f":
+        pytest.skip("op='mean' needs a floating-point stack")
+    rng = np.random.default_rng(n)
+    specs = [(kind, local) for kind in KINDS for local in LOCALS]
+    rng.shuffle(specs)
+    stacks = [_member(rng, kind, n, local, dtype) for kind, local in specs]
+    saved = sim_module._PACK_BYTES
+    sim_module._PACK_BYTES = 64
+    try:
+        got = SimBackend(n).all_reduce_fused(stacks, None, op)
+        ref = _ReferenceSim(n).all_reduce_fused(stacks, None, op)
+    finally:
+        sim_module._PACK_BYTES = saved
+    for (kind, local), g, r in zip(specs, got, ref):
+        assert _bits(g) == _bits(r), (kind, local)
+        assert not g.flags.writeable and g.strides[0] == 0
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_c_fused_max_min_propagate_nan_as_numpy(op):
+    b = SimBackend(N)
+    x = np.arange(N * 6, dtype=np.float32).reshape(N, 6)
+    x[2, 1] = np.nan                           # NaN on one device
+    x[:, 4] = np.nan                           # on every device
+    x[3, 0] = -np.inf
+    got = comm.fused_all_reduce([x, x[:, :3].copy()], op=op, backend=b)
+    np.testing.assert_array_equal(got[0][3], _want(x, op)[0])
+    np.testing.assert_array_equal(got[1][0], _want(x[:, :3], op)[0])
+
+
+@pytest.mark.parametrize("kind", ["plain", "strided", "transposed", "remembered"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_c_fused_large_members_equal_unfused_all_reduce(kind, op):
+    """Members over 64 KiB per device (the default threshold) against the unfused
+    AllReduce of each (bit for bit: the same row kernel, or the same numpy reduction
+    for strided rows, or the remembered total)."""
+    b = SimBackend(N)
+    rng = np.random.default_rng(4)
+    stacks = [_member(rng, kind, N, (130, 131), np.float32),
+              _member(rng, "plain", N, (3,), np.float32)]
+    got = comm.fused_all_reduce(stacks, op=op, backend=b)
+    for s, g in zip(stacks, got):
+        assert _bits(g) == _bits(b.all_reduce(s, None, op))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.complex64, np.int8, np.bool_])
+def test_fused_other_dtypes_take_the_python_form(dtype):
+    b = SimBackend(N)
+    rng = np.random.default_rng(6)
+    stacks = [_values(rng, (N,) + local, np.float32).astype(dtype)
+              for local in [(5,), (2, 3), (20000,)]]
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == np.float16 else dict(rtol=1e-6)
+    for s, o in zip(stacks, comm.fused_all_reduce(stacks, op="sum", backend=b)):
+        assert o.dtype == s.dtype and not o.flags.writeable
+        np.testing.assert_allclose(o, _want(s, "sum"), **tol)
+
+
+def test_c_fused_mean_of_deferred_and_replicated_members_reads_no_shares(deferred_writes):
+    b = SimBackend(N)
+    rng = np.random.default_rng(8)
+    total = rng.standard_normal((200, 100)).astype(np.float32)
+    one = rng.standard_normal(7).astype(np.float32)
+    out = b.all_reduce_fused([DeferredShares(total[None], (N,), (0,), N),
+                              np.broadcast_to(one, (N, 7)),
+                              rng.standard_normal((N, 4)).astype(np.float32)], None, "mean")
+    assert deferred_writes == []
+    np.testing.assert_array_equal(out[0][3], share_of(total, N))
+    np.testing.assert_array_equal(out[1][3], one)        # the mean of equal buffers
+
+
+_ITEMS = st.one_of(
+    st.tuples(st.just("array"), st.sampled_from([np.float32, np.float64]),
+              st.sampled_from([(4, 3), (4,), (2, 3), (), (4, 0, 2)])),
+    st.tuples(st.just("deferred"), st.sampled_from([np.float32, np.float64]),
+              st.sampled_from([(4, 3), (3, 3)])),
+    st.tuples(st.just("list"), st.just(None), st.just(None)))
+
+
+def _item(kind, dtype, shape):
+    if kind == "array":
+        return np.zeros(shape, dtype)
+    if kind == "deferred":
+        return DeferredShares(np.ones(shape, dtype), (shape[0],), (), 1)
+    return [1.0, 2.0]
+
+
+def _outcome(fn, *args):
+    try:
+        return "ok", fn(*args)
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(_ITEMS, max_size=5), deferred=st.booleans())
+def test_check_stacks_equals_its_reference(items, deferred):
+    stacks = [_item(*it) for it in items]
+    got = _outcome(_fusion.check_stacks, "fused_all_reduce", stacks, 4, deferred)
+    want = _outcome(fusion_reference.check_stacks, "fused_all_reduce", stacks, 4, deferred)
+    if got[0] != "ok" or want[0] != "ok":
+        assert got == want
+        return
+    assert got[1] is not stacks and len(got[1]) == len(want[1])
+    assert all(a is b for a, b in zip(got[1], want[1]))
+    assert all(isinstance(s, np.ndarray) for s in got[1]) or deferred
+
+
+def test_check_stacks_errors_name_the_stack():
+    b = SimBackend(N)
+    with pytest.raises(TypeError, match=r"fused_all_reduce: stacks\[1\] has dtype float64 "
+                                        r"but stacks\[0\] has float32; fuse buffers of one"):
+        comm.fused_all_reduce([np.zeros((N, 2), np.float32), np.zeros((N, 2))], backend=b)
+    with pytest.raises(ValueError, match=r"fused_all_reduce: stacks\[0\] has shape \(3, 2\); "
+                                         r"every stack needs the leading \(device\) dim 4"):
+        comm.fused_all_reduce([np.zeros((3, 2))], backend=b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=4), max_size=6))
+def test_fusion_offsets_equals_its_reference(shapes):
+    stacks = [np.empty(s, np.float32) for s in shapes]
+    stacks += [DeferredShares(np.ones((2, 3), np.float32), (2,), (), 1)]
+    assert _fusion.fusion_offsets(stacks) == fusion_reference.fusion_offsets(stacks)
+    assert comm.fusion_offsets(stacks) == fusion_reference.fusion_offsets(stacks)

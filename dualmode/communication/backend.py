@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._core import _comm
-from .._core._tensor import Deferred
+from .._core._fusion import check_stacks, fusion_offsets
 from . import trace
 from .groups import GroupPlan, resolve
 
@@ -121,15 +121,6 @@ def registered_backends() -> Tuple[str, ...]:
 
 
 # -------------------------------------------------------------------- Backend
-
-
-def fusion_offsets(stacks: Sequence[np.ndarray]) -> Tuple[List[int], int]:
-    """Per-device element offsets of each stack in a fusion buffer, and its row length."""
-    offsets, total = [], 0
-    for s in stacks:
-        offsets.append(total)
-        total += math.prod(s.shape[1:])
-    return offsets, total
 
 
 def _split_shape(local, axis: int, n: int) -> tuple:
@@ -250,24 +241,10 @@ class Backend(abc.ABC):
     def _check_fused(self, func: str, stacks, deferred: bool = False) -> list:
         """`stacks` as a list of stacks of one dtype, each with the device leading dim.
         A deferred stack (:class:`~dualmode._core._tensor.Deferred`, a Tensor's stack
-        not written yet) is kept as it is when `deferred`, else written."""
-        stacks = list(stacks)
-        rows = len(self._local_ranks)
-        for i, s in enumerate(stacks):
-            if isinstance(s, Deferred):
-                if not deferred:
-                    stacks[i] = s = s.materialize()
-            elif not isinstance(s, np.ndarray):
-                raise TypeError(f"{func}: stacks[{i}] must be a numpy array, got "
-                                f"{type(s).__name__}")
-            if s.dtype != stacks[0].dtype:
-                raise TypeError(f"{func}: stacks[{i}] has dtype {s.dtype} but stacks[0] has "
-                                f"{stacks[0].dtype}; fuse buffers of one dtype per call")
-            if s.ndim < 1 or s.shape[0] != rows:
-                raise ValueError(f"{func}: stacks[{i}] has shape {s.shape}; every stack needs "
-                                 f"the leading (device) dim {rows} (the devices this "
-                                 f"process holds)")
-        return stacks
+        not written yet) is kept as it is when `deferred`, else written. The loop over
+        the stacks runs in C (``_core._fusion.check_stacks``; its reference is
+        ``_core.fusion_reference.check_stacks``)."""
+        return check_stacks(func, stacks, len(self._local_ranks), deferred)
 
     def _check_fused_axes(self, func: str, stacks, axis) -> List[int]:
         """One validated buffer axis per stack (`axis`: an int for all, or one each)."""

@@ -34,12 +34,13 @@ import numbers
 
 import numpy as np
 
-from .._core import _comm
+from .._core import _comm, _fusion
 from .._core._dp import broadcast_view, equal_shares
 from .._core._tensor import Deferred
-from .backend import Backend, fusion_offsets, register_backend
+from .._core.fusion_reference import fusion_offsets as fusion_offsets_reference
+from .backend import Backend, register_backend
 from .groups import GroupPlan
-from .totals import group_totals, known_totals, share_of
+from .totals import as_stack, group_totals, known_totals, share_of
 
 __all__ = ["SimBackend", "replicated_view", "broadcast_view", "share_of", "equal_shares",
            "shares_total"]
@@ -60,8 +61,11 @@ def shares_total(stack: np.ndarray):
 
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,
           "prod": np.multiply}
-#: a fused AllReduce packs runs of stacks of at most this many bytes per device (the
-#: copy is cheaper than a reduction call each) and reduces larger ones in place
+#: stacks of at most this many bytes per device are "small" in a fused AllReduce: the
+#: pure-Python form packs runs of them (the copy is cheaper than a reduction call each)
+#: and reduces larger ones in place; the C form reduces every stack in place and, as
+#: the Python form, reads remembered totals (or goes through numpy for strided rows)
+#: only for the larger ones
 _PACK_BYTES = 64 * 1024
 _KERNEL_DTYPES = frozenset(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64))
 
@@ -224,10 +228,44 @@ class SimBackend(Backend):
         replicated value, equal shares) has a result of its own, read without a pass
         when it can be (the mean of equal buffers is one of them, the sum of
         :func:`equal_shares` their total; a deferred stack of such shares, a
-        data-parallel gradient, is never written). The others share one row: a large stack is
+        data-parallel gradient, is never written). The others share one row: each is
         reduced straight into its slice of it (no packing copy: the bytes touched are
-        those of unfused AllReduces); runs of small stacks are packed first, so they
-        cost one reduction call per run, not per stack."""
+        those of unfused AllReduces). For float32/float64/int32/int64 stacks the loop
+        over the stacks runs in C (``_core._fusion.whole_world_all_reduce``: one
+        GIL-free pass of the row kernel over every stack, the results' views made with
+        the numpy C API); its pure-Python reference, which also serves the other
+        dtypes, is :meth:`_all_reduce_fused_reference`. Over other groups the stacks
+        are packed into one buffer (:meth:`Backend._all_reduce_fused`)."""
+        if not (plan.num_groups == 1 and plan.full and plan.group_size > 1):
+            return super()._all_reduce_fused([as_stack(s) for s in stacks], plan, op)
+        dtype = stacks[0].dtype
+        if dtype not in _KERNEL_DTYPES:
+            return self._all_reduce_fused_reference(stacks, plan, op)
+        return _fusion.whole_world_all_reduce(stacks, stacks[0].shape[0], op,
+                                              _PACK_BYTES // dtype.itemsize, self)
+
+    def _deferred_result(self, s, op):
+        """The sum or mean over the whole world of a deferred stack `s` known as equal
+        shares (the sum is their total, the mean one share: no pass, nothing written),
+        a read-only stride-0 view; None when its total is not known."""
+        total = shares_total(s)
+        if total is None:
+            return None
+        n = s.shape[0]
+        return replicated_view(total if op == "sum" else share_of(total, n), n)
+
+    def _replicated_result(self, s, op):
+        """The reduction over the whole world of a stack `s` stored once for every
+        device (stride 0), a read-only stride-0 view: the mean of equal buffers is one
+        of them; the other ops read one buffer (:meth:`_reduce_all`)."""
+        n = s.shape[0]
+        return replicated_view(s[0] if op == "mean" else self._reduce_all(s, op), n)
+
+    def _all_reduce_fused_reference(self, stacks, plan, op):
+        """The pure-Python form of :meth:`_all_reduce_fused` (its reference in the
+        tests, and its path for dtypes the row kernel does not take): over the whole
+        world, a large stack is reduced straight into its slice of the row; runs of
+        small stacks are packed first, so they cost one reduction call per run."""
         whole = plan.num_groups == 1 and plan.full and plan.group_size > 1
         n = stacks[0].shape[0]
         outs = [None] * len(stacks)
@@ -236,12 +274,10 @@ class SimBackend(Backend):
             if isinstance(s, Deferred):
                 # a stack not written yet: equal shares whose total is known need no
                 # pass (the sum is the total, the mean one share); others are written
-                total = shares_total(s) if whole and op in ("sum", "mean") else None
-                if total is None:
+                if whole and op in ("sum", "mean"):
+                    outs[i] = self._deferred_result(s, op)
+                if outs[i] is None:
                     stacks[i] = s.materialize()
-                else:
-                    outs[i] = replicated_view(total if op == "sum" else share_of(total, n),
-                                              n)
         if not whole:
             return super()._all_reduce_fused(stacks, plan, op)
         rowed = []                                 # positions of the stacks in the row
@@ -249,13 +285,12 @@ class SimBackend(Backend):
             if outs[i] is not None:
                 continue
             if s.strides[0] == 0:
-                one = s[0] if op == "mean" else self._reduce_all(s, op)
-                outs[i] = replicated_view(one, n)
+                outs[i] = self._replicated_result(s, op)
             else:
                 rowed.append(i)
         if not rowed:
             return outs
-        offsets, total = fusion_offsets([stacks[i] for i in rowed])
+        offsets, total = fusion_offsets_reference([stacks[i] for i in rowed])
         ends = offsets[1:] + [total]               # member k: row[offsets[k]:ends[k]]
         row = np.empty(total, dtype=stacks[0].dtype)
         pack_elems = _PACK_BYTES // row.itemsize
