@@ -386,3 +386,25 @@ def test_fusion_offsets_equals_its_reference(shapes):
     stacks += [DeferredShares(np.ones((2, 3), np.float32), (2,), (), 1)]
     assert _fusion.fusion_offsets(stacks) == fusion_reference.fusion_offsets(stacks)
     assert comm.fusion_offsets(stacks) == fusion_reference.fusion_offsets(stacks)
+
+
+def test_whole_world_all_reduce_refuses_what_it_cannot_reduce():
+    b = SimBackend(N)
+    x = np.ones((N, 3), np.float32)
+    with pytest.raises(ValueError, match=r"whole_world_all_reduce: op='avg' is not valid; "
+                                         r"expected one of 'sum', 'mean', 'max'"):
+        _fusion.whole_world_all_reduce([x], N, "avg", 16, b)
+    with pytest.raises(ValueError, match=r"whole_world_all_reduce: n=1 is not valid"):
+        _fusion.whole_world_all_reduce([x[:1]], 1, "sum", 16, b)
+    with pytest.raises(ValueError, match=r"whole_world_all_reduce: stacks\[1\] has shape "
+                                         r"\(3, 3\); expected the leading \(device\) dim 4"):
+        _fusion.whole_world_all_reduce([x, x[:3]], N, "sum", 16, b)
+    with pytest.raises(TypeError, match=r"whole_world_all_reduce: stacks\[1\] has dtype "
+                                        r"float64 but the others float32"):
+        _fusion.whole_world_all_reduce([x, np.ones((N, 2))], N, "sum", 16, b)
+    with pytest.raises(TypeError, match=r"whole_world_all_reduce: op='mean' needs a "
+                                        r"floating-point stack, got dtype int32"):
+        _fusion.whole_world_all_reduce([np.ones((N, 2), np.int32)], N, "mean", 16, b)
+    with pytest.raises(TypeError, match=r"whole_world_all_reduce: the row kernel takes float32, "
+                                        r"float64, int32 and int64 stacks, got dtype float16"):
+        _fusion.whole_world_all_reduce([np.ones((N, 2), np.float16)], N, "sum", 16, b)

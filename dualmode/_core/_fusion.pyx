@@ -44,6 +44,7 @@ cdef object _ascontiguousarray = np.ascontiguousarray
 cdef dict _TOTALS = TOTALS
 cdef dict _OP_CODE = {"sum": ROWS_SUM, "mean": ROWS_SUM, "max": ROWS_MAX, "min": ROWS_MIN,
                       "prod": ROWS_PROD}
+cdef str _VALID_OPS = ", ".join([repr(o) for o in _OP_CODE])
 
 cdef enum:
     MAX_DIMS = 64        # numpy's NPY_MAXDIMS
@@ -180,8 +181,8 @@ cdef int _dtype_code(object dtype) except -1:
             return 2
         if kind == "i" and size == 8:
             return 3
-    raise TypeError(f"fused_all_reduce: the row kernel takes float32, float64, int32 and "
-                    f"int64 stacks, got dtype {dtype}")
+    raise TypeError(f"whole_world_all_reduce: the row kernel takes float32, float64, "
+                    f"int32 and int64 stacks, got dtype {dtype}")
 
 
 cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
@@ -199,7 +200,7 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
     are remembered or whose rows are not C-contiguous: ``backend._reduce_all(s, op,
     slice)`` reads it. A mean is the sum divided by `n` (as numpy divides)."""
     cdef Py_ssize_t k = len(stacks), i, c, count = 0, total = 0, m
-    cdef int op_code = _OP_CODE[op]
+    cdef int op_code
     cdef bint mean = op == "mean", sums = op == "sum" or op == "mean"
     cdef list outs = [None] * k, rowed = [], keep = []
     cdef cnp.ndarray a, row
@@ -209,6 +210,13 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
     cdef char* base
     cdef Py_ssize_t isz
     cdef int code
+    if op not in _OP_CODE:
+        raise ValueError(f"whole_world_all_reduce: op={op!r} is not valid; expected one of "
+                         f"{_VALID_OPS}")
+    op_code = _OP_CODE[op]
+    if n < 2:
+        raise ValueError(f"whole_world_all_reduce: n={n} is not valid; the whole world "
+                         "of a fused AllReduce here has at least 2 devices")
     try:
         offsets = <Py_ssize_t*>malloc(max(k, 1) * sizeof(Py_ssize_t))
         where = <Py_ssize_t*>malloc(max(k, 1) * sizeof(Py_ssize_t))
@@ -226,9 +234,13 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
                         continue
                 s = s.materialize()
                 if not cnp.PyArray_Check(s):
-                    raise TypeError(f"fused_all_reduce: stacks[{i}] ({type(stacks[i]).__name__})"
-                                    f" was written as a {type(s).__name__}, not a numpy array")
+                    raise TypeError(f"whole_world_all_reduce: stacks[{i}] (a "
+                                    f"{type(stacks[i]).__name__}) was written as a "
+                                    f"{type(s).__name__}, not a numpy array")
             a = <cnp.ndarray>s
+            if cnp.PyArray_NDIM(a) < 1 or cnp.PyArray_DIM(a, 0) != n:
+                raise ValueError(f"whole_world_all_reduce: stacks[{i}] has shape {s.shape};"
+                                 f" expected the leading (device) dim {n}")
             if cnp.PyArray_STRIDE(a, 0) == 0:
                 outs[i] = backend._replicated_result(a, op)
                 continue
@@ -241,11 +253,20 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
             return outs
         row = <cnp.ndarray>_empty(total, dtype=rowed[0].dtype)
         code = _dtype_code(row.dtype)
+        if mean and code >= 2:
+            raise TypeError(f"whole_world_all_reduce: op='mean' needs a floating-point "
+                            f"stack, got dtype {row.dtype}; use op='sum' for integer "
+                            "buffers")
         base = cnp.PyArray_BYTES(row)
         isz = cnp.PyArray_ITEMSIZE(row)
         # each member's job: its rows, or its slice already reduced by the backend
+        dtype = <object>cnp.PyArray_DESCR(row)
         for c in range(count):
             a = <cnp.ndarray>rowed[c]
+            if <object>cnp.PyArray_DESCR(a) is not dtype and a.dtype != dtype:
+                raise TypeError(f"whole_world_all_reduce: stacks[{where[c]}] has dtype "
+                                f"{a.dtype} but the others {dtype}; fuse buffers of one "
+                                "dtype per call")
             m = _row_elems(a)
             jobs[c].dst = base + offsets[c] * isz
             jobs[c].m = m
