@@ -1,10 +1,13 @@
 """What the tape keeps of an op's inputs: an op whose backward does not read their
-values (``OpDef.reads_inputs`` False: BiasAdd, ReLU, Sigmoid, Tanh) keeps only their
-nodes, shapes, dtypes and layouts, so a step frees its activations as a single-device
-numpy step does; ``KEEPING_INPUTS`` keeps them all (check_equivalence reads them).
+values (``OpDef.reads_inputs`` False: BiasAdd, ReLU, Sigmoid, Tanh, and the ops whose
+backward reads only shapes and dtypes: Add, Sub, Reshape, Cast, the sums ...) keeps
+only their nodes, shapes, dtypes and layouts, so a step frees its activations as a
+single-device numpy step does; ``KEEPING_INPUTS`` keeps them all (check_equivalence
+reads them).
 
-Oracle: the gradients of a Dense-BiasAdd-activation network written by hand in numpy,
-the same with and without the stand-ins."""
+Oracles: the gradients of a Dense-BiasAdd-activation network written by hand in numpy,
+the same with and without the stand-ins; central differences of a float64 numpy
+program of the shape-only ops."""
 import weakref
 
 import numpy as np
@@ -93,10 +96,69 @@ def test_keeping_inputs_keeps_them_all():
     assert seen["h"]() is not None
 
 
+SHAPE_ONLY = ("BiasAdd", "ReLU", "Sigmoid", "Tanh", "Add", "Sub", "Neg", "Cast", "Reshape",
+              "Transpose", "GetItem", "IndexAdd", "Concat", "Split", "StopGradient",
+              "ReduceSum", "ReduceMean", "BroadcastTo")
+
+
 def test_which_ops_declare_it():
-    assert [get_op(n).reads_inputs for n in ("BiasAdd", "ReLU", "Sigmoid", "Tanh")] == \
-        [False] * 4
-    assert all(get_op(n).reads_inputs for n in ("MatMul", "Mul", "Square", "Log"))
+    assert [get_op(n).reads_inputs for n in SHAPE_ONLY] == [False] * len(SHAPE_ONLY)
+    assert all(get_op(n).reads_inputs for n in ("MatMul", "Mul", "Square", "Log", "Gather",
+                                                "ReduceMax", "RealDiv"))
+
+
+A = RNG.standard_normal((4, 6))
+V = RNG.standard_normal((6,))
+
+
+def _shape_ops_forward(a, v, xp):
+    """A program of the shape-only ops (and Mul for a loss that reads values): `xp` is
+    numpy (float64, the oracle) or dualmode's ops."""
+    if xp is np:
+        h = a * 2.0
+        t = np.transpose(np.reshape(h, (6, 4)), (1, 0)) + v - (-v)
+        c = np.concatenate([t, a.astype(np.float64)], 1)
+        left, right = np.split(c, 2, 1)
+        m = np.mean(left - right, 0) + np.sum(c, 0)[:6]
+        r = np.broadcast_to(m, (3, 6))[1:3]
+        return float(np.sum(r * r))
+    h = a * 2.0
+    t = ops.add(ops.transpose(ops.reshape(h, (6, 4)), (1, 0)), v) - ops.neg(v)
+    c = ops.concat((t, ops.cast(a, np.float32)), 1)
+    left, right = ops.split(c, 1, 2)
+    m = ops.reduce_mean(left - right, 0) + ops.reduce_sum(c, 0)[:6]
+    r = ops.broadcast_to(m, (3, 6))[1:3]
+    return ops.reduce_sum(r * r), h
+
+
+def test_shape_only_ops_gradients_equal_finite_differences_and_free_their_inputs():
+    """The gradients of a program of every other shape-only op, recorded with stand-ins,
+    equal central differences of the same program in float64 numpy; the array of an
+    intermediate only shape-only ops read (h = a * 2, read by Reshape) is freed."""
+    a = Parameter(Tensor(A.astype(np.float32)), name="a")
+    v = Parameter(Tensor(V.astype(np.float32)), name="v")
+    seen = {}
+
+    def loss(a, v):
+        out, h = _shape_ops_forward(a, v, ops)
+        seen["h"] = weakref.ref(h._data)
+        return out
+
+    value, (ga, gv) = dm.value_and_grad(loss, (0, 1))(a, v)
+    assert seen["h"]() is None
+    np.testing.assert_allclose(value.asnumpy(), _shape_ops_forward(A, V, np), rtol=1e-5)
+    eps = 1e-6
+    for arr, got in ((A, ga), (V, gv)):
+        want = np.zeros_like(arr)
+        for i in np.ndindex(arr.shape):
+            up, down = arr.copy(), arr.copy()
+            up[i] += eps
+            down[i] -= eps
+            args = (up, V) if arr is A else (A, up)
+            args_down = (down, V) if arr is A else (A, down)
+            want[i] = (_shape_ops_forward(*args, np) - _shape_ops_forward(*args_down, np)) \
+                / (2 * eps)
+        np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_data_parallel_step_with_stand_ins_equals_single_device():

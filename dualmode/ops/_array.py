@@ -53,7 +53,7 @@ def _infer_reshape(attrs, x):
     return ((_resolve_shape("Reshape", _shape_of(x), attrs["shape"]), x.dtype),)
 
 
-RESHAPE = register("Reshape", linear=(0,), infer=_infer_reshape,
+RESHAPE = register("Reshape", linear=(0,), infer=_infer_reshape, reads_inputs=False,
                    kernel=lambda at, x: np.reshape(x, at["shape"]),
                    backward=lambda node, g: (reshape(g, node.inputs[0].shape),))
 
@@ -136,7 +136,7 @@ def _transpose_subscripts(attrs, ranks):
     return (letters,), "".join(letters[p] for p in perm)
 
 
-TRANSPOSE = register("Transpose", linear=(0,), infer=_infer_transpose,
+TRANSPOSE = register("Transpose", linear=(0,), infer=_infer_transpose, reads_inputs=False,
                      kernel=lambda at, x: np.transpose(x, at["perm"]), backward=_bw_transpose,
                      family=("contract", _transpose_subscripts, "add"))
 
@@ -218,9 +218,10 @@ def _infer_index_add(attrs, g):
     return ((attrs["shape"], g.dtype),)
 
 
-GET_ITEM = register("GetItem", infer=_infer_getitem,
+GET_ITEM = register("GetItem", infer=_infer_getitem, reads_inputs=False,
                     kernel=lambda at, x: np.array(x[at["index"]]), backward=_bw_getitem)
 INDEX_ADD = register("IndexAdd", infer=_infer_index_add, kernel=_index_add_kernel,
+                     reads_inputs=False,
                      backward=lambda node, g: (getitem(g, node.attrs["index"]),))
 
 
@@ -312,7 +313,7 @@ def _bw_concat(node, g):
     return tuple(p if node.needs_grad(i) else None for i, p in enumerate(parts))
 
 
-CONCAT = register("Concat", infer=_infer_concat,
+CONCAT = register("Concat", infer=_infer_concat, reads_inputs=False,
                   kernel=lambda at, *xs: np.concatenate(xs, axis=at["axis"]),
                   backward=_bw_concat)
 
@@ -348,6 +349,7 @@ def _bw_split(node, *gs):
 
 
 SPLIT = register("Split", infer=_infer_split, kernel=_split_kernel, backward=_bw_split,
+                 reads_inputs=False,
                  multi_output=True)
 
 
@@ -517,7 +519,7 @@ def ones_like(x):
 
 # the identity with no gradient: what stop_gradient records for a distributed or traced
 # value (a plain one is just re-wrapped, off the tape)
-STOP_GRADIENT = register("StopGradient", linear=(0,), family=("elementwise",),
+STOP_GRADIENT = register("StopGradient", linear=(0,), family=("elementwise",), reads_inputs=False,
                          infer=same_as_input, kernel=lambda attrs, x: x,
                          backward=lambda node, g: (None,))
 

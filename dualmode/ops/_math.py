@@ -90,8 +90,10 @@ def _bw_pow(node, g):
     return ga, gb
 
 
-ADD = register("Add", linear="sum", kind=KIND_BINARY, kernel=np.add, backward=_bw_add)
+ADD = register("Add", linear="sum", kind=KIND_BINARY, kernel=np.add, backward=_bw_add,
+               reads_inputs=False)
 SUB = register("Sub", linear="sum", kind=KIND_BINARY, kernel=np.subtract, backward=_bw_sub,
+               reads_inputs=False,
                numeric_only=True)
 MUL = register("Mul", linear=(0, 1), kind=KIND_BINARY, kernel=np.multiply, backward=_bw_mul)
 REALDIV = register("RealDiv", linear=(0,), kind=KIND_BINARY, kernel=np.true_divide, backward=_bw_div,
@@ -222,6 +224,7 @@ SIGMOID_GRAD = register("SigmoidGrad", kind=KIND_BINARY, kernel=_sigmoid_grad_ke
                         float_only=True)
 
 NEG = register("Neg", linear=(0,), kind=KIND_UNARY, kernel=np.negative, numeric_only=True,
+               reads_inputs=False,
                backward=lambda node, g: (neg(g),))
 EXP = register("Exp", kind=KIND_UNARY, kernel=np.exp, float_only=True, save_outputs=True,
                backward=lambda node, g: (mul(g, node.outputs[0]),))
@@ -313,6 +316,7 @@ def _cast_linear(attrs):
 
 
 CAST = register("Cast", linear=_cast_linear, family=("elementwise",), infer=_infer_cast,
+                reads_inputs=False,
                 kernel=lambda attrs, x: x.astype(attrs["dtype"]), backward=_bw_cast)
 
 
@@ -595,10 +599,12 @@ def _mean_kernel(at, x):
     return s if acc is dt else s.astype(dt, copy=False)
 
 
-REDUCE_SUM = register("ReduceSum", family=("reduce", "sum"), linear=(0,), infer=_make_reduce_infer("ReduceSum", numeric_only=True),
-                      kernel=_sum_kernel, backward=_bw_reduce_sum)
-REDUCE_MEAN = register("ReduceMean", family=("reduce", "mean"), linear=(0,), infer=_make_reduce_infer("ReduceMean", True),
-                       kernel=_mean_kernel, backward=_bw_reduce_mean)
+REDUCE_SUM = register("ReduceSum", family=("reduce", "sum"), linear=(0,),
+                      infer=_make_reduce_infer("ReduceSum", numeric_only=True),
+                      kernel=_sum_kernel, backward=_bw_reduce_sum, reads_inputs=False)
+REDUCE_MEAN = register("ReduceMean", family=("reduce", "mean"), linear=(0,),
+                       infer=_make_reduce_infer("ReduceMean", True),
+                       kernel=_mean_kernel, backward=_bw_reduce_mean, reads_inputs=False)
 REDUCE_MAX = register("ReduceMax", family=("reduce", "max"), infer=_make_reduce_infer("ReduceMax"),
                       kernel=lambda at, x: np.maximum.reduce(x, axis=at["axis"],
                                                              keepdims=at["keep_dims"]),
@@ -678,7 +684,7 @@ def _broadcast_to_kernel(attrs, x):
     return broadcast_view(x, shape)
 
 
-BROADCAST_TO = register("BroadcastTo", linear=(0,), infer=_infer_broadcast_to,
+BROADCAST_TO = register("BroadcastTo", linear=(0,), infer=_infer_broadcast_to, reads_inputs=False,
                         kernel=_broadcast_to_kernel,
                         backward=lambda node, g: (unbroadcast(g, node.inputs[0].shape),))
 
