@@ -334,6 +334,26 @@ def test_a_copy_of_a_sharded_cell_runs_its_own_graph_with_the_same_strategies(ei
     np.testing.assert_allclose(net(Tensor(x)).asnumpy(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_deep_copied_shard_function_compiles_its_own_graph(eight):
+    """An ``ops.shard`` function kept beside its cell: the deep copy holds the copied
+    cell, starts with no compiled graph (the original's are bound to its parameters),
+    and computes with the copy's weights; the original is left as it was."""
+    net = TwoLayers()
+    holder = {"net": net, "fn": ops.shard(net, in_strategy=((2, 1),), out_strategy=((8, 1),))}
+    x = _rand(32, 16)
+    want = _two_np(net, x)
+    np.testing.assert_allclose(holder["fn"](Tensor(x)).asnumpy(), want, rtol=1e-5, atol=1e-5)
+    assert holder["fn"].compiled is not None
+    c = copy.deepcopy(holder)
+    fn = c["fn"]
+    assert fn.fn is c["net"] and fn._cell is c["net"] and fn._cache == {} and fn.compiled is None
+    assert (fn.in_strategy, fn.out_strategy) == (((2, 1),), ((8, 1),))
+    c["net"].w1.set_data(Tensor(_rand(16, 32)))
+    np.testing.assert_allclose(fn(Tensor(x)).asnumpy(), _two_np(c["net"], x), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(holder["fn"](Tensor(x)).asnumpy(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_layerwise_parameter_with_per_device_values_deep_copies_but_never_pickles():
     dm.set_auto_parallel_context(parallel_mode="hybrid_parallel", device_num=2,
                                  dataset_strategy="full_batch")

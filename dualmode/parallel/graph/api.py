@@ -9,6 +9,7 @@ a known signature run the cached graph.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from ... import context
@@ -149,6 +150,19 @@ class ShardFunction:
         self._cache = {}
         self.compiled = None
         self._cell = fn if is_cell(fn) else None
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy``: the same settings over a deep copy of the function (a
+        Cell's copy has parameters of its own). The compiled graphs, bound to the
+        original's parameters, are not copied: the copy compiles its own when called."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.fn = copy.deepcopy(self.fn, memo)
+        new._cell = new.fn if self._cell is not None else None
+        new.parameter_plan = copy.deepcopy(self.parameter_plan, memo)
+        new._cache = {}
+        new.compiled = None
+        return new
 
     # ---- calling ---------------------------------------------------------------------
     def _run_fn(self, *args, **kwargs):
