@@ -408,3 +408,26 @@ def test_whole_world_all_reduce_refuses_what_it_cannot_reduce():
     with pytest.raises(TypeError, match=r"whole_world_all_reduce: the row kernel takes float32, "
                                         r"float64, int32 and int64 stacks, got dtype float16"):
         _fusion.whole_world_all_reduce([np.ones((N, 2), np.float16)], N, "sum", 16, b)
+
+
+def test_c_fused_reads_equal_shares_and_replicas_without_a_pass():
+    """A sum of equal shares is a view of their remembered total, a mean of a stack
+    stored once a view of that stack: nothing read or written (the reference's views
+    hold the same memory)."""
+    b = SimBackend(N)
+    rng = np.random.default_rng(9)
+    total = rng.standard_normal((6, 5)).astype(np.float32)
+    shares = equal_shares(total, N)
+    one = rng.standard_normal(7).astype(np.float32)
+    replicas = np.broadcast_to(one, (N, 7))
+    summed = b.all_reduce_fused([shares, rng.standard_normal((N, 2)).astype(np.float32)],
+                                None, "sum")[0]
+    meaned = b.all_reduce_fused([replicas], None, "mean")[0]
+    ref = _ReferenceSim(N)
+    for got, want, source in [
+            (summed, ref.all_reduce_fused([shares], None, "sum")[0], total),
+            (meaned, ref.all_reduce_fused([replicas], None, "mean")[0], one)]:
+        assert np.shares_memory(got, source) and np.shares_memory(want, source)
+        assert _bits(got) == _bits(want) and got.strides == want.strides
+        assert not got.flags.writeable
+    np.testing.assert_array_equal(summed[N - 1], total)

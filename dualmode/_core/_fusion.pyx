@@ -45,6 +45,7 @@ cdef dict _TOTALS = TOTALS
 cdef dict _OP_CODE = {"sum": ROWS_SUM, "mean": ROWS_SUM, "max": ROWS_MAX, "min": ROWS_MIN,
                       "prod": ROWS_PROD}
 cdef str _VALID_OPS = ", ".join([repr(o) for o in _OP_CODE])
+cdef tuple _AXIS0 = (0,)
 
 cdef enum:
     MAX_DIMS = 64        # numpy's NPY_MAXDIMS
@@ -168,6 +169,37 @@ cdef object _slice_view(cnp.ndarray row, Py_ssize_t offset, cnp.ndarray like,
     return view
 
 
+cdef object _device_view(cnp.ndarray src, Py_ssize_t n):
+    """The read-only stack ``(n, *src.shape[1:])`` of every device seeing ``src[0]``
+    (stride 0 on the device axis, `src`'s other strides), a view of `src`."""
+    cdef int nd = cnp.PyArray_NDIM(src), d
+    cdef cnp.npy_intp dims[MAX_DIMS]
+    cdef cnp.npy_intp strides[MAX_DIMS]
+    dims[0] = n
+    strides[0] = 0
+    for d in range(1, nd):
+        dims[d] = cnp.PyArray_DIM(src, d)
+        strides[d] = cnp.PyArray_STRIDE(src, d)
+    descr = <object>cnp.PyArray_DESCR(src)
+    Py_INCREF(descr)                        # PyArray_NewFromDescr steals it
+    view = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd, dims, strides,
+                                cnp.PyArray_BYTES(src), 0, None)   # flags 0: read-only
+    cnp.set_array_base(view, src)
+    return view
+
+
+cdef object _known_total(cnp.ndarray stack, tuple world):
+    """The totals ``(1, *local)`` remembered for `stack` as pending sums over the whole
+    world `world` ``(n,)`` (``totals.known_totals(stack, (n,), (0,))``), or None."""
+    found = _TOTALS.get(PyLong_FromVoidPtr(<void*>stack))
+    if found is None:
+        return None
+    entry = <tuple>found
+    if entry[0]() is not stack or entry[3] != _AXIS0 or entry[2] != world:
+        return None
+    return entry[1]
+
+
 cdef int _dtype_code(object dtype) except -1:
     """0..3 for native float32, float64, int32, int64 (the kernel's dtypes)."""
     cdef str kind = dtype.kind
@@ -194,7 +226,8 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
     Results of the stacks ``backend`` handles (its Python methods, as in
     ``SimBackend._all_reduce_fused_reference``): a deferred stack, whose known total
     (sum, mean: ``backend._deferred_result(s, op)``) needs no pass, else it is written;
-    a stack stored once for every device (stride 0: ``backend._replicated_result(s,
+    a stack stored once for every device (stride 0: a view of it for a mean, of its
+    remembered total for a sum of equal shares, else ``backend._replicated_result(s,
     op)``). The others share one result row; each is reduced into its slice by the row
     kernel, except a stack of more than `pack_elems` elements per device whose totals
     are remembered or whose rows are not C-contiguous: ``backend._reduce_all(s, op,
@@ -217,6 +250,7 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
     if n < 2:
         raise ValueError(f"whole_world_all_reduce: n={n} is not valid; the whole world "
                          "of a fused AllReduce here has at least 2 devices")
+    world = (n,)
     try:
         offsets = <Py_ssize_t*>malloc(max(k, 1) * sizeof(Py_ssize_t))
         where = <Py_ssize_t*>malloc(max(k, 1) * sizeof(Py_ssize_t))
@@ -241,7 +275,15 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
             if cnp.PyArray_NDIM(a) < 1 or cnp.PyArray_DIM(a, 0) != n:
                 raise ValueError(f"whole_world_all_reduce: stacks[{i}] has shape {s.shape};"
                                  f" expected the leading (device) dim {n}")
-            if cnp.PyArray_STRIDE(a, 0) == 0:
+            if cnp.PyArray_STRIDE(a, 0) == 0:             # one buffer for every device
+                if mean:                                  # the mean of equal buffers
+                    outs[i] = _device_view(a, n)
+                    continue
+                if sums:                                  # equal shares: their total
+                    totals = _known_total(a, world)
+                    if totals is not None:
+                        outs[i] = _device_view(<cnp.ndarray>totals, n)
+                        continue
                 outs[i] = backend._replicated_result(a, op)
                 continue
             offsets[count] = total
