@@ -4,6 +4,9 @@
 * :func:`check_stacks`: the members checked (one dtype, the device leading dim) and
   deferred ones written unless the backend reads them (``Backend._check_fused``).
 * :func:`fusion_offsets`: each member's offset in a fusion buffer, and its row length.
+* :func:`grouped_all_reduce`: the fused AllReduce over other groups as the base backend
+  runs it (``Backend._all_reduce_fused``: the stacks packed side by side, one
+  AllReduce, per stack a view of its columns), with the packing and the views in C.
 * :func:`whole_world_all_reduce`: the simulated fused AllReduce over one group of every
   device (``SimBackend._all_reduce_fused``): each member is reduced straight into its
   slice of one result row with the row reduction of ``_rows.pxd`` (one pass of the GIL-free
@@ -13,7 +16,8 @@
   rows are strided) are handed to the backend's Python methods, as before.
 
 Their pure-Python references are ``fusion_reference.check_stacks``,
-``fusion_reference.fusion_offsets`` and ``SimBackend._all_reduce_fused_reference``;
+``fusion_reference.fusion_offsets``, ``Backend._all_reduce_fused`` and
+``SimBackend._all_reduce_fused_reference``;
 tests/test_fused_all_reduce.py compares each pair (results bit for bit, views, errors).
 """
 cimport numpy as cnp
@@ -21,6 +25,7 @@ from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 from ._rows cimport (ROWS_MAX, ROWS_MIN, ROWS_PROD, ROWS_SUM, f32, f64, i32, i64,
                      reduce_rows, rows_t)
@@ -337,3 +342,98 @@ cpdef list whole_world_all_reduce(list stacks, Py_ssize_t n, str op,
         free(offsets)
         free(where)
         free(jobs)
+
+
+# ---------------------------------------------------------------------------
+# the fused AllReduce over other groups: one packed buffer
+# ---------------------------------------------------------------------------
+cdef object _columns_view(object red, Py_ssize_t offset, cnp.ndarray like):
+    """``red[:, offset:offset + m].reshape(like.shape)`` (m: elements of one of
+    `like`'s buffers): the columns of the reduced buffer ``(rows, total)`` that hold
+    one stack, a view (writable as `red` is), made with the numpy C API when `red`'s
+    rows are contiguous."""
+    cdef cnp.ndarray r
+    cdef int nd = cnp.PyArray_NDIM(like), d
+    cdef cnp.npy_intp dims[MAX_DIMS]
+    cdef cnp.npy_intp strides[MAX_DIMS]
+    cdef cnp.npy_intp step
+    if type(red) is not _ndarray or cnp.PyArray_NDIM(<cnp.ndarray>red) != 2 or \
+            cnp.PyArray_STRIDE(<cnp.ndarray>red, 1) != cnp.PyArray_ITEMSIZE(<cnp.ndarray>red):
+        return red[:, offset:offset + _row_elems(like)].reshape((<object>like).shape)
+    r = <cnp.ndarray>red
+    step = cnp.PyArray_ITEMSIZE(r)
+    for d in range(nd - 1, 0, -1):
+        dims[d] = cnp.PyArray_DIM(like, d)
+        strides[d] = step
+        step *= cnp.PyArray_DIM(like, d)
+    dims[0] = cnp.PyArray_DIM(r, 0)
+    strides[0] = cnp.PyArray_STRIDE(r, 0)
+    descr = <object>cnp.PyArray_DESCR(r)
+    Py_INCREF(descr)                        # PyArray_NewFromDescr steals it
+    view = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd, dims, strides,
+                                cnp.PyArray_BYTES(r) + offset * cnp.PyArray_ITEMSIZE(r),
+                                cnp.NPY_ARRAY_WRITEABLE if cnp.PyArray_ISWRITEABLE(r) else 0,
+                                None)
+    cnp.set_array_base(view, r)
+    return view
+
+
+cpdef list grouped_all_reduce(list stacks, object plan, str op, object backend):
+    """The AllReduce of every stack of `stacks` (checked: one dtype, the same leading
+    dim) over the groups of `plan`, fused as ``Backend._all_reduce_fused`` fuses it:
+    the stacks (deferred ones written) packed side by side into one buffer ``(rows,
+    total)``, one ``backend._all_reduce(buffer, plan, op, "direct")``, and per stack a
+    view ``(rows, *local)`` of its columns of the result."""
+    cdef Py_ssize_t k = len(stacks), c, r, rows = -1, total = 0, isz, m
+    cdef list arrays = [None] * k
+    cdef object dtype = None
+    cdef cnp.ndarray a, buf
+    cdef Py_ssize_t* offsets = NULL
+    cdef Py_ssize_t* nbytes = NULL
+    cdef char** src = NULL
+    cdef char* base
+    if k == 0:
+        return []
+    try:
+        offsets = <Py_ssize_t*>malloc(k * sizeof(Py_ssize_t))
+        nbytes = <Py_ssize_t*>malloc(k * sizeof(Py_ssize_t))
+        src = <char**>malloc(k * sizeof(char*))
+        if offsets == NULL or nbytes == NULL or src == NULL:
+            raise MemoryError()
+        for c in range(k):
+            s = stacks[c]
+            if not cnp.PyArray_Check(s):                 # a deferred stack: written
+                s = s.materialize()
+            if not cnp.PyArray_Check(s) or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>s):
+                s = _ascontiguousarray(s)
+            a = <cnp.ndarray>s
+            if c == 0:
+                dtype = <object>cnp.PyArray_DESCR(a)
+                rows = cnp.PyArray_DIM(a, 0) if cnp.PyArray_NDIM(a) else -1
+            if cnp.PyArray_NDIM(a) < 1 or cnp.PyArray_DIM(a, 0) != rows:
+                raise ValueError(f"grouped_all_reduce: stacks[{c}] has shape {(<object>a).shape}; "
+                                 f"expected the leading (device) dim of stacks[0]")
+            if <object>cnp.PyArray_DESCR(a) is not dtype and a.dtype != dtype:
+                raise TypeError(f"grouped_all_reduce: stacks[{c}] has dtype {a.dtype} but "
+                                f"stacks[0] has {dtype}; fuse buffers of one dtype per call")
+            arrays[c] = a
+            m = _row_elems(a)
+            offsets[c] = total
+            nbytes[c] = m * cnp.PyArray_ITEMSIZE(a)
+            src[c] = cnp.PyArray_BYTES(a)
+            total += m
+        buf = <cnp.ndarray>_empty((rows, total), dtype=dtype)
+        base = cnp.PyArray_BYTES(buf)
+        isz = cnp.PyArray_ITEMSIZE(buf)
+        with nogil:
+            for c in range(k):
+                if nbytes[c]:
+                    for r in range(rows):
+                        memcpy(base + (r * total + offsets[c]) * isz,
+                               src[c] + r * nbytes[c], nbytes[c])
+        red = backend._all_reduce(buf, plan, op, "direct")
+        return [_columns_view(red, offsets[c], <cnp.ndarray>arrays[c]) for c in range(k)]
+    finally:
+        free(offsets)
+        free(nbytes)
+        free(src)

@@ -40,7 +40,7 @@ from .._core._tensor import Deferred
 from .._core.fusion_reference import fusion_offsets as fusion_offsets_reference
 from .backend import Backend, register_backend
 from .groups import GroupPlan
-from .totals import as_stack, group_totals, known_totals, share_of
+from .totals import group_totals, known_totals, share_of
 
 __all__ = ["SimBackend", "replicated_view", "broadcast_view", "share_of", "equal_shares",
            "shares_total"]
@@ -235,9 +235,11 @@ class SimBackend(Backend):
         GIL-free pass of the row kernel over every stack, the results' views made with
         the numpy C API); its pure-Python reference, which also serves the other
         dtypes, is :meth:`_all_reduce_fused_reference`. Over other groups the stacks
-        are packed into one buffer (:meth:`Backend._all_reduce_fused`)."""
+        are packed into one buffer and reduced at once, the packing and the results'
+        views in C (``_core._fusion.grouped_all_reduce``; its reference is
+        :meth:`Backend._all_reduce_fused`)."""
         if not (plan.num_groups == 1 and plan.full and plan.group_size > 1):
-            return super()._all_reduce_fused([as_stack(s) for s in stacks], plan, op)
+            return _fusion.grouped_all_reduce(stacks, plan, op, self)
         dtype = stacks[0].dtype
         if dtype not in _KERNEL_DTYPES:
             return self._all_reduce_fused_reference(stacks, plan, op)
