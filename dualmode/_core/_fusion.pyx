@@ -9,11 +9,13 @@
   AllReduce, per stack a view of its columns), with the packing and the views in C.
 * :func:`whole_world_all_reduce`: the simulated fused AllReduce over one group of every
   device (``SimBackend._all_reduce_fused``): each member is reduced straight into its
-  slice of one result row with the row reduction of ``_rows.pxd`` (one pass of the GIL-free
-  kernel over every member), and its result is a read-only stride-0 view of that slice
-  made with the numpy C API. The members the kernel does not take (a deferred stack, a
-  stack stored once for every device, a large stack whose totals are remembered or whose
-  rows are strided) are handed to the backend's Python methods, as before.
+  slice of one result row with the row reduction of ``_rows.pxd`` (one GIL-free pass
+  over every member), and its result is a read-only stride-0 view of that slice made
+  with the numpy C API. A stack stored once for every device has a view for a result
+  when no pass is needed (its mean: itself; the sum of equal shares: their remembered
+  total). The others (a deferred stack, the other ops on a stack stored once, a large
+  stack whose totals are remembered or whose rows are strided) are handed to the
+  backend's Python methods, as before.
 
 Their pure-Python references are ``fusion_reference.check_stacks``,
 ``fusion_reference.fusion_offsets``, ``Backend._all_reduce_fused`` and
