@@ -22,73 +22,19 @@ import numpy as np
 
 cnp.import_array()
 
-ctypedef float f32
-ctypedef double f64
-ctypedef int i32
-ctypedef long long i64
-
-ctypedef fused comm_t:
-    f32
-    f64
-    i32
-    i64
-
-cdef enum:
-    OP_SUM = 0
-    OP_MAX = 1
-    OP_MIN = 2
-    OP_PROD = 3
-
-cdef enum:
-    # Columns per block of reduce_rows: 16 KiB of float32 output stays in L1 while the
-    # rows stream past it.
-    BLOCK = 4096
+# the row kernels are shared with _fusion (one loop: the fused and the unfused AllReduce
+# add the same numbers in the same order)
+from ._rows cimport ROWS_MAX, ROWS_MIN, ROWS_PROD, ROWS_SUM, f32, f64, i32, i64
+from ._rows cimport combine_rows as _combine
+from ._rows cimport reduce_rows as _reduce_rows
+from ._rows cimport rows_t as comm_t
 
 OPS = ("sum", "max", "min", "prod")
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
-_OP_CODE = {"sum": OP_SUM, "max": OP_MAX, "min": OP_MIN, "prod": OP_PROD}
+_OP_CODE = {"sum": ROWS_SUM, "max": ROWS_MAX, "min": ROWS_MIN, "prod": ROWS_PROD}
 
 
 # --------------------------------------------------------------------- kernels
-
-
-cdef inline void _combine(comm_t* dst, const comm_t* src, Py_ssize_t m,
-                          int op) noexcept nogil:
-    """dst[i] = dst[i] (op) src[i] for i < m; max/min propagate NaN as numpy does."""
-    cdef Py_ssize_t i
-    cdef comm_t v, d
-    # Unconditional stores and `|` instead of `or` keep the loops branch-free, so the
-    # compiler vectorises them.
-    if op == OP_SUM:
-        for i in range(m):
-            dst[i] = dst[i] + src[i]
-    elif op == OP_PROD:
-        for i in range(m):
-            dst[i] = dst[i] * src[i]
-    elif op == OP_MAX:
-        for i in range(m):
-            v = src[i]
-            d = dst[i]
-            dst[i] = v if (v > d) | (v != v) else d
-    else:
-        for i in range(m):
-            v = src[i]
-            d = dst[i]
-            dst[i] = v if (v < d) | (v != v) else d
-
-
-cdef void _reduce_rows(const comm_t* x, comm_t* out, Py_ssize_t n, Py_ssize_t m,
-                       int op) noexcept nogil:
-    """out[j] = (op) over i of x[i, j], for x row-major (n, m), n >= 1."""
-    cdef Py_ssize_t j0 = 0, b, i
-    while j0 < m:
-        b = m - j0
-        if b > BLOCK:
-            b = BLOCK
-        memcpy(out + j0, x + j0, b * sizeof(comm_t))
-        for i in range(1, n):
-            _combine(out + j0, x + i * m + j0, b, op)
-        j0 += b
 
 
 cdef void _ring_rs_step(comm_t* w, Py_ssize_t groups, Py_ssize_t n, Py_ssize_t m,

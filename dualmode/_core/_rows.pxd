@@ -4,9 +4,9 @@
 ``reduce_rows(x, out, n, m, op)``: ``out[j] = x[0, j] (op) x[1, j] (op) ... x[n-1, j]``,
 added in row order for every column, blocked so the output stays in cache. Each
 column's result depends on that column only, so reducing stacks one by one or packed
-side by side gives the same bits. It computes what ``_comm.reduce_rows`` computes (the
-same loop; tests/test_fused_all_reduce.py pins the two bit for bit), whose plain numpy
-reference is ``comm_reference.reduce_rows``.
+side by side gives the same bits. ``_comm`` (the unfused collectives and the ring steps)
+and ``_fusion`` (the fused AllReduce) both cimport it; its plain numpy reference is
+``comm_reference.reduce_rows``.
 """
 from libc.string cimport memcpy
 
