@@ -22,14 +22,8 @@ The pure-Python reference of a remembered route is the parallel layer's general 
 reference is ``np.broadcast_to``.
 """
 cimport numpy as cnp
-from cpython.object cimport PyTypeObject
-from cpython.ref cimport Py_INCREF
 
-cdef extern from "numpy/arrayobject.h":
-    # steals a reference to `descr`
-    object PyArray_NewFromDescr(PyTypeObject* subtype, cnp.dtype descr, int nd,
-                                cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
-                                int flags, object obj)
+from ._views cimport view_of
 
 import weakref
 
@@ -81,12 +75,7 @@ cpdef object broadcast_view(object a, object shape):
             return _broadcast_to(a, want)
     if not cnp.PyArray_ISWRITEABLE(arr) and a.shape == want:
         return a
-    descr = a.dtype
-    Py_INCREF(descr)                        # PyArray_NewFromDescr steals it
-    view = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd, dims, strides,
-                                cnp.PyArray_DATA(arr), 0, None)   # flags 0: read-only
-    cnp.set_array_base(view, arr)
-    return view
+    return view_of(arr, nd, dims, strides, cnp.PyArray_BYTES(arr), False)
 
 
 cpdef object share_of(object total, long n, object out=None):

@@ -24,19 +24,13 @@ tests/test_fused_all_reduce.py compares each pair (results bit for bit, views, e
 """
 cimport numpy as cnp
 from cpython.long cimport PyLong_FromVoidPtr
-from cpython.object cimport PyTypeObject
-from cpython.ref cimport Py_INCREF
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 from ._rows cimport (ROWS_MAX, ROWS_MIN, ROWS_PROD, ROWS_SUM, f32, f64, i32, i64,
                      reduce_rows, rows_t)
 
-cdef extern from "numpy/arrayobject.h":
-    # steals a reference to `descr`
-    object PyArray_NewFromDescr(PyTypeObject* subtype, cnp.dtype descr, int nd,
-                                cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
-                                int flags, object obj)
+from ._views cimport view_of
 
 import numpy as np
 
@@ -166,14 +160,8 @@ cdef object _slice_view(cnp.ndarray row, Py_ssize_t offset, cnp.ndarray like,
     if stack:
         dims[0] = n
         strides[0] = 0
-    descr = <object>cnp.PyArray_DESCR(row)
-    Py_INCREF(descr)                        # PyArray_NewFromDescr steals it
-    view = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd - 1 + lead, dims,
-                                strides,
-                                cnp.PyArray_BYTES(row) + offset * cnp.PyArray_ITEMSIZE(row),
-                                0 if stack else cnp.NPY_ARRAY_WRITEABLE, None)
-    cnp.set_array_base(view, row)           # the view keeps the row alive
-    return view
+    return view_of(row, nd - 1 + lead, dims, strides,
+                   cnp.PyArray_BYTES(row) + offset * cnp.PyArray_ITEMSIZE(row), not stack)
 
 
 cdef object _device_view(cnp.ndarray src, Py_ssize_t n):
@@ -187,12 +175,7 @@ cdef object _device_view(cnp.ndarray src, Py_ssize_t n):
     for d in range(1, nd):
         dims[d] = cnp.PyArray_DIM(src, d)
         strides[d] = cnp.PyArray_STRIDE(src, d)
-    descr = <object>cnp.PyArray_DESCR(src)
-    Py_INCREF(descr)                        # PyArray_NewFromDescr steals it
-    view = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd, dims, strides,
-                                cnp.PyArray_BYTES(src), 0, None)   # flags 0: read-only
-    cnp.set_array_base(view, src)
-    return view
+    return view_of(src, nd, dims, strides, cnp.PyArray_BYTES(src), False)
 
 
 cdef object _known_total(cnp.ndarray stack, tuple world):
@@ -370,14 +353,9 @@ cdef object _columns_view(object red, Py_ssize_t offset, cnp.ndarray like):
         step *= cnp.PyArray_DIM(like, d)
     dims[0] = cnp.PyArray_DIM(r, 0)
     strides[0] = cnp.PyArray_STRIDE(r, 0)
-    descr = <object>cnp.PyArray_DESCR(r)
-    Py_INCREF(descr)                        # PyArray_NewFromDescr steals it
-    view = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd, dims, strides,
-                                cnp.PyArray_BYTES(r) + offset * cnp.PyArray_ITEMSIZE(r),
-                                cnp.NPY_ARRAY_WRITEABLE if cnp.PyArray_ISWRITEABLE(r) else 0,
-                                None)
-    cnp.set_array_base(view, r)
-    return view
+    return view_of(r, nd, dims, strides,
+                   cnp.PyArray_BYTES(r) + offset * cnp.PyArray_ITEMSIZE(r),
+                   cnp.PyArray_ISWRITEABLE(r))
 
 
 cpdef list grouped_all_reduce(list stacks, object plan, str op, object backend):
