@@ -13,7 +13,7 @@ from .context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, get_auto_parallel
                       reset_ps_context, set_auto_parallel_context, set_context,
                       set_ps_context, set_seed)
 from . import common  # noqa: E402
-from .common import initializer  # noqa: F401
+from .common.initializer import initializer  # noqa: E402  (the function; the module is dm.common.initializer)
 from . import nn  # noqa: E402
 from . import dataset  # noqa: E402
 from . import train  # noqa: E402
@@ -34,4 +34,5 @@ __all__ = [
     "GRAPH_MODE", "ParallelMode", "set_ps_context", "get_ps_context", "reset_ps_context", "nn", "dataset", "train", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
     "uint8", "bool_", "save_checkpoint", "load_checkpoint", "load_param_into_net",
     "load_distributed_checkpoint", "merge_sliced_checkpoints", "transform_checkpoints",
+    "initializer",
 ]

@@ -5,7 +5,7 @@ from ..common.dtype import promote as _promote
 from . import _math
 from . import interpreter as _interpreter
 from ._registry import REGISTRY, get_op
-from .collectives import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter
+from .collectives import AllGather, AllReduce, AlltoAll, Broadcast, ReduceOp, ReduceScatter
 from .functional import *  # noqa: F401,F403
 from .functional import __all__ as _functional_names
 from .primitive import Primitive
@@ -22,7 +22,7 @@ _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAS
 
 __all__ = list(_functional_names) + ["shard", 
     "REGISTRY", "get_op", "Primitive", "AllGather", "AllReduce", "AlltoAll", "Broadcast",
-    "ReduceScatter", "Abs", "Add", "BatchMatMul", "BiasAdd", "Cast", "Concat", "Div",
+    "ReduceScatter", "ReduceOp", "Abs", "Add", "BatchMatMul", "BiasAdd", "Cast", "Concat", "Div",
     "Dropout", "Equal", "Exp", "ExpandDims", "Flatten", "Gather", "Greater", "Less", "Log",
     "LogSoftmax", "MatMul", "Maximum", "Minimum", "Mul", "Neg", "OneHot", "OnesLike", "Pow",
     "RealDiv", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "ReLU", "Reshape",

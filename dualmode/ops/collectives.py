@@ -15,6 +15,15 @@ from . import interpreter
 from .primitive import Primitive
 
 _OPS = ("sum", "mean", "max", "min", "prod")
+
+
+class ReduceOp:
+    """The reductions of ``AllReduce`` and ``ReduceScatter``, under MindSpore's names:
+    ``ops.AllReduce(ops.ReduceOp.SUM)`` is ``ops.AllReduce("sum")``."""
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
 WORLD_GROUP = "hccl_world_group"
 
 
