@@ -503,7 +503,7 @@ class Parameter(DeclaredShape, Tensor):
                              "workers (init_in_server=False)")
 
     def set_param_ps(self, init_in_server: bool = False):
-        """Hold this weight on the parameter servers (parameter server mode, SPEC §6):
+        """Hold this weight on the parameter servers (parameter server mode):
         workers push its gradient and pull its new value at each optimizer call.
         Without ``set_ps_context(enable_ps=True)`` the mark changes nothing, so the same
         script also runs on one device.

@@ -1,6 +1,6 @@
 """The operator-level parallelism tutorial network on N devices.
 
-The network of MindSpore's operator-parallel tutorial (seed 003): on 8 devices MatMul
+The network of MindSpore's operator-parallel tutorial: on 8 devices MatMul
 sharded ((2, 4), (4, 1)), ReLU ((4, 1),), MatMul ((1, 8), (8, 1)), ReLU ((8, 1),), and
 a data-parallel MatMul — or the same with Layout objects; on N devices the same
 strategies scaled to N (((2, N/2), (N/2, 1)), ...). It trains under

@@ -1,12 +1,12 @@
-"""ResNet on CIFAR-10 (seed 004's ResNet-50 example) on simulated devices, against one
+"""ResNet on CIFAR-10 (after the ResNet-50 example of MindSpore's distributed training tutorial) on simulated devices, against one
 device: data parallel, semi-auto parallel (a strategy on the final MatMul), a
 ``dataset_strategy`` that tiles the images on H and W, and hybrid parallel (the head's
 classes split over the devices by hand, logits AllGathered).
 
 Reads ``data_batch_*.bin`` from ``--data_dir`` (the ``cifar-10-batches-bin`` folder);
 without one, a small synthetic CIFAR-10 is written in that format first. The pipeline is
-the seed's (RandomCrop with padding 4, RandomHorizontalFlip, Resize, Rescale, Normalize,
-HWC2CHW, TypeCast). ``--depth 50`` is ResNet-50 (bottleneck blocks 3-4-6-3, as the seed;
+the tutorial's (RandomCrop with padding 4, RandomHorizontalFlip, Resize, Rescale, Normalize,
+HWC2CHW, TypeCast). ``--depth 50`` is ResNet-50 (bottleneck blocks 3-4-6-3, as MindSpore's;
 heavy on a CPU: pair it with a small ``--image_size``); ``--depth 8`` (default) is a small
 variant with one basic block per stage.
 
@@ -133,7 +133,7 @@ def write_synthetic_cifar10(data_dir, n=320, seed=0):
 
 
 def create_dataset(data_dir, batch_size=32, image_size=32, num_samples=None, augment=True):
-    """The seed's CIFAR-10 pipeline (augmentations drawn from ``dm.set_seed``'s stream)."""
+    """The tutorial's CIFAR-10 pipeline (augmentations drawn from ``dm.set_seed``'s stream)."""
     ds = Cifar10Dataset(data_dir, usage="train", shuffle=False, num_samples=num_samples)
     ops_ = [vision.RandomCrop((32, 32), (4, 4, 4, 4)), vision.RandomHorizontalFlip()] \
         if augment else []

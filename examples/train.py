@@ -1,6 +1,6 @@
 """The script docs/mpi.md launches: MindSpore-style data-parallel training.
 
-Written as MindSpore's distributed tutorial (seed 004) writes it: ``init()`` first, then
+Written as MindSpore's distributed training tutorial writes it: ``init()`` first, then
 the parallel context, a data set sharded per rank (``num_shards=get_group_size(),
 shard_id=get_rank()``), ``Model.train`` with ``LossMonitor``. The same script runs
 
@@ -35,7 +35,7 @@ def make_data(n=4096, features=32, classes=10, seed=0):
 
 
 def create_dataset(batch_size):
-    """This rank's shard of the data set, batched (seed 004's ``create_dataset``)."""
+    """This rank's shard of the data set, batched (the tutorial's ``create_dataset``)."""
     x, y = make_data()
     data = NumpySlicesDataset({"x": x, "y": y}, shuffle=True,
                               num_shards=get_group_size(), shard_id=get_rank())

@@ -152,7 +152,7 @@ def apply_in_strategy(prim, args):
 
 def strategy_layouts(prim, args, tensors):
     """The layouts `prim`'s in_strategy gives its `tensors` (one device matrix for the
-    op), after the strategy checks (before anything moves, SPEC §9). Both depend only
+    op), after the strategy checks (before anything moves). Both depend only
     on the strategy, the input shapes and the device count (a primitive's attributes
     are fixed at construction), so a primitive keeps them per that signature and a
     repeated call skips the checks it already passed."""

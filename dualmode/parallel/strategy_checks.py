@@ -1,4 +1,5 @@
-"""Per-operator validation of ``Primitive.shard`` strategies (SPEC §3, §9).
+"""Per-operator validation of ``Primitive.shard`` strategies: every bad strategy is
+refused by name before anything moves.
 
 :meth:`TensorLayout.from_strategy` checks each input's strategy on its own (rank,
 divisibility, product <= device_num). This module checks what involves several
