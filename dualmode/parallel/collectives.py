@@ -57,7 +57,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._core import _tensor as _core
-from .._core._tensor import TensorBase
+from .._core._tensor import OpDef, TensorBase
 from ..communication import comm_cause, get_backend, group_members
 from ..ops._registry import (KIND_GENERIC, REGISTRY, apply, const, register, same_as_input,
                              wrap)
@@ -406,6 +406,11 @@ def _register(name, infer, fw, bw, save_outputs=False):
                   backward=bw, save_outputs=save_outputs)
     op.extras["collective"] = fw           # the forward over the devices' values
     op.extras["device_local"] = _run_local
+    # one device: the identity (gradient too), still taped under the op's name so a
+    # tape holds every op the user called (check_equivalence aligns runs on it)
+    op.extras["one_device"] = OpDef(name, kind=KIND_GENERIC, infer=same_as_input,
+                                    kernel=lambda attrs, x: x,
+                                    backward=lambda node, g: (g,), reads_inputs=False)
     return op
 
 
@@ -445,8 +450,10 @@ def run(prim, x):
                          f"cannot place it; call it outside the compiled function (in "
                          f"PyNative mode)")
     x = const(x, name)
-    if not parallel_active():
-        return wrap(x)                     # one device: the identity
+    if not parallel_active():              # one device: the identity
+        if isinstance(x, TensorBase) and x._node is not None and x._layout is None:
+            return apply(REGISTRY[name].extras["one_device"], None, (x,))
+        return wrap(x)
     n = device_num()
     members = _resolve_group(name, prim.group, n)
     k = n if members is None else len(members)
