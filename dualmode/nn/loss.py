@@ -156,6 +156,11 @@ class CrossEntropyLoss(LossBase):
             return self._class_index_loss(logits, labels, np.asarray(labels), c)
         if kind == "f":
             if ys != ls:
+                if ys == ls[:1] + ls[2:]:
+                    raise TypeError(f"{name}: labels of shape {ys} and float dtype "
+                                    f"{labels.dtype}: class indices must be integers (e.g. "
+                                    f"Tensor(labels.astype(np.int32))); float labels are "
+                                    f"class probabilities, of the logits' shape {ls}")
                 raise ValueError(f"{name}: logits have shape {ls} and probability labels "
                                  f"have shape {ys}; they must be equal")
             if labels.dtype != logits.dtype:
@@ -231,7 +236,7 @@ class SoftmaxCrossEntropyWithLogits(LossBase):
     sparse : bool
         Labels are class indices (the fused kernel is used).
     reduction : {"mean", "sum", "none"}
-        Default "mean" (dualmode's SPEC; MindSpore's default is "none").
+        Default "mean" (MindSpore's default is "none").
     """
 
     def __init__(self, sparse: bool = False, reduction: str = "mean"):
