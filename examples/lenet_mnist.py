@@ -102,6 +102,14 @@ def train_steps(make_net, dataset, steps, device_num=None, lr=0.01, seed=1, **ct
         communication.init()
 
 
+def compare(data_dir, args):
+    """The losses of the same steps on one device and on ``args.device_num``."""
+    ds = create_dataset(data_dir, args.batch, num_samples=args.batch * args.steps)
+    single, _ = train_steps(LeNet5, ds, args.steps)
+    sharded, _ = train_steps(LeNet5, ds, args.steps, device_num=args.device_num)
+    return single, sharded
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", default=None)
@@ -109,14 +117,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args(argv)
-    data_dir = args.data_dir
-    if data_dir is None:
-        data_dir = write_synthetic_mnist(os.path.join(tempfile.mkdtemp(), "mnist"),
-                                         n=args.batch * args.steps)
-        print(f"no --data_dir: wrote a synthetic MNIST to {data_dir}")
-    ds = create_dataset(data_dir, args.batch, num_samples=args.batch * args.steps)
-    single, _ = train_steps(LeNet5, ds, args.steps)
-    sharded, _ = train_steps(LeNet5, ds, args.steps, device_num=args.device_num)
+    if args.data_dir is not None:
+        single, sharded = compare(args.data_dir, args)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:      # removed when training is done
+            data_dir = write_synthetic_mnist(os.path.join(tmp, "mnist"),
+                                             n=args.batch * args.steps)
+            print("no --data_dir: training on a synthetic MNIST written to a temporary "
+                  "folder")
+            single, sharded = compare(data_dir, args)
     print(f"{'step':>4}  {'1 device':>12}  {f'{args.device_num} devices (DP)':>16}")
     for i, (a, b) in enumerate(zip(single, sharded), 1):
         print(f"{i:>4}  {a:12.6f}  {b:16.6f}")

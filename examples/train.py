@@ -70,7 +70,9 @@ def main(argv=None):
     opt = nn.Momentum(net.trainable_params(), learning_rate=0.05, momentum=0.9)
     model = Model(net, loss_fn=nn.SoftmaxCrossEntropyWithLogits(sparse=True),
                   optimizer=opt, metrics={"accuracy"})
-    monitor = LossMonitor(max(1, dataset.get_dataset_size() // 2))
+    # every rank records its losses; only rank 0 prints them (0: record, never print)
+    every = max(1, dataset.get_dataset_size() // 2)
+    monitor = LossMonitor(every if get_rank() == 0 else 0)
     model.train(args.epochs, dataset, callbacks=[monitor])
     x, y = make_data(512, seed=1)
     test = NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(8 * get_group_size())

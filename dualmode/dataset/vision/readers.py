@@ -47,6 +47,10 @@ def _check_usage(owner: str, usage) -> Tuple[str, ...]:
 
 def _need_file(owner: str, path: str) -> str:
     if not os.path.isfile(path):
+        if os.path.isfile(path + ".gz"):
+            raise ValueError(f"{owner}: file {path!r} is missing but {path + '.gz'!r} is "
+                             f"there: decompress it first (gunzip {path + '.gz'!r}); the "
+                             f"reader takes the uncompressed files")
         raise ValueError(f"{owner}: file {path!r} is missing (expected the standard "
                          f"{owner[:-7]} file names in dataset_dir)")
     return path
