@@ -3,8 +3,10 @@ AllReduce / redistribution before the optimizer update as IR, and the fusion pas
 the data-parallel AllReduces into the buckets ``comm_fusion`` configures. Checked
 against the single-device step (gradients_mean=True, a network with a sharded weight),
 against the same data-parallel step run eagerly (same numbers and the same gradient
-collectives, for every fusion setting and both gradients_mean values: without the mean
-the gradients are device_num times the single-device ones), and on the lowered graph."""
+collectives, for every fusion setting and both gradients_mean values: in
+semi_auto_parallel the update is the single device's either way, in data_parallel
+without the mean the gradients are device_num times the single-device ones), and on the
+lowered graph."""
 import numpy as np
 import pytest
 
@@ -99,14 +101,17 @@ def test_data_parallel_compiled_step_makes_the_eager_steps_collectives(fusion, m
         np.testing.assert_allclose(g_losses, ref_losses, rtol=1e-5)
 
 
-def test_without_gradients_mean_the_update_is_device_num_times_larger():
-    """SGD, one step: w - lr * 8 * g (gradients summed over 8 devices whose local loss is
-    each the mean over its own rows)."""
+@pytest.mark.parametrize("mean", [True, False])
+def test_the_update_is_the_single_devices_whatever_gradients_mean(mean):
+    """SGD, one step: the program is written for the global batch, so in
+    semi_auto_parallel the update is the single device's, w - lr * g, with or without
+    gradients_mean (a replicated weight is never moved device_num times; data_parallel's
+    sum is tested in test_semi_auto_gradients_mean.py)."""
     def first_step(n, compiled):
-        settings = {"gradients_mean": False} if n else {}
+        settings = {"gradients_mean": mean} if n else {}
         with devices(n, **settings):
             net = _Net(sharded=False)
-            opt = nn.SGD(net.trainable_params(), learning_rate=0.01 if n else 0.08)
+            opt = nn.SGD(net.trainable_params(), learning_rate=0.01)
             _step(net, opt, compiled)(Tensor(X))
             return {p.name: p.asnumpy() for p in net.trainable_params()}
     ref, got = first_step(None, False), first_step(8, True)

@@ -1,11 +1,16 @@
 """Data-parallel gradient AllReduce with communication fusion.
 
 A gradient computed from batch-split data arrives as a partial tensor: device d
-holds its share p_d of the global gradient. Each device's loss in a MindSpore
-data-parallel script is the mean over its local batch, so device d's own
-gradient is n * p_d; the AllReduce combines those: ``gradients_mean=True`` gives
-their mean, which is the single-device gradient, and ``False`` their sum, n times
-it. Plain (replicated) gradients are already whole and are left alone.
+holds its share p_d of the global gradient, and the AllReduce of the shares is that
+gradient. How it then counts is one rule, :func:`replica_gradient_scale`: where each
+device has a loss of its own (data_parallel, hybrid_parallel: a MindSpore script's loss
+is the mean over the device's local batch, so device d's own gradient is n * p_d)
+``gradients_mean=True`` takes the mean of the devices' gradients, the single-device
+gradient, and ``False`` their sum, n times it. In semi_auto_parallel and auto_parallel
+the program is written for the global batch: the gradient is the global loss's, and the
+update equals the single device's whatever ``gradients_mean`` says (a weight replicated
+on n devices is never moved n times). Plain (replicated) gradients are already whole and
+are left alone.
 
 Gradients are packed into buckets, one AllReduce per bucket:
 ``all_reduce_fusion_config=[20, 35]`` splits gradients 0-19 / 20-34 / 35-; the
@@ -42,11 +47,35 @@ from .devices import backend as _backend
 from .redistribute import plan_redistribution
 from .tensor_layout import TensorLayout
 
-__all__ = ["reduce_gradients", "fusion_buckets", "broadcast_parameters", "is_dp_partial",
+__all__ = ["reduce_gradients", "replica_gradient_scale", "fusion_buckets", "broadcast_parameters", "is_dp_partial",
            "resolves_pending", "bucket_name", "single_step", "step_group", "resolve_key",
            "grouped_buckets", "fused_bucket", "fuse_gradient_moves"]
 
 _AUTO_MB = 64
+
+#: the parallel modes in which every device computes a loss of its own (its local batch's),
+#: so ``gradients_mean`` chooses between the sum and the mean of the devices' gradients
+PER_DEVICE_LOSS_MODES = (context.ParallelMode.DATA_PARALLEL,
+                         context.ParallelMode.HYBRID_PARALLEL)
+
+
+def replica_gradient_scale(n: int, mode=None, gradients_mean=None):
+    """The factor taking the AllReduce of the shares of a replicated weight's gradient
+    (the gradient of the global loss) to the gradient the update applies, on `n` devices
+    in parallel mode `mode` with `gradients_mean` (both default to the context's); None
+    for 1. The one rule for the eager optimizer and a compiled train step:
+
+    - data_parallel, hybrid_parallel (each device has its own loss): `n` for the sum of
+      the devices' gradients (``gradients_mean=False``), None for their mean;
+    - semi_auto_parallel, auto_parallel (one program over the global batch) and
+      stand_alone: None whatever ``gradients_mean`` says, so the update equals the
+      single device's."""
+    ap = context._STATE.auto_parallel
+    mode = ap.parallel_mode if mode is None else mode
+    mean = ap.gradients_mean if gradients_mean is None else gradients_mean
+    if mode in PER_DEVICE_LOSS_MODES and not mean and n != 1:
+        return n
+    return None
 
 
 def fusion_buckets(sizes_bytes, op: str = "allreduce"):
@@ -270,12 +299,12 @@ def reduce_gradients(grads, params=None):
     if not todo:
         return grads
     backend = _backend()
-    mean = context.get_auto_parallel_context("gradients_mean")
+    scale = replica_gradient_scale(backend.world_size)
     # a gradient's stack as it is: one not written yet (equal shares whose total is
     # known, Tensor._lazy) the sim backend reads without writing
     stacks = [stored(grads[i]) for i in todo]
     if not trace._STATE.reports and backend.reads_deferred:
-        todo, stacks = _known_sums(grads, todo, stacks, backend.world_size, mean)
+        todo, stacks = _known_sums(grads, todo, stacks, backend.world_size, scale)
     for bucket in fusion_buckets([math.prod(st.shape[1:]) * st.itemsize for st in stacks]):
         members = [todo[k] for k in bucket]
         inputs = [stacks[k] for k in bucket]
@@ -284,9 +313,10 @@ def reduce_gradients(grads, params=None):
             dtype = np.result_type(*[st.dtype for st in inputs])
             inputs = [st if st.dtype == dtype else np.asarray(st).astype(dtype)
                       for st in inputs]
-        # the AllReduce(sum) of the shares p_d is the mean of the devices' own gradients
-        # n * p_d; the sum of those is n times it. One collective per bucket (no packing
-        # copy on simulated devices), each result a view into it
+        # the AllReduce(sum) of the shares p_d is the global loss's gradient (the mean
+        # of the devices' own gradients n * p_d where each has its own loss), then
+        # scaled per replica_gradient_scale. One collective per bucket (no packing copy
+        # on simulated devices), each result a view into it
         if trace._STATE.reports:           # named for the reports that listen
             name = bucket_name([params[i].name for i in members]) if params is not None \
                 else f"{len(members)} gradients" if len(members) > 1 else "gradient"
@@ -295,20 +325,20 @@ def reduce_gradients(grads, params=None):
         else:
             outs = backend.all_reduce_fused(inputs, None, "sum")
         for i, k, out in zip(members, bucket, outs):
-            total = out[0] if mean else np.multiply(out[0], backend.world_size,
-                                                    dtype=out.dtype)
+            total = out[0] if scale is None else np.multiply(out[0], scale, dtype=out.dtype)
             if total.dtype != stacks[k].dtype:
                 total = total.astype(stacks[k].dtype)
             grads[i] = _core.wrap_dist(total, None)
     return grads
 
 
-def _known_sums(grads, todo, stacks, world: int, mean: bool):
+def _known_sums(grads, todo, stacks, world: int, scale):
     """While no report records the AllReduces, the gradients among `todo` whose stacks
     are equal shares over the whole world with a known total (a data-parallel gradient
-    on simulated devices) take the AllReduce's result, that total, directly: the same
-    numbers without the collective's machinery (about 10 us a gradient). Returns the
-    positions and stacks left for the collectives."""
+    on simulated devices) take the AllReduce's result, that total (times `scale`, see
+    :func:`replica_gradient_scale`), directly: the same numbers without the collective's
+    machinery (about 10 us a gradient). Returns the positions and stacks left for the
+    collectives."""
     left, left_stacks = [], []
     for i, st in zip(todo, stacks):
         total = shares_total(st) if st.shape[0] == world else None
@@ -316,8 +346,8 @@ def _known_sums(grads, todo, stacks, world: int, mean: bool):
             left.append(i)
             left_stacks.append(st)
             continue
-        if not mean:
-            total = np.multiply(total, world, dtype=total.dtype)
+        if scale is not None:
+            total = np.multiply(total, scale, dtype=total.dtype)
         grads[i] = _core.wrap_dist(total, None)
     return left, left_stacks
 

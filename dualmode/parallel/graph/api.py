@@ -82,7 +82,8 @@ def _arg_key(a):
 def _context_key():
     st = context._STATE
     ap = st.auto_parallel
-    # gradients_mean and the fusion settings shape the gradient nodes of a train step
+    # the parallel mode, gradients_mean and the fusion settings shape the gradient nodes of
+    # a train step (grad_reduce.replica_gradient_scale, fuse.py)
     return (ap.parallel_mode, device_num(), ap.search_mode, ap.dataset_strategy,
             st.algo.fully_use_devices, st.run.mode, _primitive.STRATEGY_EPOCH[0],
             ap.gradients_mean, repr(ap.comm_fusion), repr(ap.all_reduce_fusion_config))
@@ -242,8 +243,7 @@ class ShardFunction:
                                  name=self.owner, in_strategy=in_strategy,
                                  out_strategy=self.out_strategy,
                                  parameter_plan=self.parameter_plan, arg_sources=sources,
-                                 fully_use_devices=fully,
-                                 gradients_mean=context._STATE.auto_parallel.gradients_mean)
+                                 fully_use_devices=fully)
         _COMPILES[0] += 1
         return compiled
 

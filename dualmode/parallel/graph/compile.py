@@ -435,8 +435,7 @@ class CompiledGraph:
 
 def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name="ops.shard",
                   in_strategy=None, out_strategy=None, parameter_plan=None,
-                  arg_sources=None, fully_use_devices=False,
-                  gradients_mean=False) -> CompiledGraph:
+                  arg_sources=None, fully_use_devices=False) -> CompiledGraph:
     """Run the passes on a traced graph; the result runs on every call."""
     if sharded:
         graph = apply_strategies(graph, n, name=name, in_strategy=in_strategy,
@@ -445,8 +444,7 @@ def compile_graph(graph: Graph, n: int, *, sharded: bool, propagate: bool, name=
             graph = propagate_strategies(graph, n, arg_sources=arg_sources,
                                          fully_use_devices=fully_use_devices)
         lowered = insert_communication(graph, n, arg_sources=arg_sources,
-                                       some_devices=some_devices(), name=name,
-                                       gradients_mean=gradients_mean)
+                                       some_devices=some_devices(), name=name)
         compiled = CompiledGraph(graph, sharded, Program(fuse_communication(lowered)))
     else:
         compiled = CompiledGraph(graph, sharded)

@@ -261,7 +261,8 @@ def _move(attrs, x, reason):
 
 
 def _scaled(x, scale):
-    """A resolved data-parallel gradient times ``device_num`` (``gradients_mean=False``)."""
+    """A resolved data-parallel gradient times its factor (None: 1; the rule is
+    grad_reduce.replica_gradient_scale)."""
     return x if scale is None else np.multiply(x, scale, dtype=x.dtype)
 
 

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..._core._tensor import TensorBase
-from ..grad_reduce import is_dp_partial, resolves_pending
+from ..grad_reduce import is_dp_partial, replica_gradient_scale, resolves_pending
 from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
@@ -90,11 +90,9 @@ def _const_layout(c):
 
 
 class _Lowering:
-    def __init__(self, graph: Graph, n: int, arg_sources, some_devices: bool, name: str,
-                 gradients_mean: bool):
+    def __init__(self, graph: Graph, n: int, arg_sources, some_devices: bool, name: str):
         self.g = graph
         self.n = n
-        self.gradients_mean = gradients_mean
         self.name = name
         self.some = some_devices
         self.values = graph.values()
@@ -118,8 +116,8 @@ class _Lowering:
         """A MOVE node taking value `ref` into `dst`; returns the new Ref. `grid`: the
         result is the device grid ``dst.device_matrix + dst.local_shape`` (size 1 along
         the axes that split nothing), for a rule whose `local` accepts grids. `scale`:
-        a factor applied after pending sums are resolved (a data-parallel gradient's
-        ``device_num`` without ``gradients_mean``)."""
+        a factor applied after pending sums are resolved (a data-parallel gradient's,
+        grad_reduce.replica_gradient_scale)."""
         src = self.input_layout(ref)
         if src == dst and not grid:
             return ref
@@ -318,10 +316,10 @@ class _Lowering:
     def gradient_moves(self, node, ins):
         """An optimizer update's gradients moved where the update reads them, as the
         optimizer would move them eagerly: a sharded weight's gradient into the weight's
-        layout; a data-parallel gradient resolved (its AllReduce, times ``device_num``
-        unless ``gradients_mean``: see grad_reduce.py); another distributed gradient of
-        a weight kept whole gathered whole. The update then communicates nothing, and
-        the fusion pass can bucket the AllReduces."""
+        layout; a data-parallel gradient resolved (its AllReduce, scaled as the eager
+        optimizer scales it: grad_reduce.replica_gradient_scale); another distributed
+        gradient of a weight kept whole gathered whole. The update then communicates
+        nothing, and the fusion pass can bucket the AllReduces."""
         params = node.attrs.get("params")
         if not params:
             return ins
@@ -337,7 +335,7 @@ class _Lowering:
                     ins[i] = self.move(x, target, p.name, reason="gradient", backward=True)
             elif target is None and is_dp_partial(lay):
                 ins[i] = self.move(x, None, p.name, reason="gradient", backward=True,
-                                   scale=None if self.gradients_mean else self.n)
+                                   scale=replica_gradient_scale(self.n))
             else:
                 ins[i] = self.move(x, None, p.name, reason="gradient", backward=True)
         return ins
@@ -467,7 +465,7 @@ def _const_value(c) -> Value:
 
 
 def insert_communication(graph: Graph, n: int, *, arg_sources=None, some_devices=False,
-                         name="graph", gradients_mean=False) -> Graph:
+                         name="graph") -> Graph:
     """The graph with every communication an IR node and every op node's ``run`` set
     (see the module docstring)."""
-    return _Lowering(graph, n, arg_sources, some_devices, name, gradients_mean).lower()
+    return _Lowering(graph, n, arg_sources, some_devices, name).lower()
