@@ -124,10 +124,13 @@ def halo_reduce(ext, lay, axes, dim, lo, hi, block, opname):
 
 def _halo_sizes(size, out_size, parts, k, stride, dilation, lo_pad):
     """(lo, hi) rows a device needs beyond its block, or None when the split cannot be
-    kept (windows not aligned with the blocks, or reaching past the next device)."""
+    kept: either size not divisible by `parts` (a layout derived from the other side of
+    the op, e.g. the input gradient of a stride-2 convolution whose output rows are
+    split, would have unequal blocks), windows not aligned with the blocks, or reaching
+    past the next device."""
     if parts == 1:
         return 0, 0
-    if out_size % parts or size // parts != stride * (out_size // parts):
+    if size % parts or out_size % parts or size // parts != stride * (out_size // parts):
         return None
     block = size // parts
     lo = lo_pad
