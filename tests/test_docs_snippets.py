@@ -6,6 +6,7 @@ tagged as data or output (json, text, untagged) are not code. Shell blocks must 
 a marker (they start processes or install packages)."""
 import pathlib
 import re
+import tempfile
 
 import pytest
 
@@ -60,7 +61,11 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, capsys):
               if lang == "python" and reason is None]
     if not blocks:
         pytest.skip(f"{_page_id(page)}: no runnable Python block")
-    monkeypatch.chdir(tmp_path)
+    work, system_tmp = tmp_path / "work", tmp_path / "system_tmp"
+    work.mkdir()
+    system_tmp.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))    # what tempfile hands out
     namespace = {"__name__": "__doc_snippet__"}
     with parallel_settings():
         for line, code in blocks:
@@ -69,6 +74,8 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, capsys):
             except Exception as e:
                 pytest.fail(f"{_page_id(page)}, block at line {line}: "
                             f"{type(e).__name__}: {e}")
+    left = sorted(p.name for p in system_tmp.iterdir())
+    assert not left, f"{_page_id(page)}: its code leaves temporary files behind: {left}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
