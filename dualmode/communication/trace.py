@@ -10,6 +10,18 @@ them; :class:`dualmode.parallel.CommReport` is the user-facing view. One module-
 * :func:`note_memory` (called by backends and by callers that hold stacks) offers a
   per-device byte count to every active report, which keeps the maximum.
 * :func:`comm_cause` names the op and the reason for collectives issued inside it.
+* :func:`pending_sum` marks the resolution of a pending sum: the reductions issued
+  inside it (see below) are listed under the op that made the sum.
+
+Pending sums: an op whose strategy splits a contracted dim (``MatMul`` with
+``((2, 4), (4, 1))``) leaves partial values that a later op resolves (an AllReduce, or
+a ReduceScatter when that op wants the result split). The AllReduce / ReduceScatter
+made for it inside a :func:`pending_sum` block is recorded with ``op`` the op that made
+the sum and ``resolved_by`` the op of the current :func:`comm_cause` (the one where it
+was resolved); other collectives of the block (an AllGather into the consumer's layout)
+stay the consumer's. Gradient reductions (reason ``"gradient"``) stay listed under their
+parameters, and collectives issued outside any :func:`pending_sum` block have
+``resolved_by`` None.
 
 Bytes moved per device, for a group of ``n`` devices and ``S`` the bytes of one device's
 buffer (the input unless said otherwise):
@@ -62,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 __all__ = ["KINDS", "REASONS", "LINKS", "CommRecord", "TraceState", "comm_cause",
-           "current_cause", "record", "note_memory", "bytes_per_device", "full_buffer_bytes",
+           "pending_sum", "current_cause", "record", "note_memory", "bytes_per_device", "full_buffer_bytes",
            "predicted_seconds", "activate", "deactivate"]
 
 KINDS = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "Reduce",
@@ -94,12 +106,17 @@ class CommRecord:
     bytes_per_device : float
         Bytes each device sends (see the module docstring for the formulas).
     op : str or None
-        The op that caused it (from :func:`comm_cause`), None when issued directly.
+        The op that caused it (from :func:`comm_cause`), None when issued directly. For
+        the reduction that resolves a pending sum: the op whose strategy made the sum
+        (e.g. ``"MatMul"``).
     reason : str
         One of :data:`REASONS`; ``"user"`` outside any :func:`comm_cause`.
     buffer_bytes : float
         ``n`` of the alpha-beta formulas (:func:`full_buffer_bytes`): the bytes of the full
         buffer a device holds after AllReduce / AllGather, before ReduceScatter.
+    resolved_by : str or None
+        For the reduction that resolves a pending sum: the op where it was resolved (the
+        first op that needed the sum, e.g. ``"ReLU"``); None for every other collective.
     """
 
     kind: str
@@ -109,16 +126,25 @@ class CommRecord:
     op: Optional[str] = None
     reason: str = "user"
     buffer_bytes: float = field(default=0.0, compare=False)
+    resolved_by: Optional[str] = None
+
+
+#: the kinds that resolve a pending sum inside a :func:`pending_sum` block
+_RESOLVING = ("AllReduce", "ReduceScatter")
+#: the reasons under which a resolution is listed under the op that made the sum
+_OP_REASONS = ("forward", "backward", "redistribution")
 
 
 class TraceState:
-    """The active reports (innermost last) and the stack of ``(op, reason)`` causes."""
+    """The active reports (innermost last), the stack of ``(op, reason)`` causes and the
+    op that made the pending sum being resolved (None outside :func:`pending_sum`)."""
 
-    __slots__ = ("reports", "causes")
+    __slots__ = ("reports", "causes", "made_by")
 
     def __init__(self) -> None:
         self.reports: List[object] = []
         self.causes: List[Tuple[Optional[str], str]] = []
+        self.made_by: Optional[str] = None
 
 
 _STATE = TraceState()
@@ -206,9 +232,14 @@ def record(kind: str, group_size: int, num_groups: int, buffer_bytes: int,
     if not _STATE.reports:
         return
     op, reason = current_cause()
+    resolved_by = None
+    made_by = _STATE.made_by
+    if made_by is not None and kind in _RESOLVING and reason in _OP_REASONS:
+        op, resolved_by = made_by, op        # listed under the op that made the sum
     rec = CommRecord(kind, int(group_size), int(num_groups),
                      bytes_per_device(kind, group_size, buffer_bytes, total_bytes), op, reason,
-                     full_buffer_bytes(kind, group_size, buffer_bytes, total_bytes))
+                     full_buffer_bytes(kind, group_size, buffer_bytes, total_bytes),
+                     resolved_by)
     for report in _STATE.reports:
         report._add_record(rec)
 
@@ -267,4 +298,34 @@ class comm_cause:
 
     def __exit__(self, *exc) -> bool:
         _STATE.causes.pop()
+        return False
+
+
+class pending_sum:
+    """Inside the ``with`` block a pending sum made by ``made_by`` is resolved: its
+    AllReduce / ReduceScatter is recorded under ``made_by`` with ``resolved_by`` the op
+    of the current :func:`comm_cause` (see the module docstring). ``made_by`` None (a
+    sum whose maker is not known) changes nothing.
+
+    Parameters
+    ----------
+    made_by : str or None
+        The class name of the op whose strategy made the sum (e.g. ``"MatMul"``).
+    """
+
+    __slots__ = ("_made_by", "_outer")
+
+    def __init__(self, made_by: Optional[str]):
+        if made_by is not None and not isinstance(made_by, str):
+            raise TypeError(f"pending_sum: made_by={made_by!r} has type "
+                            f"{type(made_by).__name__}; expected a str or None")
+        self._made_by = made_by
+        self._outer = None
+
+    def __enter__(self) -> None:
+        self._outer = _STATE.made_by
+        _STATE.made_by = self._made_by
+
+    def __exit__(self, *exc) -> bool:
+        _STATE.made_by = self._outer
         return False

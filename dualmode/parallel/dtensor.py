@@ -13,7 +13,8 @@ sharding rule (parallel/rules.py) where one is needed:
    value, Neg, Cast to a float, Reshape, Transpose, BroadcastTo, ReduceSum/Mean) runs its
    rule, which keeps the sums pending over the same device axes
    (:func:`dualmode.parallel.rules.pending_sums`); any other op first resolves them with
-   an AllReduce.
+   an AllReduce. A pending sum's layout names the op that made it (``partial_op``,
+   kept through the linear ops), and its resolution is reported under that op.
 3. **data parallel** (:func:`_batch_global`): when every distributed input is split on
    dim 0 only, the stacks ``(n, B/n, ...)`` are views of the global values ``(B, ...)``;
    when the op's rule, given these layouts, moves no data and needs no collective, the
@@ -49,7 +50,7 @@ from .devices import BACKEND_STATE, device_num, parallel_active
 from .devices import some_devices as _some_devices
 from .moves import REDISTRIBUTE, gather_global, gather_stack, moved, resolve_partial
 from .rules import pending_sums
-from .sharding import decide, sharded_apply
+from .sharding import decide, keep_made_by, sharded_apply
 from .stacks import assemble, distribute, is_batch_layout, local_rows
 from .tensor_layout import TensorLayout
 
@@ -99,7 +100,7 @@ def _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial):
             # the sums pending, over the same device axes
             out = sharded_apply(op, attrs, inputs, rec, layouts)
             if out is not None:
-                return out
+                return keep_made_by(out, layouts)   # still the sums of the op that made them
         inputs = tuple(resolve_partial(x, op.name)
                        if lay is not None and lay.partial else x
                        for x, lay in zip(inputs, layouts))

@@ -1,7 +1,9 @@
 """Moving a distributed tensor's pieces without changing its value: the recorded
 ``Redistribute`` op, pending sums resolved (AllReduce), a value gathered whole
 (AllGather). Each has a Tensor form (recorded on the tape, so gradients pass through)
-and a stack form (what the graph executor runs).
+and a stack form (what the graph executor runs). The AllReduce that resolves a pending
+sum is reported under the op that made it (the layout's ``partial_op``), with the op
+that needed it as ``resolved_by``.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
-from ..communication.trace import record
+from ..communication.trace import pending_sum, record
 from ..ops._registry import register, same_as_input
 from .devices import backend as _backend
 from .devices import op_cause as _cause
@@ -28,8 +30,10 @@ def resolve_partial(t, op_name):
 
 def resolve_stack(stack, layout, op_name):
     """`stack` in `layout` with its pending sums AllReduced: ``(stack, layout without
-    partial)``, or ``(global value, None)`` when nothing else is split."""
-    with _cause(op_name):
+    partial)``, or ``(global value, None)`` when nothing else is split. The AllReduce is
+    reported under the op that made the sums (``layout.partial_op``), resolved by
+    `op_name`."""
+    with _cause(op_name), pending_sum(layout.partial_op):
         out = _backend().all_reduce(stack, members=_members(layout, layout.partial), op="sum")
     rest = layout.without_partial()
     if all(m == () for m in rest.tensor_map):

@@ -9,7 +9,7 @@ import numpy as np
 
 from .._core._tensor import TensorBase
 from ..communication.totals import as_stack, remember_totals, stored
-from ..communication.trace import comm_cause, record
+from ..communication.trace import comm_cause, pending_sum, record
 from ..tensor import Parameter
 from .tensor_layout import TensorLayout
 from .devices import live_backend, world_stack
@@ -56,7 +56,15 @@ REMEMBER_MIN_BYTES = 64 * 1024
 
 def move_stack(stack, src: TensorLayout, dst: TensorLayout, op_name=None,
                reason="redistribution"):
-    """`stack` (this process's shards in `src`) as its shards in `dst`."""
+    """`stack` (this process's shards in `src`) as its shards in `dst`. Pending sums
+    resolved on the way are reported under the op that made them (``src.partial_op``)."""
+    if src.partial:
+        with pending_sum(src.partial_op):
+            return _move_stack(stack, src, dst, op_name, reason)
+    return _move_stack(stack, src, dst, op_name, reason)
+
+
+def _move_stack(stack, src, dst, op_name, reason):
     if src.device_num == dst.device_num:
         plan = plan_redistribution(src, dst, stack.itemsize or 1)
         return execute(plan, stack, op_name=op_name, reason=reason)
@@ -94,6 +102,7 @@ def redistribute_grid(x, dst: TensorLayout, op_name=None, reason="redistribution
             return None
         stack = stored(x)
         plan = plan_redistribution(src, dst, stack.itemsize or 1)
-        return run_plan_grid(plan, stack, op_name=op_name, reason=reason)
+        with pending_sum(src.partial_op if src.partial else None):
+            return run_plan_grid(plan, stack, op_name=op_name, reason=reason)
     value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
     return dst.local_blocks_grid(value)                 # a plain value: local slices only

@@ -5,6 +5,7 @@
     print(report)                                   # a table
     report.count("AllReduce", reason="gradient")    # -> 1
     report.bytes(reason="redistribution")           # bytes per device
+    report.bytes(op="MatMul")                       # what the MatMul's strategy costs
 
 Every collective a backend executes while a report is active becomes one
 :class:`CommRecord` (kind, group size, number of groups, bytes moved per device, the op
@@ -12,6 +13,17 @@ that caused it and the reason) in **every** active report, so reports nest. The 
 op and reason come from :func:`comm_cause` blocks (``op=None, reason="user"`` outside
 them); reasons are "forward", "backward", "gradient", "redistribution",
 "parameter_broadcast" and "user".
+
+Pending sums: an op whose strategy splits a dim it sums over (``MatMul`` with
+``((2, 4), (4, 1))`` splits the contracted dim in 4) leaves partial values, which the
+first op that needs the sum resolves (an AllReduce, or a ReduceScatter when that op
+wants the result split), possibly several ops later (ops linear in the sum, such as
+``Reshape`` or a multiplication by a value, keep it pending). That collective is listed
+under the op whose strategy made the sum (``op == "MatMul"``), with the op where it was
+resolved as ``resolved_by`` (the "resolved by" column of the table), so that
+``report.bytes(op="MatMul")`` is what that strategy costs. Every other collective has
+``resolved_by`` None (shown as "-"). Gradient reductions stay listed under their
+parameters (reason "gradient").
 
 Bytes per device, for groups of ``n`` devices and ``S`` one device's buffer bytes:
 AllReduce ``2 (n-1)/n S`` (ring), AllGather ``(n-1) S_in``, ReduceScatter
@@ -159,36 +171,51 @@ class CommReport:
         if params + nbytes > self.peak_memory:
             self.peak_memory = params + nbytes
 
-    def _select(self, func: str, kind: Optional[str], reason: Optional[str]):
+    def _select(self, func: str, kind: Optional[str], reason: Optional[str],
+                op: Optional[str] = None, resolved_by: Optional[str] = None):
         if kind is not None and kind not in KINDS:
             raise ValueError(f"CommReport.{func}: kind={kind!r} is not valid; expected None or "
                              "one of " + ", ".join(repr(k) for k in KINDS))
         if reason is not None and reason not in REASONS:
             raise ValueError(f"CommReport.{func}: reason={reason!r} is not valid; expected None "
                              "or one of " + ", ".join(repr(r) for r in REASONS))
+        for name, v in (("op", op), ("resolved_by", resolved_by)):
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"CommReport.{func}: {name}={v!r} has type "
+                                f"{type(v).__name__}; expected None or an op's name such as "
+                                f"'MatMul'")
         return [r for r in self.records
-                if (kind is None or r.kind == kind) and (reason is None or r.reason == reason)]
+                if (kind is None or r.kind == kind) and (reason is None or r.reason == reason)
+                and (op is None or r.op == op)
+                and (resolved_by is None or r.resolved_by == resolved_by)]
 
-    def count(self, kind: Optional[str] = None, reason: Optional[str] = None) -> int:
-        """Number of collectives of ``kind`` (e.g. ``"AllReduce"``) for ``reason``
+    def count(self, kind: Optional[str] = None, reason: Optional[str] = None, *,
+              op: Optional[str] = None, resolved_by: Optional[str] = None) -> int:
+        """Number of collectives of ``kind`` (e.g. ``"AllReduce"``) for ``reason``, listed
+        under ``op`` (e.g. ``"MatMul"``), resolving a pending sum in ``resolved_by``
         (None: any)."""
-        return len(self._select("count", kind, reason))
+        return len(self._select("count", kind, reason, op, resolved_by))
 
-    def bytes(self, kind: Optional[str] = None, reason: Optional[str] = None) -> float:
-        """Bytes moved per device by the selected collectives (None: any)."""
-        return float(sum(r.bytes_per_device for r in self._select("bytes", kind, reason)))
+    def bytes(self, kind: Optional[str] = None, reason: Optional[str] = None, *,
+              op: Optional[str] = None, resolved_by: Optional[str] = None) -> float:
+        """Bytes moved per device by the selected collectives (as :meth:`count`; None:
+        any)."""
+        return float(sum(r.bytes_per_device
+                         for r in self._select("bytes", kind, reason, op, resolved_by)))
 
     def record_time(self, rec: CommRecord) -> float:
         """Predicted seconds of one record under this report's network model."""
         alpha, beta = self._model("record_time")
         return predicted_seconds(rec.kind, rec.group_size, rec.buffer_bytes, alpha, beta)
 
-    def predicted_time(self, kind: Optional[str] = None, reason: Optional[str] = None) -> float:
-        """Predicted seconds of the selected collectives (None: any), run one after
-        another, under the alpha-beta model given to the constructor."""
+    def predicted_time(self, kind: Optional[str] = None, reason: Optional[str] = None, *,
+                       op: Optional[str] = None, resolved_by: Optional[str] = None) -> float:
+        """Predicted seconds of the selected collectives (as :meth:`count`; None: any),
+        run one after another, under the alpha-beta model given to the constructor."""
         alpha, beta = self._model("predicted_time")
         return float(sum(predicted_seconds(r.kind, r.group_size, r.buffer_bytes, alpha, beta)
-                         for r in self._select("predicted_time", kind, reason)))
+                         for r in self._select("predicted_time", kind, reason, op,
+                                               resolved_by)))
 
     def _model(self, func: str) -> tuple:
         if self.model is None:
@@ -213,13 +240,15 @@ class CommReport:
         if not self.records:
             return lines[0]
         timed = self.model is not None
-        head = f"{'#':>4}  {'kind':<13} {'op':<16} {'reason':<19} {'groups x size':>13}  " \
-               f"{'bytes/device':>12}" + (f"  {'predicted':>10}" if timed else "")
+        head = f"{'#':>4}  {'kind':<13} {'op':<16} {'resolved by':<16} {'reason':<19} " \
+               f"{'groups x size':>13}  {'bytes/device':>12}" + \
+               (f"  {'predicted':>10}" if timed else "")
         lines += [head, "-" * len(head)]
         for i, r in enumerate(self.records):
             gs = f"{r.num_groups} x {r.group_size}"
             t = f"  {_fmt_seconds(self.record_time(r)):>10}" if timed else ""
-            lines.append(f"{i:>4}  {r.kind:<13} {str(r.op or '-'):<16} {r.reason:<19} "
+            lines.append(f"{i:>4}  {r.kind:<13} {str(r.op or '-'):<16} "
+                         f"{str(r.resolved_by or '-'):<16} {r.reason:<19} "
                          f"{gs:>13}  {_fmt_bytes(r.bytes_per_device):>12}{t}")
         lines.append("-" * len(head))
         for kind in KINDS:
@@ -227,7 +256,7 @@ class CommReport:
             if n:
                 t = f"  {_fmt_seconds(self.predicted_time(kind)):>10}" if timed else ""
                 lines.append(f"{'':>4}  {kind:<13} {n:>3} call(s) "
-                             f"{'':>35}  {_fmt_bytes(self.bytes(kind)):>12}{t}")
+                             f"{'':>55}  {_fmt_bytes(self.bytes(kind)):>12}{t}")
         return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ instead of copied per replica.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ from .replicas import ReplicaBlocks
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "decide", "refine",
            "reexpress", "same_placement", "common_device_matrix", "op_strategy_layouts",
-           "accepts_grids", "grid_to_stack", "stack_grid", "wants_grids"]
+           "accepts_grids", "grid_to_stack", "stack_grid", "wants_grids", "made_by",
+           "keep_made_by"]
 
 
 @dataclass(frozen=True)
@@ -320,18 +322,53 @@ _PLANS_MAX = 4096
 
 def _plan(rule, name, attrs, lays, dtypes):
     """`rule`'s plan for these layouts, cached when the attrs are hashable values: a
-    plan is a function of (op, attrs, input layouts, dtypes) alone."""
+    plan is a function of (op, attrs, input layouts, dtypes) alone. Its outputs'
+    pending sums are marked as made by `name` (:func:`made_by`)."""
     try:
         key = (name, tuple(attrs.items()) if attrs else (), tuple(lays), tuple(dtypes))
         hash(key)
     except TypeError:                       # an unhashable attribute (an array, a list)
-        return rule(attrs, lays, dtypes)
+        return _marked(rule(attrs, lays, dtypes), name, lays)
     plan = _PLANS.get(key, _PLANS)
     if plan is _PLANS:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
-        plan = _PLANS[key] = rule(attrs, lays, dtypes)
+        plan = _PLANS[key] = _marked(rule(attrs, lays, dtypes), name, lays)
     return plan
+
+
+def made_by(lays):
+    """The op that made the pending sums an op linear in them keeps (inputs in `lays`,
+    None for a scalar): that of its first input holding one, None when none does."""
+    for lay in lays:
+        if lay is not None and lay.partial:
+            return lay.partial_op
+    return None
+
+
+def _marked(plan, name, lays):
+    """`plan` with its outputs' pending sums marked as made by the op `name`, or, when
+    an input holds one (an op linear in it keeps it), by the op that made that one.
+    Layouts compare equal whoever made their sums, so a cached plan of a linear op may
+    name the maker of an earlier call's sum: its callers mark the outputs again from
+    their own inputs (:func:`keep_made_by`)."""
+    if plan is None or not any(lay.partial for lay in plan.outputs):
+        return plan
+    maker = made_by(lays) or name
+    return dataclasses.replace(plan, outputs=tuple(
+        lay.with_partial_op(maker) if lay.partial else lay for lay in plan.outputs))
+
+
+def keep_made_by(out, layouts):
+    """The output(s) `out` (Tensors) of an op linear in the pending sums of its inputs
+    (in `layouts`), their pending sums marked as made by the op that made the inputs'
+    (see :func:`_marked`); the Tensors are changed in place and returned."""
+    maker = made_by(layouts)
+    for o in (out if isinstance(out, tuple) else (out,)):
+        lay = o._layout if isinstance(o, TensorBase) else None
+        if isinstance(lay, TensorLayout) and lay.partial and lay.partial_op != maker:
+            o._layout = lay.with_partial_op(maker)
+    return out
 
 
 def run_local(rule, op, attrs, plan, stacks):

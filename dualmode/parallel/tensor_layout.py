@@ -67,6 +67,12 @@ class TensorLayout:
         Sorted device axes over which stored values are pending partial sums.
     alias : tuple of str, optional
         Axis names, for printing only (not part of equality or hashing).
+    partial_op : str, optional
+        With ``partial``: the class name of the op whose strategy made the pending sums
+        (e.g. ``"MatMul"``), so that the collective that resolves them is reported under
+        it (:func:`dualmode.communication.trace.pending_sum`). Not part of equality or
+        hashing: two layouts that place the same values alike are equal whoever made
+        them. Set by :meth:`with_partial_op`.
     """
 
     device_matrix: Tuple[int, ...]
@@ -74,6 +80,7 @@ class TensorLayout:
     shape: Tuple[int, ...]
     partial: Axes = ()
     alias: Optional[Tuple[str, ...]] = field(default=None, compare=False)
+    partial_op: Optional[str] = field(default=None, compare=False)
 
     def __post_init__(self):
         fields = check_tensor_layout(self.device_matrix, self.tensor_map, self.shape,
@@ -103,8 +110,8 @@ class TensorLayout:
                 self.partial == other.partial)
 
     def __getstate__(self):   # cached values (slices, groups) are rebuilt on demand
-        return {k: self.__dict__[k] for k in ("device_matrix", "tensor_map", "shape",
-                                              "partial", "alias")}
+        return {k: getattr(self, k) for k in ("device_matrix", "tensor_map", "shape",
+                                              "partial", "alias", "partial_op")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -324,7 +331,19 @@ class TensorLayout:
         return self.replace(partial=tuple(sorted(set(self.partial) | set(axes))))
 
     def without_partial(self) -> "TensorLayout":
-        return self.replace(partial=()) if self.partial else self
+        return self.replace(partial=(), partial_op=None) if self.partial else self
+
+    def with_partial_op(self, op_name: Optional[str]) -> "TensorLayout":
+        """This layout (equal to it) with its pending sums marked as made by the op
+        `op_name` (a class name such as ``"MatMul"``); itself when it already is. A copy
+        of the fields and cached values, nothing validated again: cheap enough for
+        every op call that makes or keeps a pending sum."""
+        if self.partial_op == op_name:
+            return self
+        new = object.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["partial_op"] = op_name
+        return new
 
     def axis_name(self, axis: int) -> str:
         return self.alias[axis] if self.alias is not None else f"a{axis}"

@@ -7,7 +7,9 @@ may stay unwritten (a deferred stack, :mod:`dualmode.communication.totals`) whil
 moves read it; every other step gets it written. Each node is one step:
 
 * MOVE: the redistribution plan made at compile time, run through the backend
-  (collectives recorded for CommReport), or a local slice / view;
+  (collectives recorded for CommReport; the AllReduce / ReduceScatter resolving a
+  pending sum under the op that made it, the source layout's ``partial_op``), or a
+  local slice / view;
 * REDUCE: one AllReduce through the backend;
 * FUSED, FUSED_RS, FUSED_AG: one AllReduce / ReduceScatter for a bucket of gradients,
   one AllGather for a bucket of parameters (fuse.py);
@@ -30,6 +32,7 @@ import numpy as np
 from ..._core import _tensor as _core
 from ..._core._tensor import Deferred, TensorBase, written
 from ...communication.totals import DEFERRING, as_stack, stored
+from ...communication.trace import pending_sum
 from ..buffers import pooled
 from ..devices import backend as _backend
 from ..devices import op_cause, op_reason
@@ -216,6 +219,14 @@ def _releases(graph):
 
 
 def _move(attrs, x, reason):
+    src = attrs["src"]
+    if src is not None and src.partial:     # reported under the op that made the sums
+        with pending_sum(src.partial_op):
+            return _move_value(attrs, x, reason)
+    return _move_value(attrs, x, reason)
+
+
+def _move_value(attrs, x, reason):
     kind = attrs["kind"]
     if kind == "view":
         return x

@@ -8,7 +8,9 @@ at run time — from the same sharding rule — and writes them down:
 * a :data:`~.ir.MOVE` node wherever a value must change layout: into a configured or
   propagated strategy, into the layout the op's rule asks for, a pending sum resolved
   (AllReduce) before an op that is not linear in it, a value gathered whole for an op
-  with no rule for its layouts, the outputs into ``out_strategy``;
+  with no rule for its layouts, the outputs into ``out_strategy``; a pending sum's
+  layout names the op that made it (``partial_op``, kept through the ops linear in it),
+  under which the executor reports its resolution;
 * a :data:`~.ir.REDUCE` node for a collective that finishes an op's output
   (AllReduce(max) after a max over a split dim);
 * before an optimizer update (a CALL recorded with its parameters), a MOVE per gradient
@@ -40,7 +42,8 @@ from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
 from ..rules import pending_sums
-from ..sharding import RULES, plan_for, same_placement, shared_replicas, wants_grids
+from ..sharding import (RULES, made_by, plan_for, same_placement, shared_replicas,
+                        wants_grids)
 from ..strategy import is_sharded_layout, placement_conflict
 from .ir import CALL, MOVE, REDUCE, Graph, Node, Ref, Value, flatten_refs, map_leaves, verify
 
@@ -287,8 +290,8 @@ class _Lowering:
         if any(lay is not None and lay.partial for lay in lays):
             if pending_sums(op, node.attrs, lays) is not None:
                 run = self.rule_run(node, ins, lays)
-                if run is not None:
-                    return self.emit(node, ins, run)
+                if run is not None:             # still the sums of the op that made them
+                    return self.emit(node, ins, run, made_by(lays))
             for i, lay in enumerate(lays):
                 if lay is not None and lay.partial:
                     if not isinstance(ins[i], Ref):
@@ -420,10 +423,13 @@ class _Lowering:
         self.lay[out.id] = lay
         return Ref(out.id)
 
-    def emit(self, node, ins, run: OpRun):
+    def emit(self, node, ins, run: OpRun, maker=None):
+        """`node` with its inputs `ins` and `run`; `maker`: the op that made the pending
+        sums an op linear in them keeps (its outputs' layouts name it)."""
         self.nodes.append(node.replace(inputs=tuple(ins), run=run, in_layouts=node.in_layouts))
         for v, lay in zip(node.outputs, run.outputs):
-            self.lay[v.id] = lay
+            self.lay[v.id] = lay if maker is None or lay is None or not lay.partial \
+                else lay.with_partial_op(maker)
         plan = run.plan
         if plan is not None and any(p is not None for p in plan.post):
             for j, post in enumerate(plan.post):
