@@ -444,6 +444,8 @@ class Parameter(DeclaredShape, Tensor):
             self._data = _default_array(default_input, None)
             self._shape = self._data.shape
             self._dtype = self._data.dtype
+            if layerwise_parallel and _LAYERWISE:
+                _LAYERWISE[0](self)
 
     @property
     def has_init(self) -> bool:
@@ -482,6 +484,8 @@ class Parameter(DeclaredShape, Tensor):
         self._data = np.ascontiguousarray(arr, dtype=self._dtype)
         self._layout = None             # a new global value (per-device slices are reset)
         self._init = None
+        if self.layerwise_parallel and _LAYERWISE:
+            _LAYERWISE[0](self)
         return self
 
     @property
@@ -561,6 +565,17 @@ _INITIALIZER = []
 def register_initializer(fn) -> None:
     """Install the function ``Parameter.clone`` makes a filled copy with."""
     _INITIALIZER[:] = [fn]
+
+
+#: ``hook(param)`` run when a ``layerwise_parallel`` Parameter gets a value (created or
+#: ``set_data``): in a hybrid-parallel context it makes the value this device's own
+#: (the parallel layer builds on Tensor, so it registers itself here when imported)
+_LAYERWISE = []
+
+
+def register_layerwise_hook(fn) -> None:
+    """Install the function a ``layerwise_parallel`` Parameter given a value calls."""
+    _LAYERWISE[:] = [fn]
 
 
 from .ops import functional as _F  # noqa: E402  (ops needs Tensor defined first)

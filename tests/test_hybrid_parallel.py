@@ -303,8 +303,9 @@ def test_device_local_tensor_basics(ctx):
 
 
 def test_unlisted_layerwise_parameter_becomes_per_device_on_first_use(ctx):
-    ctx(2)
+    # made before the hybrid-parallel context: plain until it meets a device-local value
     w_plain = Parameter(Tensor(_rand(3, 3, seed=1)), name="w2", layerwise_parallel=True)
+    ctx(2)
     a = device_local_tensor(_rand(2, 3, seed=2))
     out = a * w_plain[0]           # GetItem runs plain; Mul meets a device-local value
     assert w_plain.layout is None

@@ -23,9 +23,13 @@ each device its own::
     dm.parallel.set_layerwise_slices(net.weight, W, dim=1)       # W (512, 128): device d
     dm.parallel.set_layerwise_slices(net.weight, stack)          # or a stack (n, 512, 64)
 
-A layerwise parameter that was never given slices stays a plain value until it first
-meets a device-local value in an op; from then on it is stored as ``n`` (identical)
-per-device copies, which its per-device gradients may make diverge, as in MindSpore.
+A layerwise parameter given a value while a hybrid-parallel context of several devices
+is live (created, or ``set_data``) is per-device at once: under "mpi" each rank holds
+the value it passed (its own slice), under "sim" every device the same value. One made
+before that context is a plain value until it first meets a device-local value in an
+op. Either way it is then stored as ``n`` per-device copies, which its per-device
+gradients may make diverge, as in MindSpore: the gradient of device ``d``'s copy is
+that device's own, never a sum over the devices.
 :func:`device_local_tensor` wraps a stack ``(n, *shape)`` as a device-local Tensor.
 
 Running ops
@@ -61,7 +65,8 @@ import numpy as np
 
 from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, OpDef, TensorBase
-from ..tensor import Parameter
+from .. import context
+from ..tensor import Parameter, register_layerwise_hook
 from . import dtensor
 from .moves import gather_global
 from .devices import device_num, live_backend, parallel_active, world_stack
@@ -372,6 +377,24 @@ def _localize_parameter(p, n):
     v = p._value()
     p._data = np.array(np.broadcast_to(v, (local_row_count(n),) + v.shape), order="C")
     p._layout = DeviceLocalLayout(n, v.shape)
+
+
+def _own_value(p):
+    """A ``layerwise_parallel`` Parameter given a value (created or ``set_data``) while a
+    hybrid-parallel context of several devices is live holds it per device: under "mpi"
+    the value this rank passed, under "sim" the same value on every device. Each device
+    then has its own copy and its own gradient, whatever op first uses it."""
+    if context._STATE.auto_parallel.parallel_mode != "hybrid_parallel":
+        return
+    try:
+        active = parallel_active()
+    except ValueError:           # device_num not set yet: the first op says so
+        return
+    if active:
+        _localize_parameter(p, device_num())
+
+
+register_layerwise_hook(_own_value)
 
 
 # ============================================================================ conversions
