@@ -320,7 +320,8 @@ case("softmax_xent", F.softmax_cross_entropy,
 case("softmax_xent-labels-const", F.softmax_cross_entropy,
      lambda x, y: -(y * np_log_softmax(x, -1)).sum(-1), [(5, 4), NoGrad(DENSE)])
 case("SoftmaxCrossEntropyWithLogits-prim", ops.SoftmaxCrossEntropyWithLogits(),
-     lambda x, y: -(y * np_log_softmax(x, -1)).sum(-1), [(5, 4), DENSE])
+     lambda x, y: (-(y * np_log_softmax(x, -1)).sum(-1), np_softmax(x, -1) - y),
+     [(5, 4), DENSE])
 
 # elementwise primitive classes
 for cls, np_fn, n in [(ops.Add, np.add, 2), (ops.Sub, np.subtract, 2), (ops.Mul, np.multiply, 2),
@@ -797,6 +798,9 @@ INFER_TABLE = {
     "SparseSoftmaxCrossEntropyWithLogits": (None, lambda d: (_arr((2, 3), d), np.array([0, 2]))),
     "SparseSoftmaxCrossEntropyGrad": (None, lambda d: (_arr((2, 3), d), np.array([0, 2]),
                                                        _arr((2,), d))),
+    "SoftmaxCrossEntropyWithLogits": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
+    "SoftmaxCrossEntropyGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1),
+                                                 _arr((2,), d, 2))),
     "Dropout": ({"keep_prob": 0.5}, lambda d: (_arr((2, 3), d),)),
     "ReluGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
     "TanhGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),

@@ -4,10 +4,12 @@ from __future__ import annotations
 import numpy as np
 
 from .._core import _kernels
+from .._core._tensor import TensorBase
 from ..context import rng
+from . import _array as A
 from . import _math as M
-from ._registry import (apply, check_float, check_int_dtype, checked_once, const, norm_axis,
-                        register, wrap)
+from ._registry import (apply, check_float, check_int_dtype, check_same_dtype, checked_once,
+                        const, norm_axis, register, wrap)
 
 
 # ---------------------------------------------------------------------------
@@ -138,15 +140,138 @@ def sparse_softmax_cross_entropy(logits, labels):
     return loss
 
 
-def softmax_cross_entropy(logits, labels, axis=-1):
-    """Per-sample -sum(labels * log_softmax(logits)) for dense (probability) labels."""
-    logits = const(logits, "SoftmaxCrossEntropyWithLogits")
-    labels = const(labels, "SoftmaxCrossEntropyWithLogits")
+# ---------------------------------------------------------------------------
+# dense softmax cross-entropy: (loss, dlogits) as MindSpore's primitive, one fused op
+# ---------------------------------------------------------------------------
+XENT_NAME = "SoftmaxCrossEntropyWithLogits"
+#: (shapes, dtypes) of SoftmaxCrossEntropyWithLogits already validated -> output meta
+_DENSE_XENT_SEEN: dict = {}
+
+
+def _infer_xent(attrs, logits, labels):
+    key = (logits.shape, labels.shape, logits.dtype, labels.dtype)
+    return checked_once(_DENSE_XENT_SEEN, key, _check_xent, logits, labels)
+
+
+def _check_xent(logits, labels):
+    check_float(XENT_NAME, logits)
+    check_float(XENT_NAME, labels, 1)
     if tuple(logits.shape) != tuple(labels.shape):
-        raise ValueError(f"SoftmaxCrossEntropyWithLogits: logits have shape "
-                         f"{tuple(logits.shape)} but labels have shape {tuple(labels.shape)}; "
-                         f"dense labels must match the logits")
-    return M.neg(M.reduce_sum(M.mul(labels, log_softmax(logits, axis)), axis, False))
+        raise ValueError(f"{XENT_NAME}: logits have shape {tuple(logits.shape)} but labels "
+                         f"have shape {tuple(labels.shape)}; dense labels must match the "
+                         f"logits")
+    if logits.ndim == 0:
+        raise ValueError(f"{XENT_NAME}: logits are 0-d; expected (N, C) (the classes on "
+                         f"the last dim)")
+    check_same_dtype(XENT_NAME, (logits, labels))
+    shape = tuple(logits.shape)
+    return ((shape[:-1], logits.dtype), (shape, logits.dtype))
+
+
+def _xent_kernel(attrs, logits, labels):
+    """(loss, dlogits): -sum(labels * log_softmax(logits)) over the last dim, and
+    softmax(logits) - labels (float16 computed in float32)."""
+    dt = logits.dtype
+    if dt == np.float16:
+        logits, labels = logits.astype(np.float32), labels.astype(np.float32)
+    s = logits - np.max(logits, axis=-1, keepdims=True)
+    e = np.exp(s)
+    z = np.sum(e, axis=-1, keepdims=True)
+    s -= np.log(z)
+    loss = -np.sum(labels * s, axis=-1)
+    e /= z
+    e -= labels
+    return loss.astype(dt, copy=False), e.astype(dt, copy=False)
+
+
+def _infer_xent_grad(attrs, dlogits, labels, g):
+    name = "SoftmaxCrossEntropyGrad"
+    check_float(name, dlogits)
+    check_same_dtype(name, (dlogits, labels, g))
+    if tuple(labels.shape) != tuple(dlogits.shape) or \
+            tuple(g.shape) != tuple(dlogits.shape[:-1]):
+        raise ValueError(f"{name}: dlogits {tuple(dlogits.shape)}, labels "
+                         f"{tuple(labels.shape)} and the loss gradient {tuple(g.shape)} do "
+                         f"not fit; expected (..., C), (..., C) and (...)")
+    return ((tuple(dlogits.shape), dlogits.dtype),)
+
+
+def _xent_grad_kernel(attrs, dlogits, labels, g):
+    """d(sum(g * loss))/d(logits) = g * (softmax * sum(labels) - labels), from the saved
+    dlogits = softmax - labels: g * (dlogits * S + labels * (S - 1)), S = sum(labels)
+    (exactly g * dlogits for labels that sum to 1)."""
+    dt = dlogits.dtype
+    if dt == np.float16:
+        dlogits, labels, g = (a.astype(np.float32) for a in (dlogits, labels, g))
+    total = np.sum(labels, axis=-1, keepdims=True)
+    d = dlogits * total
+    d += labels * (total - 1)
+    d *= g[..., None]
+    return d.astype(dt, copy=False)
+
+
+XENT_GRAD = register("SoftmaxCrossEntropyGrad", infer=_infer_xent_grad,
+                     kernel=_xent_grad_kernel, family=("rowwise",))
+
+
+def _unused(g):
+    """Is `g` the gradient autograd gives an output nothing used (zeros stored once,
+    stride 0)? Its contribution is then skipped."""
+    if not isinstance(g, TensorBase) or g._layout is not None:
+        return False
+    a = g._arr
+    return isinstance(a, np.ndarray) and a.size > 0 and not any(a.strides) and not a.flat[0]
+
+
+def _bw_xent(node, g_loss, g_dlogits):
+    """Through the loss: the fused gradient op; through dlogits = softmax - labels: the
+    softmax's Jacobian for the logits, minus the incoming gradient for the labels. The
+    labels' gradient through the loss is -g * log_softmax(logits)."""
+    logits, labels = node.inputs
+    need_x, need_y = node.needs_grad(0), node.needs_grad(1)
+    gx = gy = None
+    if need_x:
+        gx = apply(XENT_GRAD, None, (node.outputs[1], labels, g_loss))
+    if need_y:
+        g_col = A.expand_dims(g_loss, -1)
+        gy = M.neg(M.mul(g_col, log_softmax(logits, -1)))
+    if not _unused(g_dlogits):
+        if need_x:
+            p = softmax(logits, -1)
+            gp = M.mul(g_dlogits, p)
+            gx = M.add(gx, M.sub(gp, M.mul(p, M.reduce_sum(gp, -1, True))))
+        if need_y:
+            gy = M.sub(gy, g_dlogits)
+    return gx, gy
+
+
+XENT = register(XENT_NAME, infer=_infer_xent, kernel=_xent_kernel, backward=_bw_xent,
+                save_outputs=True, multi_output=True, family=("rowwise",))
+
+
+def softmax_cross_entropy_pair(logits, labels):
+    """``(loss, dlogits)`` of logits (..., C) against dense labels of the same shape:
+    the per-sample loss -sum(labels * log_softmax(logits)) and softmax(logits) - labels
+    (the gradient of the summed loss for labels that sum to 1), as MindSpore's
+    ``SoftmaxCrossEntropyWithLogits`` primitive returns them."""
+    return apply(XENT, None, (const(logits, XENT_NAME), const(labels, XENT_NAME)))
+
+
+def softmax_cross_entropy(logits, labels, axis=-1):
+    """Per-sample -sum(labels * log_softmax(logits)) along `axis` for dense (probability)
+    labels of the logits' shape."""
+    logits = const(logits, XENT_NAME)
+    labels = const(labels, XENT_NAME)
+    if tuple(logits.shape) != tuple(labels.shape):
+        raise ValueError(f"{XENT_NAME}: logits have shape {tuple(logits.shape)} but labels "
+                         f"have shape {tuple(labels.shape)}; dense labels must match the "
+                         f"logits")
+    nd = logits.ndim
+    if nd and norm_axis(XENT_NAME, axis, nd) != nd - 1:
+        ax = norm_axis(XENT_NAME, axis, nd)
+        perm = tuple(d for d in range(nd) if d != ax) + (ax,)
+        logits, labels = A.transpose(logits, perm), A.transpose(labels, perm)
+    return softmax_cross_entropy_pair(logits, labels)[0]
 
 
 # ---------------------------------------------------------------------------

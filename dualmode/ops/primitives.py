@@ -8,7 +8,7 @@ from . import functional as F
 from ._conv import (AVG_POOL, MAX_POOL, batch_norm_apply, batch_norm_train, bn_count,
                     check_pad, check_pad_mode, conv2d, pair, pool_op, running_update)
 from ._math import mat_mul
-from ._nn import DROPOUT
+from ._nn import DROPOUT, softmax_cross_entropy_pair
 from ._registry import apply, const
 from .primitive import Primitive
 
@@ -253,19 +253,14 @@ class Dropout(Primitive):
 
 
 class SoftmaxCrossEntropyWithLogits(Primitive):
-    """(logits, dense labels) -> per-sample loss."""
+    """(logits (N, C), dense labels (N, C)) -> (loss, dlogits), as MindSpore's primitive:
+    the per-sample loss -sum(labels * log_softmax(logits)) of shape (N,) and
+    softmax(logits) - labels of shape (N, C). Its strategy covers both inputs (they share
+    every dim); the classes dim is gathered when split."""
     name = "SoftmaxCrossEntropyWithLogits"
 
-    @staticmethod
-    def shared_dims(prim, xs):
-        """Logits and dense labels are one array shape: every dim is shared (the op is
-        made of other ops, so it declares this itself)."""
-        if len(xs) != 2 or tuple(xs[0].shape) != tuple(xs[1].shape):
-            return []
-        return [(0, d, 1, d, f"dim {d}") for d in range(xs[0].ndim)]
-
     def construct(self, logits, labels):
-        return F.softmax_cross_entropy(logits, labels)
+        return softmax_cross_entropy_pair(logits, labels)
 
 
 class SparseSoftmaxCrossEntropyWithLogits(Primitive):

@@ -561,9 +561,17 @@ def _rowwise_rule(op):
 
 
 def _row_pairs(prim, xs):
-    """Dim 0 of every input is the one batch dim (when the sizes agree)."""
-    return [(0, 0, j, 0, "batch dim") for j in range(1, len(xs))
-            if len(xs[0].shape) and len(xs[j].shape) and xs[0].shape[0] == xs[j].shape[0]]
+    """Dim 0 of every input is the one batch dim (when the sizes agree); an input of
+    input 0's whole shape (dense labels of the logits) is aligned with it element for
+    element, so every other dim pairs too."""
+    pairs = []
+    for j in range(1, len(xs)):
+        a, b = tuple(xs[0].shape), tuple(xs[j].shape)
+        if a and b and a[0] == b[0]:
+            pairs.append((0, 0, j, 0, "batch dim"))
+            if a == b:
+                pairs.extend((0, d, j, d, f"dim {d}") for d in range(1, len(a)))
+    return pairs
 
 
 @register_rule("OneHot")
