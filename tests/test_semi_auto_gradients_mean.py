@@ -9,7 +9,8 @@ Model.train (PyNative and GRAPH_MODE), ``ops.shard`` and ``AutoParallel`` — on
 operator-parallel tutorial network (MatMul ((2, 4), (4, 1)), ReLU ((4, 1),), MatMul
 ((1, 8), (8, 1)), ReLU ((8, 1),), then a plain MatMul with a replicated weight) and on a
 Conv2D whose input is cut along W over 8 devices (its weight replicated), against the
-same program on one device (itself checked against numpy)."""
+same program on one device (itself checked against numpy); and the rule on real MPI
+ranks."""
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from dualmode.parallel.grad_reduce import replica_gradient_scale
 from dualmode.train import Model
 
 from _devices import devices
+from _mpi import load_mpi_script, run_mpi_script
 
 RNG = np.random.default_rng(28)
 N = 8
@@ -238,3 +240,20 @@ def test_the_rule_names_the_modes():
         assert replica_gradient_scale(8, mode, True) is None
         assert replica_gradient_scale(8, mode, False) == 8
         assert replica_gradient_scale(1, mode, False) is None
+
+
+# ---- the same rule on real MPI ranks ---------------------------------------------
+
+def test_under_mpi_the_rule_is_the_same(tmp_path):
+    """4 MPI ranks (one device each): semi_auto_parallel trains the replicated conv
+    weight as one device with and without gradients_mean; data_parallel without it sums
+    the 4 ranks' gradients (the single device at 4 times the learning rate)."""
+    out = tmp_path / "out.npz"
+    run_mpi_script("semi_auto_gradients_mean.py", [out], tmp_path, ranks=4)
+    got = np.load(out)
+    script = load_mpi_script("semi_auto_gradients_mean.py")
+    single = script.train()
+    for mode, mean in script.RUNS:
+        want = script.train(lr=4 * script.LR) if mode == "data_parallel" else single
+        np.testing.assert_allclose(got[f"{mode}-{mean}"], want, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{mode}, gradients_mean={mean}")
