@@ -202,9 +202,10 @@ def test_bad_arguments_are_named_and_change_nothing(call, exc, match):
 
 def test_layerwise_weight_without_its_dim_is_named(sim_devices):
     net, x = _hybrid(2, allreduce=True)
+    set_layerwise_slices(net.weight, net.weight.asnumpy())     # the same slices, as a stack
     with pytest.raises(ValueError, match=r"check_equivalence: Parameter 'weight' is "
-                                         r"layerwise_parallel with per-device slices; pass "
-                                         r"layerwise=\{'weight': dim\}"):
+                                         r"layerwise_parallel with per-device slices given "
+                                         r"as a stack.*pass layerwise=\{'weight': dim\}"):
         check_equivalence(net, x)
     with pytest.raises(ValueError, match=r"check_equivalence: layerwise\['weight'\]=5 is not "
                                          r"valid; expected a dim in \[-2, 2\)"):

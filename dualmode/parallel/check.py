@@ -18,7 +18,10 @@ its floating outputs is differentiated, as MindSpore's default sensitivity of on
    as ``semi_auto_parallel``;
 2. **stand-alone**: ``parallel_mode="stand_alone"``, every weight holding the global
    value it held in the sharded run (its initial value: the run changes no weight), and
-   the same seed, so Dropout masks and every other draw are the same.
+   the same seed, so Dropout masks and every other draw are the same. A
+   ``layerwise_parallel`` weight given its slices by
+   ``set_layerwise_slices(param, full_weight, dim)`` holds the full weight: its current
+   slices joined along ``dim`` (slices given as a stack need ``layerwise={name: dim}``).
 
 Each run's tape (the ops recorded while the gradient was computed) is walked from the
 outputs in post-order, inputs in order, so every op comes after the ops it consumes
@@ -38,6 +41,10 @@ rtol * |single|``, with (rtol, atol) = (1e-4, 1e-5) for float32 (the reordered s
 sharded forward and backward pass), (1e-2, 1e-3) for float16, (1e-9, 1e-12) for float64,
 exact for integers and bools.
 
+Every op the program calls is compared, the collectives it calls itself
+(``ops.AllReduce`` & co.) included: on one device a collective is the identity, so its
+sharded output must equal its input's stand-alone value (an AllReduce of a value every
+device already holds whole sums copies of it, and is named as the divergent op).
 Only ops that are recorded on a tape are compared: ops on values that do not descend
 from a floating input or a weight, and ops without a backward rule, are not. A block
 compiled by ``ops.shard`` / ``Cell.shard`` is one op of the caller's tape. The context,
@@ -60,8 +67,9 @@ from .._core._tensor import KEEPING_INPUTS, TensorBase
 from ..autograd import value_and_grad
 from ..communication import init as _comm_init
 from ..communication import release as _comm_release
+from ..ops._registry import REGISTRY
 from ..tensor import Parameter, Tensor, live_parameters
-from .device_local import DeviceLocalLayout
+from .device_local import DeviceLocalLayout, all_rows, layerwise_slice_dim
 from .devices import live_backend
 
 __all__ = ["check_equivalence", "EquivalenceReport", "ComparedValue", "ComparedOp",
@@ -273,6 +281,7 @@ class _OpRun:
     out_layouts: List[Any]
     in_layouts: Tuple[Any, ...]
     inputs_from: Tuple[Optional[str], ...]
+    inputs_at: Tuple[Optional[int], ...] = ()     # index of each input's producer op
 
 
 @dataclass
@@ -355,11 +364,11 @@ def _run(fn, inputs, weights, positions, seed) -> _Run:
             if k < n_out:
                 vals[k], lays[k] = _global(t)
         ins = tuple(x._layout if isinstance(x, TensorBase) else None for x in node.inputs)
-        frm = tuple(order[pos[id(x._node)]].op.name
-                    if isinstance(x, TensorBase) and x._node is not None
-                    and not x._node.is_leaf and id(x._node) in pos else None
-                    for x in node.inputs)
-        ops.append(_OpRun(node.op.name, vals, lays, ins, frm))
+        at = tuple(pos[id(x._node)] if isinstance(x, TensorBase) and x._node is not None
+                   and not x._node.is_leaf and id(x._node) in pos else None
+                   for x in node.inputs)
+        frm = tuple(None if i is None else order[i].op.name for i in at)
+        ops.append(_OpRun(node.op.name, vals, lays, ins, frm, at))
     outputs, roots = [], []
     for o in outs:
         if isinstance(o, TensorBase):
@@ -476,21 +485,32 @@ def _check_inputs(func, fn, inputs, device_num, weights, rtol, atol, layerwise):
             if not isinstance(w, Parameter):
                 raise TypeError(f"{func}: weights[{i}] is a {type(w).__name__}; expected "
                                 f"Parameters")
-    layerwise = dict(layerwise or {})
+    if layerwise is not None and not isinstance(layerwise, dict):
+        raise TypeError(f"{func}: layerwise must be a dict {{parameter name: dim}}, got "
+                        f"{type(layerwise).__name__}")
+    given = dict(layerwise or {})
+    layerwise = {}
     for p in weights:
         if isinstance(p._layout, DeviceLocalLayout):
-            dim = layerwise.get(p.name)
+            cut = layerwise_slice_dim(p)          # set_layerwise_slices(p, full, dim)
+            dim = given.get(p.name, cut)
             if dim is None:
                 raise ValueError(
                     f"{func}: Parameter {p.name!r} is layerwise_parallel with per-device "
-                    f"slices; pass layerwise={{{p.name!r}: dim}} naming the dim of the full "
-                    f"weight its slices were cut from (the dim given to "
-                    f"set_layerwise_slices)")
+                    f"slices given as a stack, so the full weight for the stand-alone run "
+                    f"is not known; pass layerwise={{{p.name!r}: dim}} naming the dim of "
+                    f"the full weight the slices were cut from (or give the slices with "
+                    f"set_layerwise_slices(param, full_weight, dim))")
             nd = len(p._layout.shape)
             if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) \
                     or not -nd <= dim < nd:
                 raise ValueError(f"{func}: layerwise[{p.name!r}]={dim!r} is not valid; "
                                  f"expected a dim in [{-nd}, {nd})")
+            if cut is not None and int(dim) % nd != cut:
+                raise ValueError(f"{func}: layerwise[{p.name!r}]={dim!r} but "
+                                 f"set_layerwise_slices cut Parameter {p.name!r}'s slices "
+                                 f"from its full weight along dim {cut}; leave "
+                                 f"{p.name!r} out of layerwise (or pass {cut})")
             layerwise[p.name] = int(dim) % nd
     return out, weights, layerwise
 
@@ -518,9 +538,11 @@ def check_equivalence(fn_or_cell, *inputs, device_num: Optional[int] = None,
     rtol, atol : float, optional
         Tolerances (default per dtype, see :func:`tolerances` and the module docstring).
     layerwise : dict, optional
-        ``{parameter name: dim}`` for ``layerwise_parallel`` parameters holding
-        per-device slices: the dim of the full weight they were cut from (the
-        stand-alone run uses the full weight).
+        ``{parameter name: dim}`` for ``layerwise_parallel`` parameters whose
+        per-device slices were given as a stack: the dim of the full weight they were
+        cut from (the stand-alone run uses the full weight). Not needed for slices
+        given by ``set_layerwise_slices(param, full_weight, dim)``, which records
+        ``dim``.
 
     Returns
     -------
@@ -557,8 +579,11 @@ def check_equivalence(fn_or_cell, *inputs, device_num: Optional[int] = None,
         sharded = _run(fn_or_cell, inputs, weights, positions, seed)
         globals_ = []
         for p in weights:
-            if isinstance(p._layout, DeviceLocalLayout):
-                globals_.append(np.concatenate(list(p._data), axis=layerwise[p.name]))
+            if p.name in layerwise:                          # every device's slice
+                rows = all_rows(p._data, p._layout.device_num)
+                globals_.append(np.concatenate(list(rows), axis=layerwise[p.name]))
+            elif isinstance(p._layout, DeviceLocalLayout):    # a plain layerwise weight
+                globals_.append(np.array(p._data[0]))         # copied to every device
             else:
                 globals_.append(np.array(p._value()))
         _use_one_device()
@@ -642,9 +667,17 @@ def _compare(sharded: _Run, single: _Run, inputs, positions, weights, layerwise,
     elif divergent is not None and any(divergent.inputs_from):
         srcs = [c for c in compared if c.index < divergent.index
                 and c.relation == "per-device partial sums"]
+        src = _aligned_source(sharded, {c.index: c for c in compared}, divergent.index)
         if srcs:
             note = (f"{divergent.name} consumes per-device partial sums (from "
                     f"{srcs[-1].name}): an AllReduce is missing before it")
+        elif _is_user_collective(divergent.name) and src is not None \
+                and src.relation in ("equal", "equal on every device"):
+            note = (f"{divergent.name}'s input (from {src.name}) equals the stand-alone "
+                    f"value but its output does not: the program already holds that value "
+                    f"whole, and {divergent.name} combines the devices' copies (or shards) "
+                    f"of it, where on one device it changes nothing; a collective written "
+                    f"for per-device values is not needed here")
     if ok:                  # intermediate differences that leave no trace are not reported
         divergent, note = None, ""
     return EquivalenceReport(
@@ -654,6 +687,22 @@ def _compare(sharded: _Run, single: _Run, inputs, positions, weights, layerwise,
         only_sharded=[a_names[i] for i in range(len(a_names)) if i not in in_a],
         only_single=[b_names[i] for i in range(len(b_names)) if i not in in_b],
         device_num=device_num, parallel_mode=mode, note=note)
+
+
+def _is_user_collective(name: str) -> bool:
+    """Is `name` one of the collectives a program calls itself (``ops.AllReduce`` & co.)?"""
+    op = REGISTRY.get(name)
+    return op is not None and "collective" in op.extras
+
+
+def _aligned_source(run: _Run, compared: dict, index: int) -> Optional[ComparedOp]:
+    """The compared op whose output feeds op `index`'s first tensor input, looking
+    through ops of the sharded run only (the moves and conversions it inserts)."""
+    at = run.ops[index].inputs_at
+    i = next((j for j in at if j is not None), None)
+    while i is not None and i not in compared:
+        i = next((j for j in run.ops[i].inputs_at if j is not None), None)
+    return None if i is None else compared[i]
 
 
 def _root_of(run: _Run, output_name: str) -> Optional[int]:

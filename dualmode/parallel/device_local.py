@@ -73,7 +73,8 @@ from .devices import device_num, live_backend, parallel_active, world_stack
 from .tensor_layout import TensorLayout
 from .sharding import RULES
 
-__all__ = ["DeviceLocalLayout", "set_layerwise_slices", "device_local_tensor",
+__all__ = ["DeviceLocalLayout", "set_layerwise_slices", "layerwise_slice_dim",
+           "device_local_tensor",
            "device_local_apply", "to_device_local", "shards_as_device_local",
            "is_device_local"]
 
@@ -287,7 +288,9 @@ def set_layerwise_slices(param, values, dim=None):
         The dim of the full weight to split.
 
     Afterwards ``param`` is device-local: ``param.shape`` is the slice shape and
-    ``param.asnumpy()`` the stack ``(n, *param.shape)``. Needs an initialised backend
+    ``param.asnumpy()`` the stack ``(n, *param.shape)``. Given ``dim``, the full weight
+    is recorded as the devices' slices joined along ``dim``: the stand-alone run of
+    :func:`dualmode.parallel.check_equivalence` uses it (the slices' current values). Needs an initialised backend
     (``dm.communication.init()``); ``n`` is its device count (1 outside a parallel
     context, where the single slice simply becomes the value). Returns ``param``.
 
@@ -346,6 +349,7 @@ def set_layerwise_slices(param, values, dim=None):
                              f"{shape[:d] + (shape[d] * n,) + shape[d + 1:]}")
         stack = np.moveaxis(arr.reshape(full[:d] + (n, full[d] // n) + full[d + 1:]), d, 0)
     dtype = param.dtype
+    param.__dict__.pop("_layerwise_cut", None)
     if n == 1:
         param._layout = None
         param.set_data(np.asarray(stack[0]).astype(dtype))
@@ -354,7 +358,19 @@ def set_layerwise_slices(param, values, dim=None):
     param._data = np.array(stack, dtype=dtype, order="C", copy=True)   # owned, writable
     param._layout = DeviceLocalLayout(n, shape)
     param._init = None
+    if dim is not None:                    # the full weight: its slices joined along d
+        param.__dict__["_layerwise_cut"] = (d, param._layout)
     return param
+
+
+def layerwise_slice_dim(param):
+    """The dim of the full weight that :func:`set_layerwise_slices` cut `param`'s slices
+    from (device ``d`` holds part ``d``), while `param` still holds those slices' layout;
+    None when its slices were given as a stack (or it holds none)."""
+    cut = param.__dict__.get("_layerwise_cut")
+    if cut is None or param._layout != cut[1]:
+        return None
+    return cut[0]
 
 
 def device_local_tensor(values):
