@@ -30,6 +30,7 @@ from .tensor_layout import TensorLayout
 from .redistribute_bridge import redistribute_tensor
 from .replicas import store_blocks
 from .sharding import cacheable_strategy, op_strategy_layouts, same_placement
+from .strategy_ckpt import layouts_fixed, loading, saved_layout
 from .strategy_checks import check_strategy_for
 
 _MODES = ("semi_auto_parallel", "auto_parallel")
@@ -85,22 +86,70 @@ def delayed_local_shards(param, lay: TensorLayout) -> np.ndarray:
 
 
 def _store_sharded(param, lay, op_name):
-    """A parameter lives in the layout of the first sharded op that consumes it."""
+    """`param` in `lay` for `op_name`. A parameter lives in the layout of the first
+    sharded op that consumes it, or in its layout from ``strategy_ckpt_load_file``: the
+    file wins, and an op whose strategy needs the parameter elsewhere gets a moved copy
+    (its gradient comes back into the stored layout), as does an op that needs a
+    sharded parameter whole."""
+    if param._layout is None:
+        saved = saved_layout(param, op_name)
+        if saved is not None:
+            _store_from_file(param, saved)
     if param._layout is not None:
         if param._layout == lay:
             return param
         if same_placement(param._layout, lay):     # the same blocks, another matrix
             return moved(param, param._data, lay)
-        raise placement_conflict(param, lay, op_name)
+        if is_sharded_layout(lay) and not stored_from_file(param):
+            raise placement_conflict(param, lay, op_name)
+    elif is_sharded_layout(lay):
+        _store(param, lay, op_name)
+        return param
+    with DEFERRING:                       # a moved copy's stack: may stay unwritten
+        stack = redistribute_tensor(param, lay, op_name)
+    return moved(param, stack, lay)
+
+
+def _store(param, lay, owner):
+    """Store `param` (not laid out yet) as its shards in `lay`."""
     if param._data is None and param._init is not None:
         param._data = delayed_local_shards(param, lay)      # delayed: only local blocks
         param._init = None
     elif not store_blocks(param, lay, param._value()):          # replicas stored once
-        param._data = np.array(redistribute_tensor(param, lay, op_name))   # writable shards
+        param._data = np.array(redistribute_tensor(param, lay, owner))   # writable shards
     param._layout = lay
-    param.__dict__["_sharded_by"] = op_name
+    param.__dict__["_sharded_by"] = owner
     note_memory(0)                  # active reports see the parameter storage change
-    return param
+    layouts_fixed(((param, lay),))  # strategy_ckpt_save_file
+
+
+def _store_from_file(param, lay):
+    path = context._STATE.auto_parallel.strategy_ckpt_load_file
+    _store(param, lay, f"strategy_ckpt_load_file {path!r}")
+    param.__dict__["_file_layout"] = lay
+
+
+def stored_from_file(param) -> bool:
+    """Is `param` stored in its layout from ``strategy_ckpt_load_file``?"""
+    lay = param.__dict__.get("_file_layout")
+    return lay is not None and param._layout == lay
+
+
+def apply_saved_layouts(params, owner) -> dict:
+    """Store each of `params` not laid out yet in its layout from
+    ``strategy_ckpt_load_file`` (a compile, ``Model``): every parameter is checked
+    against the file before any is stored. Returns ``{name: layout}`` of those stored."""
+    if not loading():
+        return {}
+    todo = []
+    for p in params:
+        if isinstance(p, Parameter) and p._layout is None and not p.layerwise_parallel:
+            lay = saved_layout(p, owner)
+            if lay is not None:
+                todo.append((p, lay))
+    for p, lay in todo:
+        _store_from_file(p, lay)
+    return {p.name: lay for p, lay in todo}
 
 
 def placement_conflict(param, lay, op_name, stored_as=None, owner=None) -> ValueError:
@@ -117,7 +166,7 @@ def _to(x, lay, op_name):
     """`x` in layout `lay`, recorded on the tape so gradients reach `x`."""
     if isinstance(x, TensorBase) and x._layout == lay:
         return x
-    if isinstance(x, Parameter) and not x.layerwise_parallel and is_sharded_layout(lay) \
+    if isinstance(x, Parameter) and not x.layerwise_parallel \
             and (x._layout is None or isinstance(x._layout, TensorLayout)):
         return _store_sharded(x, lay, op_name)
     with DEFERRING:                       # a Tensor's stack: may stay unwritten

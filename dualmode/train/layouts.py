@@ -10,7 +10,6 @@ makes the parameters abstract for its duration and restores them: no weight chan
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import Dict, Optional
 
@@ -21,9 +20,9 @@ from ..parallel.graph.compile import compile_graph
 from ..parallel.graph.trace import trace
 from ..parallel.inputs import distribute_inputs
 from ..parallel.tensor_layout import TensorLayout
-from ..parallel.strategy import _store_sharded, is_sharded_layout
+from ..parallel.strategy import apply_saved_layouts, is_sharded_layout
 from ..tensor import Parameter
-from .strategy_file import load_strategy_file, parameter_layout, save_strategy_file
+from .strategy_file import parameter_layout, record_layouts
 
 __all__ = ["parameter_layouts", "save_context_strategy", "apply_context_strategy"]
 
@@ -55,37 +54,19 @@ def parameter_layouts(fn, args, params, owner) -> "OrderedDict[str, TensorLayout
 
 
 def save_context_strategy(layouts: Dict[str, TensorLayout], dtypes=None) -> Optional[str]:
-    """Write `layouts` to ``strategy_ckpt_save_file`` when the context sets it."""
-    path = context.get_auto_parallel_context("strategy_ckpt_save_file")
-    if path:
-        save_strategy_file(path, layouts, dtypes)
-    return path
+    """Record `layouts` in ``strategy_ckpt_save_file`` when the context sets it (merged
+    with what this process fixed before: :func:`~.strategy_file.record_layouts`)."""
+    return record_layouts(layouts, dtypes)
 
 
 def apply_context_strategy(params, owner) -> Dict[str, TensorLayout]:
     """Store each parameter not laid out yet in its layout from
     ``strategy_ckpt_load_file`` (when the context sets it), so that the ops and compiled
     graphs that use it find it in the saved layout. Returns the layouts applied."""
-    path = context.get_auto_parallel_context("strategy_ckpt_load_file")
-    if not path or not parallel_active() or \
+    if not parallel_active() or \
             context.get_auto_parallel_context("parallel_mode") not in _SHARDED_MODES:
         return {}
-    saved = load_strategy_file(os.fspath(path), f"{owner}: strategy_ckpt_load_file")
-    n = device_num()
-    todo = []
-    for p in params:
-        lay = saved.get(p.name)
-        if lay is None or not is_sharded_layout(lay) or p._layout is not None:
-            continue
-        if tuple(lay.shape) != tuple(p.shape) or lay.device_num != n:
-            raise ValueError(f"{owner}: strategy_ckpt_load_file {path!r} lays parameter "
-                             f"{p.name!r} out as {lay!r} (shape {lay.shape}, "
-                             f"{lay.device_num} devices) but it has shape {tuple(p.shape)} "
-                             f"and {n} devices are running")
-        todo.append((p, lay))
-    for p, lay in todo:
-        _store_sharded(p, lay, "strategy_ckpt_load_file")
-    return {p.name: lay for p, lay in todo}
+    return apply_saved_layouts(params, owner)
 
 
 def network_parameters(*cells) -> list:

@@ -16,6 +16,14 @@ The strategy file (``strategy_ckpt_save_file`` / ``strategy_ckpt_load_file``, an
 
 A parameter stored whole on every device (not sharded) has ``device_matrix=[n]`` and
 every tensor map entry ``-1``.
+
+The context keys: :func:`record_layouts` is the one writer of ``strategy_ckpt_save_file``
+— every place where parameters' layouts become fixed (an eager sharded op storing a
+parameter, a compile, ``Model``) reports them, and the file is rewritten (atomically)
+with everything this process has fixed since the key was set. :func:`context_layout`
+reads ``strategy_ckpt_load_file`` for those same places (the file is read again when it
+changes on disk). Both are installed into the parallel layer
+(:mod:`dualmode.parallel.strategy_ckpt`).
 """
 from __future__ import annotations
 
@@ -26,11 +34,16 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from .. import context
+from ..parallel import strategy_ckpt
+from ..parallel.devices import device_num
+from ..parallel.strategy import is_sharded_layout
 from ..parallel.tensor_layout import LayoutError, TensorLayout
 from .safetensors_io import CheckpointError, atomic_write_bytes
 
 __all__ = ["layout_to_dict", "layout_from_dict", "layout_entry", "layout_from_entry",
-           "save_strategy_file", "load_strategy_file", "parameter_layout"]
+           "save_strategy_file", "load_strategy_file", "parameter_layout", "record_layouts",
+           "context_layout"]
 
 FORMAT = "dualmode-strategy"
 
@@ -169,3 +182,91 @@ def strategy_layouts(source: Optional[object], owner: str) -> Optional[Dict[str,
         return load_strategy_file(source, owner)
     raise TypeError(f"{owner}: a strategy must be a strategy file path or a dict of "
                     f"layouts, got {type(source).__name__}")
+
+
+# ---------------------------------------------------------------------------------
+# the context keys
+# ---------------------------------------------------------------------------------
+# what this process has fixed for the current strategy_ckpt_save_file: {name: entry}
+_SAVED = {"path": None, "entries": {}, "written": False}
+# the parsed strategy_ckpt_load_file: (path, mtime_ns, size) -> {name: TensorLayout}
+_LOADED = {"key": None, "layouts": None}
+
+
+def _restart_saving(new) -> None:
+    """Setting ``strategy_ckpt_save_file`` to another path starts a new file."""
+    if new.strategy_ckpt_save_file != context._STATE.auto_parallel.strategy_ckpt_save_file \
+            or new.strategy_ckpt_save_file != _SAVED["path"]:
+        _SAVED.update(path=new.strategy_ckpt_save_file, entries={}, written=False)
+
+
+def record_layouts(layouts, dtypes=None) -> Optional[str]:
+    """Write parameters' fixed layouts to ``strategy_ckpt_save_file`` (when set):
+    `layouts` is ``{name: TensorLayout}`` or ``[(Parameter, TensorLayout), ...]``.
+    The file holds everything this process has fixed since the key was set (a later
+    layout of the same name replaces the earlier one); it is rewritten atomically, only
+    when something changed. Every process writes the same content (layouts are global),
+    each through its own temporary file renamed over the path, so ranks sharing a path
+    never leave it torn."""
+    path = context._STATE.auto_parallel.strategy_ckpt_save_file
+    if path is None:
+        return None
+    if _SAVED["path"] != path:
+        _SAVED.update(path=path, entries={}, written=False)
+    entries = _SAVED["entries"]
+    changed = not _SAVED["written"]
+    items = layouts.items() if isinstance(layouts, dict) else \
+        [(p.name, lay) for p, lay in layouts]
+    dtypes = dict(dtypes or {})
+    if not isinstance(layouts, dict):
+        dtypes.update({p.name: p.dtype for p, _ in layouts})
+    for name, lay in items:
+        if not isinstance(lay, TensorLayout):
+            continue
+        entry = layout_to_dict(lay, dtypes.get(name))
+        if entries.get(name) != entry:
+            entries[name] = entry
+            changed = True
+    if changed:
+        doc = {"format": FORMAT, "version": 1, "parameters": entries}
+        atomic_write_bytes(os.fspath(path), json.dumps(doc, indent=1,
+                                                      sort_keys=True).encode())
+        _SAVED["written"] = True
+    return path
+
+
+def _loaded_layouts(path, owner) -> Dict[str, TensorLayout]:
+    """The layouts of the strategy file at `path`, parsed once per version on disk."""
+    try:
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None                      # load_strategy_file names the missing file
+    if key is None or _LOADED["key"] != key:
+        layouts = load_strategy_file(path, owner)
+        _LOADED.update(key=key, layouts=layouts)
+    return _LOADED["layouts"]
+
+
+def context_layout(param, owner) -> Optional[TensorLayout]:
+    """`param`'s layout from ``strategy_ckpt_load_file`` (None: the key is not set, or
+    the file does not name the parameter or stores it whole). A layout for another
+    shape or device count is an error naming the file and the parameter."""
+    path = context._STATE.auto_parallel.strategy_ckpt_load_file
+    if path is None:
+        return None
+    path = os.fspath(path)
+    lay = _loaded_layouts(path, f"{owner}: strategy_ckpt_load_file").get(param.name)
+    if lay is None or not is_sharded_layout(lay):
+        return None
+    n = device_num()
+    if tuple(lay.shape) != tuple(param.shape) or lay.device_num != n:
+        raise ValueError(f"{owner}: strategy_ckpt_load_file {path!r} lays parameter "
+                         f"{param.name!r} out as {lay!r} (shape {lay.shape}, "
+                         f"{lay.device_num} devices) but it has shape {tuple(param.shape)} "
+                         f"and {n} devices are running")
+    return lay
+
+
+strategy_ckpt.install(record_layouts, context_layout)
+context._AUTO_PARALLEL_HOOKS.append(_restart_saving)

@@ -19,6 +19,8 @@ from ...tensor import Parameter
 from ..devices import device_num, live_backend, parallel_active
 from ..inputs import distribute_inputs
 from ..layout import LayoutSpec
+from ..strategy import apply_saved_layouts, is_sharded_layout
+from ..strategy_ckpt import layouts_fixed
 from .compile import compile_graph
 from .trace import TraceError, current_trace, find_parameters, is_cell, trace
 
@@ -228,6 +230,8 @@ class ShardFunction:
                                 f"read by the function itself (use parameter_plan to shard "
                                 f"them)")
         params = find_parameters(self.fn)
+        if sharded:                       # strategy_ckpt_load_file: saved layouts first
+            apply_saved_layouts(params, self.owner)
         name = getattr(self.fn, "__name__", None) or type(self.fn).__name__
         graph = trace(self._run_fn, args, kwargs, name=name, params=params)
         in_strategy = self.in_strategy
@@ -245,6 +249,9 @@ class ShardFunction:
                                  parameter_plan=self.parameter_plan, arg_sources=sources,
                                  fully_use_devices=fully)
         _COMPILES[0] += 1
+        if sharded:                       # strategy_ckpt_save_file: the planned layouts
+            layouts_fixed([(p, lay) for p, lay in compiled.parameter_layouts()
+                           if is_sharded_layout(lay)])
         return compiled
 
     # ---- introspection -----------------------------------------------------------------

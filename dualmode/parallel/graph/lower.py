@@ -44,7 +44,7 @@ from ..redistribute import plan_redistribution
 from ..rules import pending_sums
 from ..sharding import (RULES, made_by, plan_for, same_placement, shared_replicas,
                         wants_grids)
-from ..strategy import is_sharded_layout, placement_conflict
+from ..strategy import is_sharded_layout, placement_conflict, stored_from_file
 from .ir import CALL, MOVE, REDUCE, Graph, Node, Ref, Value, flatten_refs, map_leaves, verify
 
 __all__ = ["insert_communication", "ParamPlan", "OpRun", "LoweringError"]
@@ -179,6 +179,8 @@ class _Lowering:
                 f"{self.name}: parameter {p.name} holds per-device values "
                 f"({type(stored).__name__}, layerwise_parallel); a compiled graph places "
                 f"global tensors only, so call the function in PyNative mode")
+        if stored_from_file(p):     # strategy_ckpt_load_file wins; consumers get copies
+            return ParamPlan(stored, False)
         storable = not p.layerwise_parallel
         configured = []
         if g.param_layouts and g.param_layouts[k] is not None:
