@@ -343,7 +343,8 @@ def compiled_comm_times(compiled, alpha_s: Optional[float] = None,
         op node name (the keys of ``compiled.strategies()``) -> ``{"time": seconds,
         "collectives": [(kind, group size, n bytes, seconds), ...], "backward": bool}``,
         for every op that communicates: the redistributions made for it (Move nodes) and
-        the AllReduces finishing its outputs.
+        the AllReduces finishing its outputs. The AllReduce / ReduceScatter that resolves
+        a pending sum counts for the op node that made the sum, as in :class:`CommReport`.
     """
     func = "compiled_comm_times"
     model = network_model(func, alpha_s, beta_s_per_byte, link)
@@ -360,6 +361,8 @@ def compiled_comm_times(compiled, alpha_s: Optional[float] = None,
                         f"AutoParallel compiled, after its first call")
     alpha, beta = model
     out: dict = {}
+    layouts = graph.meta.get("layouts", {}) if isinstance(graph.meta, dict) else {}
+    made = {v.id: node for node in graph.nodes for v in node.outputs}
     for node in graph.nodes:
         if node.op not in _COMM_NODES:
             continue
@@ -369,10 +372,33 @@ def compiled_comm_times(compiled, alpha_s: Optional[float] = None,
         owner = node.attrs.get("for") if node.op != _REDUCE else \
             node.name.split("/")[0]
         owner = owner or node.attrs.get("cause") or node.name
-        entry = out.setdefault(owner, {"time": 0.0, "collectives": [],
-                                       "backward": bool(node.backward)})
+        maker = _sum_maker(node, made, layouts)
         for kind, p, n in coll:
             t = predicted_seconds(kind, p, n, alpha, beta)
+            key = maker if maker is not None and kind in ("AllReduce", "ReduceScatter") \
+                else owner
+            entry = out.setdefault(key, {"time": 0.0, "collectives": [],
+                                         "backward": bool(node.backward)})
             entry["collectives"].append((kind, p, n, t))
             entry["time"] += t
     return out
+
+
+def _sum_maker(node, made, layouts) -> Optional[str]:
+    """The name of the op node that made the pending sum a Move node resolves (walking
+    back through the moves and the ops linear in it that kept it), or None when the
+    node resolves none (or moves a gradient, listed under its parameter)."""
+    src = node.attrs.get("src") if node.op == _MOVE else None
+    if src is None or not getattr(src, "partial", ()) or \
+            node.attrs.get("reason") == "gradient":
+        return None
+    x = node.inputs[0]
+    while True:
+        n = made.get(getattr(x, "id", None))
+        if n is None:
+            return None                   # an argument or a constant: made outside
+        carrier = next((i for i in n.inputs if getattr(layouts.get(getattr(i, "id", None)),
+                                                       "partial", ())), None)
+        if carrier is None:
+            return n.name                 # the op whose strategy made the sum
+        x = carrier
