@@ -4,6 +4,8 @@ A pooling strategy that splits H (or W) of a stride-2 convolution's output makes
 split reach the convolution's input gradient, whose H (9) may not divide by the parts;
 the split is then dropped (the dim gathered) and every gradient equals the stand-alone
 run's, in PyNative and GRAPH_MODE."""
+import math
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,72 @@ def test_input_gradient_rule_gathers_an_indivisible_dim():
     assert _halo_sizes(9, 4, 2, 3, 2, 1, 0) is None
     # 8 rows padded by 1 line up: 4 rows per device, 2 output rows, 1 row of halo before
     assert _halo_sizes(8, 4, 2, 3, 2, 1, 1) == (1, 0)
+
+
+# ---------------------------------------------------------------------------
+# every layout the image rules derive is valid, whatever split reaches them
+# ---------------------------------------------------------------------------
+def _splits(shape, n=4):
+    """Strategies splitting H, W or both of an NCHW shape in 2 or 4 (dims that divide),
+    with the batch split in 2 sometimes too."""
+    out = []
+    for sh, sw in [(2, 1), (1, 2), (4, 1), (1, 4), (2, 2)]:
+        for sn in (1, 2):
+            st = (sn, 1, sh, sw)
+            if sn * sh * sw <= n and all(d % p == 0 for d, p in zip(shape, st)):
+                out.append(st)
+    return out
+
+
+def _conv_attrs(k, s, pad):
+    return {"out_channel": 2, "kernel_size": (k, k), "stride": (s, s), "dilation": (1, 1),
+            "group": 1, "pads": (pad,) * 4}
+
+
+def _pool_attrs(k, s, pad):
+    return {"kernel_size": (k, k), "strides": (s, s), "pads": (0, pad, 0, pad)}
+
+
+GEOMETRIES = [(h, k, s, pad) for h in (7, 8, 9, 10, 12) for k in (1, 2, 3) for s in (1, 2, 3)
+              for pad in (0, 1) if k <= h and pad < k]
+
+
+@pytest.mark.parametrize("h, k, s, pad", GEOMETRIES,
+                         ids=[f"h{h}-k{k}-s{s}-p{p}" for h, k, s, p in GEOMETRIES])
+def test_image_rules_derive_divisible_layouts(h, k, s, pad):
+    """Conv2D, its two backward ops and the pools with their backward ops, given x or dy
+    split on H/W in every way that divides it (the other input whole): no rule derives
+    a layout whose blocks would be unequal (each is built with TensorLayout's checks)."""
+    from dualmode.ops import _conv as C
+    f32 = [np.float32] * 2
+    x_shape = (4, 2, h, h)
+    w_shape = (2, 2, k, k)
+    conv, pool = _conv_attrs(k, s, pad), _pool_attrs(k, s, pad)
+    y_hw = C._out_hw("Conv2D", (h, h), (k, k), (s, s), (1, 1), conv["pads"])
+    p_hw = C._out_hw("Pool", (h, h), (k, k), (s, s), (1, 1), pool["pads"])
+    y_shape, p_shape = (4, 2) + y_hw, (4, 2) + p_hw
+
+    def lay(st, shape):
+        return TensorLayout.from_strategy(st, shape, 4)
+
+    cases = []
+    for st in _splits(x_shape):
+        cases += [("Conv2D", conv, [lay(st, x_shape), w_shape]),
+                  ("Conv2DBackpropFilter", conv, [y_shape, lay(st, x_shape)]),
+                  ("MaxPool", pool, [lay(st, x_shape)]),
+                  ("AvgPool", pool, [lay(st, x_shape)]),
+                  ("MaxPoolGrad", pool, [lay(st, x_shape), p_shape]),
+                  ("AvgPoolGrad", pool, [lay(st, x_shape), p_shape])]
+    for st in _splits(y_shape):
+        cases += [("Conv2DBackpropInput", dict(conv, in_hw=(h, h)), [lay(st, y_shape), w_shape]),
+                  ("Conv2DBackpropFilter", conv, [lay(st, y_shape), x_shape])]
+    for st in _splits(p_shape):
+        cases += [("MaxPoolGrad", pool, [x_shape, lay(st, p_shape)]),
+                  ("AvgPoolGrad", pool, [x_shape, lay(st, p_shape)])]
+    for name, attrs, specs in cases:
+        found = plan_for(REGISTRY[name], attrs, specs, f32[:len(specs)])
+        assert found is not None, name
+        for out in found[0].outputs + tuple(i for i in found[0].inputs if i is not None):
+            assert all(d % p == 0 for d, p in zip(out.shape, (
+                math.prod(out.device_matrix[a] for a in axes) for axes in out.tensor_map))), \
+                (name, out)
