@@ -14,10 +14,12 @@ and theirs, and the BatchNorm pieces.
   op's padding value. The backward ops that scatter into the input (Conv2DBackpropInput,
   MaxPoolGrad, AvgPoolGrad) compute each device's contribution on its extended block and
   send the overhanging margins back the same way (:func:`halo_reduce`), where the
-  neighbour adds them. A split is kept only where every device's window grid lines up
-  with its block (``H_in / parts == stride * H_out / parts``) and the overlap reaches only
-  the next device; otherwise the rule asks for that dim whole (a redistribution), which
-  is always correct.
+  neighbour adds them. A split is kept only where both H_in and H_out divide by its
+  parts, every device's window grid lines up with its block (``H_in / parts == stride *
+  H_out / parts``) and the overlap reaches only the next device; otherwise the rule asks
+  for that dim whole (a redistribution), which is always correct. The backward ops
+  derive the other side's layout from the split they are given (the input gradient's
+  from dy's), so these checks hold for both sides.
 * BatchNorm: the per-channel (sum, sum of squares) over N/H/W splits is a pending sum;
   folding it into mean and variance is not linear, so the dispatcher resolves it first
   with one AllReduce of the (2, C) buffer: global-batch statistics, as one device.
