@@ -565,7 +565,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         This process's rank, ``0 <= global_rank < device_num``; ``None`` (default) takes
         it from the backend.
     gradients_mean : bool
-        All-reduce data-parallel gradients with mean (True) or sum (False, default).
+        All-reduce data-parallel gradients with mean (True) or sum (False, default)
+        where each device has a loss of its own (data_parallel, hybrid_parallel); in
+        semi_auto_parallel / auto_parallel the program is written for the global batch
+        and the update equals the single device's either way.
     parameter_broadcast : bool
         Broadcast rank 0's data-parallel parameters before training (default False).
     search_mode : str
