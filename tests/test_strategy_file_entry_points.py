@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import Parameter, Tensor, nn, ops
+from dualmode import Parameter, Tensor, communication, nn, ops
 from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.train import Model
 from dualmode.train.strategy_file import load_strategy_file
 
 from _devices import devices
+from _mpi import load_mpi_script, run_mpi_script
 
 RNG = np.random.default_rng(0)
 W1 = RNG.standard_normal((16, 32)).astype(np.float32)
@@ -232,3 +233,27 @@ def test_a_file_that_does_not_fit_the_network_names_file_and_parameter(tmp_path,
                                              r"parameter 'w1' out .*8 devices\) .*4 devices "
                                              r"are running"):
             _train(how, Net(((2, 1), (1, 2)), ((2, 2), (2, 1))), steps=1)
+
+
+# ---------------------------------------------------------------------------------
+# real ranks
+# ---------------------------------------------------------------------------------
+def test_ranks_share_one_file_and_load_it_under_mpi(tmp_path):
+    out = tmp_path / "out.npz"
+    run_mpi_script("strategy_file.py", [tmp_path, out], tmp_path)
+    data = np.load(out)
+    mod = load_mpi_script("strategy_file.py")
+    (tmp_path / "sim").mkdir()
+    try:
+        text, _, _, _ = mod.run(str(tmp_path / "sim"), "sim")
+        mod._context("sim", 1)
+        ref = mod._train(mod.Net())
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init("sim")
+    # both ranks wrote the path: one whole file, what "sim" writes, no temporary left
+    assert str(data["text"]) == text
+    assert sorted(os.listdir(tmp_path)) == ["out.npz", "sim", "strategy.json"]
+    np.testing.assert_allclose(data["losses"], ref[0], rtol=1e-4)
+    np.testing.assert_allclose(data["w1"], ref[1][0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(data["w2"], ref[1][1], rtol=1e-4, atol=1e-5)

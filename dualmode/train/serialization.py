@@ -26,7 +26,6 @@ from typing import Dict, List
 
 import numpy as np
 
-from .. import context
 from .._core._tensor import TensorBase
 from ..nn.cell import Cell
 from ..nn.optim.optimizer import Optimizer
@@ -34,7 +33,8 @@ from ..parallel.devices import live_backend, some_devices
 from ..parallel.tensor_layout import TensorLayout
 from ..tensor import Parameter
 from .safetensors_io import CheckpointFile, write_file, write_files
-from .strategy_file import layout_from_dict, layout_to_dict, save_strategy_file
+from .strategy_file import (layout_from_dict, layout_to_dict, record_layouts,
+                            save_strategy_file)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_param_into_net", "checkpoint_entries",
            "sliced_path", "STEP_NAME"]
@@ -279,9 +279,7 @@ def _save_sliced(path, entries, meta, n):
         dtypes = {name: entries[name].dtype for name in layouts}
         save_strategy_file(os.path.join(os.path.dirname(os.path.abspath(path)),
                                         "strategy.json"), layouts, dtypes)
-        extra = context.get_auto_parallel_context("strategy_ckpt_save_file")
-        if extra:
-            save_strategy_file(extra, layouts, dtypes)
+        record_layouts(layouts, dtypes)          # strategy_ckpt_save_file, when set
     if b is not None and some_devices():
         b.barrier()
 
