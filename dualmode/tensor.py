@@ -469,6 +469,24 @@ class Parameter(DeclaredShape, Tensor):
         except (ValueError, TypeError) as e:
             raise type(e)(f"Parameter {self.name}: {e}") from None
 
+    def _current(self):
+        """The value for a reader (``asnumpy``, numpy, checkpoints): a copy that a
+        parameter server worker marked stale (the servers hold the weight and changed
+        it since) is first made equal to the servers' value."""
+        if _READ_HOOKS and self.__dict__.get("ps_stale"):
+            _READ_HOOKS[0](self)
+        return self._value()
+
+    def asnumpy(self) -> np.ndarray:
+        """The global value as a new numpy array."""
+        return np.array(self._current())
+
+    def __array__(self, dtype=None, copy=None):
+        arr = np.asarray(self._current())
+        if dtype is not None:
+            return arr.astype(dtype)
+        return np.array(arr) if copy else arr
+
     def init_data(self):
         """Create the value now (no-op when it exists). Returns self."""
         if self._data is None:
@@ -576,6 +594,17 @@ _LAYERWISE = []
 def register_layerwise_hook(fn) -> None:
     """Install the function a ``layerwise_parallel`` Parameter given a value calls."""
     _LAYERWISE[:] = [fn]
+
+
+#: ``hook(param)`` run before a reader sees a Parameter marked ``ps_stale``: the
+#: parameter server worker pulls the servers' value (it builds on Tensor, so it
+#: registers itself here when imported)
+_READ_HOOKS = []
+
+
+def register_read_hook(fn) -> None:
+    """Install the function that makes a stale Parameter current before it is read."""
+    _READ_HOOKS[:] = [fn]
 
 
 from .ops import functional as _F  # noqa: E402  (ops needs Tensor defined first)

@@ -26,9 +26,11 @@ set_ps_join(join)
 
 def pull_weights(params) -> None:
     """On a parameter server worker, make every server-held weight among `params` (a
-    list of Parameters, or a Cell) equal to the servers' value: the rows of sparse
-    embedding tables that this worker did not use lately are pulled. Call it before
-    reading or saving whole tables. Does nothing outside a worker."""
+    list of Parameters, or a Cell) equal to the servers' value now (pulled whole).
+    Reading a weight (``asnumpy``, numpy, ``save_checkpoint``) already does this for a
+    copy that may be stale (a sparse table's rows this worker did not use lately, any
+    server-held weight in async mode); this is the explicit form. Does nothing outside
+    a worker."""
     worker = active_worker()
     if worker is None:
         return

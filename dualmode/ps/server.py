@@ -22,6 +22,7 @@ A **group** is the set of shards one optimizer of the workers owns on this serve
                values (for a sparse table: the worker's cached rows that changed since
                this server last answered it).
 ``pull_rows``  rows of a sparse table by id.
+``pull``       one shard whole (a worker reads a weight whose copy there is stale).
 
 No copies on the way: a push's arrays are views of the received frames, and the answer
 sends the shards' own buffers. A group of dense shards has the header of its answers
@@ -513,6 +514,17 @@ class _Server:
         self.reply(ident, head, {"op": "rows", "version": g.version},
                    [key.param._data[ids - key.spec["rows"][0]]])
 
+    def on_pull(self, ident: bytes, head: dict, arrays: List[np.ndarray]) -> None:
+        """A worker reads shard `key` whole (a read of a weight whose copy there is
+        stale): a copy, since the optimizer may write the shard while it is sent."""
+        g = self.groups.get(head["group"])
+        if g is None:
+            return self.error(ident, head, f"server {self.id} has no state for "
+                              f"{head['group']}")
+        key = g.keys[head["key"]]
+        self.reply(ident, head, {"op": "value", "version": g.version},
+                   [np.array(key.param._data)])
+
     def reply(self, ident: bytes, req: dict, head: dict, arrays=(), keys=None) -> None:
         """Answer request `req`; `keys` (aligned with `arrays`): the key whose shard an
         array is, when the optimizer writes that shard in place (sent without a copy:
@@ -562,7 +574,8 @@ class _Server:
         # heartbeats are looked at (also after every request)
         data.setsockopt(zmq.RCVTIMEO, _WAIT_MS)
         last_ack = last_hb = time.monotonic()
-        handlers = {"init": self.on_init, "push": self.on_push, "pull_rows": self.on_pull_rows}
+        handlers = {"init": self.on_init, "push": self.on_push, "pull_rows": self.on_pull_rows,
+                    "pull": self.on_pull}
         where = f"server {self.id}"
         while True:
             try:

@@ -38,6 +38,7 @@ from .. import context
 from .._core._tensor import TensorBase
 from ..communication import trace
 from ..common.initializer import describe
+from ..tensor import register_read_hook
 from .embedding import server_initialised
 from .env import ClusterEnv
 from .optim import optimizer_spec
@@ -83,6 +84,8 @@ class _OptSession:
     step: int = 0
     version: int = 0
     history: collections.deque = field(default_factory=collections.deque)
+    #: the parameters whose copy here is stale after a step (see WorkerClient.refresh)
+    stale: tuple = ()
 
 
 class WorkerClient:
@@ -342,6 +345,14 @@ class WorkerClient:
             sess.templates[k] = self._push_template(sess.gid, keys)
         answers = self.request_all(inits)
         self._write_values(opt, sess, answers, init=True)
+        # after a step a worker's copy is current only where the answer says so: a
+        # sparse table's answer carries the rows this worker caches, an async answer
+        # the values of that moment (other workers push on); sync dense weights are
+        # current until this worker's next push
+        sess.stale = tuple(p for p in (params[i] for i in held)
+                           if self.cfg.mode == "async" or _is_sparse(sess, p))
+        for p in sess.stale:
+            p.__dict__["ps_stale"] = True
         self.sessions[id(opt)] = sess
         return sess
 
@@ -429,6 +440,8 @@ class WorkerClient:
         answers = self.request_all(requests)
         self._record(self.bytes_pushed - before[0], self.bytes_pulled - before[1])
         self._write_values(opt, sess, answers)
+        for p in sess.stale:
+            p.__dict__["ps_stale"] = True
         sess.step += 1
         return set(held)
 
@@ -489,12 +502,44 @@ class WorkerClient:
         for k, (head, arrays) in answers.items():
             target[where[k]] = arrays[0]
 
+    def refresh(self, p) -> None:
+        """Make this worker's copy of the server-held parameter `p` equal to the
+        servers' current value (every shard pulled, one request per server). A read of
+        a parameter marked stale (``asnumpy``, numpy, ``save_checkpoint``) calls this
+        first; in sync mode the copy then stays current until this worker's next step,
+        in async mode other workers' pushes change the servers' value at any time, so
+        it stays marked."""
+        self._check_alive()
+        requests, where = {}, {}
+        for sess in self.sessions.values():
+            for k, lst in sess.shards.items():
+                for key, sh in enumerate(lst):
+                    if sess.params[sh.index] is p:
+                        requests[k] = _Request({"op": "pull", "group": sess.gid,
+                                                "key": key}, [])
+                        where[k] = sh
+        if not requests:
+            p.__dict__.pop("ps_stale", None)
+            return
+        before = self.bytes_pulled
+        answers = self.request_all(requests)
+        self._record(0, self.bytes_pulled - before)
+        target = p._value()
+        for k, (head, arrays) in answers.items():
+            sh = where[k]
+            if sh.rows is None:
+                np.copyto(target, arrays[0].reshape(target.shape))
+            else:
+                target[sh.rows[0]:sh.rows[1]] = arrays[0]
+        if self.cfg.mode != "async":
+            p.__dict__.pop("ps_stale", None)
+
     def pull_tables(self, params) -> None:
-        """Pull every row of the sparse server-held tables among `params` (the worker
-        keeps only the rows it used current; call this before reading whole tables)."""
+        """Make every server-held parameter among `params` equal to the servers'
+        value (pulled whether or not it is marked stale)."""
         for p in params:
-            if id(p) in self.sparse and self.holds(p):
-                self.pull_rows(p, np.arange(p.shape[0], dtype=np.int64))
+            if self.holds(p):
+                self.refresh(p)
 
     def _record(self, pushed: int, pulled: int) -> None:
         if trace._STATE.reports:
@@ -504,6 +549,24 @@ class WorkerClient:
             if pulled:
                 with trace.comm_cause("ParameterServer", "gradient"):
                     trace.record("Pull", 2, 1, pulled)
+
+
+def _refresh_on_read(p) -> None:
+    """A reader is about to see `p`, marked stale: make it the servers' value."""
+    worker = active_worker()
+    if worker is None:
+        p.__dict__.pop("ps_stale", None)
+    else:
+        worker.refresh(p)
+
+
+register_read_hook(_refresh_on_read)
+
+
+def _is_sparse(sess: _OptSession, p) -> bool:
+    """Whether the servers hold `p` (a parameter of session `sess`) as a sparse table."""
+    return any(sh.sparse and sess.params[sh.index] is p
+               for lst in sess.shards.values() for sh in lst)
 
 
 def _dense_part(g, sh: Shard, dtype) -> np.ndarray:

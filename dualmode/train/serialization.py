@@ -238,6 +238,8 @@ def _value(name, v, owner):
         raise ValueError(f"{owner}: parameter {name!r} is layerwise_parallel with per-device "
                          f"values (no global value to integrate); save with "
                          f"integrated_save=False")
+    if isinstance(v, Parameter):
+        return v._current()           # a stale parameter server copy is pulled first
     return v._value() if isinstance(v, TensorBase) else np.asarray(v)
 
 
