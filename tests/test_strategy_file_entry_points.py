@@ -113,7 +113,7 @@ def test_save_file_written_at_each_entry_point(tmp_path, how):
 
 
 def test_ops_shard_writes_what_its_compile_planned(tmp_path):
-    path = str(tmp_path / "strategy.json")
+    path = str(tmp_path / "new_folder" / "strategy.json")      # made as needed
     with devices(8, strategy_ckpt_save_file=path):
         f = ops.shard(Net(), in_strategy=((2, 1),), parameter_plan={"w1": (1, 4)})
         f(Tensor(X))

@@ -12,6 +12,11 @@ its initializer builds one block per distinct slice this process's devices hold
 (devices that replicate a slice share one generated block) and the whole tensor is
 never built; random initializers give every block the values of the same slice of the
 whole tensor, so the numbers equal the single-device run's.
+
+With ``strategy_ckpt_load_file`` set, a parameter the file names is stored in its saved
+layout instead (at its first sharded use, or before a compile: ``apply_saved_layouts``)
+and keeps it: an op that needs it elsewhere gets a moved copy. Every layout stored here
+is reported to ``strategy_ckpt_save_file`` (strategy_ckpt.py).
 """
 from __future__ import annotations
 

@@ -229,8 +229,9 @@ def record_layouts(layouts, dtypes=None) -> Optional[str]:
             changed = True
     if changed:
         doc = {"format": FORMAT, "version": 1, "parameters": entries}
-        atomic_write_bytes(os.fspath(path), json.dumps(doc, indent=1,
-                                                      sort_keys=True).encode())
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)   # as MindSpore
+        atomic_write_bytes(path, json.dumps(doc, indent=1, sort_keys=True).encode())
         _SAVED["written"] = True
     return path
 
