@@ -7,11 +7,14 @@ user collectives.
   per device, MatMul, ReduceSum(-1), ops.AllReduce(), full_batch) is equivalent; without
   its AllReduce every device returns its partial sum, so ReduceSum is the first op whose
   output differs from the stand-alone one (the MatMul's column slices are the layerwise
-  layout itself, the same with and without the AllReduce).
+  layout itself, the same with and without the AllReduce). The same under MPI, where each
+  rank holds only its own slice.
 * Every op the program calls takes part in the comparison, user collectives included: a
   stray ops.AllReduce on an activation that is already global (semi-auto parallel, eager
   or after an ops.shard block) is the first divergent op, not the op after it.
 """
+import json
+
 import numpy as np
 import pytest
 
@@ -19,6 +22,8 @@ import dualmode as dm
 from dualmode import Parameter, Tensor, communication, nn, ops
 from dualmode.nn.optim import SGD
 from dualmode.parallel import check_equivalence, set_layerwise_slices
+
+from _mpi import run_mpi_script
 
 
 class HybridParallelNet(nn.Cell):
@@ -148,6 +153,19 @@ def test_assert_sharded_equal_on_the_hybrid_layer(sim_devices, assert_sharded_eq
                                                     r"stand-alone run.*first divergent op: "
                                                     r"ReduceSum"):
         assert_sharded_equal(bad, x)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_hybrid_layer_under_mpi(tmp_path, ranks):
+    """Real ranks: each holds its own slice; the stand-alone run joins every rank's."""
+    proc = run_mpi_script("check_equivalence_hybrid.py", [], tmp_path, ranks=ranks)
+    got = {r["case"]: r for r in map(json.loads, proc.stdout.strip().splitlines())}
+    assert set(got) == {"full+allreduce", "full", "own+allreduce"}, proc.stdout
+    for case in ("full+allreduce", "own+allreduce"):
+        assert got[case]["ok"] and got[case]["first"] is None, got[case]
+        assert got[case]["ops"] == ["MatMul", "ReduceSum", "AllReduce"]
+        assert got[case]["grad_shape"] == [64, 32]
+    assert not got["full"]["ok"] and got["full"]["first"] == "ReduceSum"
 
 
 # ---------------------------------------------------------------------------- collectives

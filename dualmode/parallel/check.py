@@ -142,13 +142,13 @@ def _use_devices(mode: str, n: int, func: str) -> None:
 def _use_one_device() -> None:
     """Stand-alone: one device; a "sim" backend is re-initialised with one device so
     that ``get_group_size()`` is 1 as in a one-device job (an MPI rank keeps its world
-    and runs stand-alone on its own device)."""
+    and runs stand-alone on its own device: ``device_num=1`` makes the user's
+    collectives the identity there, as on one device)."""
     st = context._STATE
     st.auto_parallel = dataclasses.replace(st.auto_parallel, parallel_mode="stand_alone",
-                                           device_num=None)
+                                           device_num=1)
     b = live_backend()
     if b is not None and len(b.local_ranks) == b.world_size and b.world_size != 1:
-        st.auto_parallel = dataclasses.replace(st.auto_parallel, device_num=1)
         _comm_init()
 
 
