@@ -189,7 +189,7 @@ def strategy_layouts(source: Optional[object], owner: str) -> Optional[Dict[str,
 # ---------------------------------------------------------------------------------
 # what this process has fixed for the current strategy_ckpt_save_file: {name: entry}
 _SAVED = {"path": None, "entries": {}, "written": False}
-# the parsed strategy_ckpt_load_file: (path, mtime_ns, size) -> {name: TensorLayout}
+# the parsed strategy_ckpt_load_file and the version on disk it was parsed from
 _LOADED = {"key": None, "layouts": None}
 
 
@@ -240,7 +240,7 @@ def _loaded_layouts(path, owner) -> Dict[str, TensorLayout]:
     """The layouts of the strategy file at `path`, parsed once per version on disk."""
     try:
         st = os.stat(path)
-        key = (path, st.st_mtime_ns, st.st_size)
+        key = (path, st.st_ino, st.st_mtime_ns, st.st_size)   # atomic writes: new inode
     except OSError:
         key = None                      # load_strategy_file names the missing file
     if key is None or _LOADED["key"] != key:
