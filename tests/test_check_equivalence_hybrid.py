@@ -258,9 +258,10 @@ def test_user_collectives_in_a_graph_mode_cell_are_refused_by_name(sim_devices):
 
 @pytest.mark.parametrize("prim", [ops.AllReduce(), ops.AllReduce("mean"), ops.AllGather(),
                                   ops.ReduceScatter(), ops.Broadcast(0), ops.AlltoAll()])
-def test_one_device_collective_is_taped_as_the_identity(prim):
-    """Stand-alone, a collective is the identity and its gradient too; it is recorded
+def test_one_device_collective_is_taped_as_the_identity(sim_devices, prim):
+    """On one device a collective is the identity and its gradient too; it is recorded
     under its own name, so the stand-alone run of a check holds it."""
+    sim_devices(1, mode="stand_alone")
     x = Tensor(np.arange(6, dtype=np.float32).reshape(3, 2))
     seen = []
 
