@@ -47,8 +47,8 @@ from .devices import backend as _backend
 from .redistribute import plan_redistribution
 from .tensor_layout import TensorLayout
 
-__all__ = ["reduce_gradients", "replica_gradient_scale", "fusion_buckets", "broadcast_parameters", "is_dp_partial",
-           "resolves_pending", "bucket_name", "single_step", "step_group", "resolve_key",
+__all__ = ["reduce_gradients", "replica_gradient_scale", "fusion_buckets",
+           "broadcast_parameters", "is_dp_partial", "resolves_pending", "bucket_name", "single_step", "step_group", "resolve_key",
            "grouped_buckets", "fused_bucket", "fuse_gradient_moves"]
 
 _AUTO_MB = 64
