@@ -48,8 +48,9 @@ from .redistribute import plan_redistribution
 from .tensor_layout import TensorLayout
 
 __all__ = ["reduce_gradients", "replica_gradient_scale", "fusion_buckets",
-           "broadcast_parameters", "is_dp_partial", "resolves_pending", "bucket_name", "single_step", "step_group", "resolve_key",
-           "grouped_buckets", "fused_bucket", "fuse_gradient_moves"]
+           "broadcast_parameters", "is_dp_partial", "resolves_pending", "bucket_name",
+           "single_step", "step_group", "resolve_key", "grouped_buckets", "fused_bucket",
+           "fuse_gradient_moves"]
 
 _AUTO_MB = 64
 
