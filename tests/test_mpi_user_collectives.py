@@ -6,16 +6,26 @@
   weight, whether each rank passes its own slice to ``Parameter``, the slices come from
   ``set_layerwise_slices``, or every device starts from the same value
   (tests/mpi_scripts/user_coll_hybrid.py).
+* Without a parallel mode, ``init(); ops.AllReduce()(ones(3))`` on 4 ranks (started by
+  ``python -m dualmode.run``) is ``[4, 4, 4]``, as in MindSpore, and so is every
+  collective on 4 simulated devices: both backends communicate among the devices
+  ``init()`` started (tests/mpi_scripts/user_coll_stand_alone.py).
 """
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import communication
+from dualmode import Tensor, communication, ops
 
-from _mpi import load_mpi_script, run_mpi_script
+from _mpi import ROOT, SCRIPTS, load_mpi_script, run_mpi_script
 
 HYBRID = "user_coll_hybrid.py"
+STAND_ALONE = "user_coll_stand_alone.py"
 
 
 def _reset():
@@ -51,3 +61,54 @@ def test_hybrid_layer_trains_as_one_device_under_sim(kind, how, n):
     want_losses, want_weight = mod.reference(kind, how, n)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
     np.testing.assert_allclose(weight, want_weight, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# no parallel mode: the collectives still communicate among the devices init() made
+# ---------------------------------------------------------------------------
+def test_stand_alone_collectives_communicate_on_four_launched_ranks(tmp_path):
+    pytest.importorskip("mpi4py", reason="backend 'mpi' needs mpi4py")
+    if shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None and \
+            shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    script = tmp_path / STAND_ALONE            # its path names this test's processes
+    shutil.copy(os.path.join(SCRIPTS, STAND_ALONE), script)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "RANK_", "DEVICE_ID", "HYDRA_"))}
+    env["PYTHONPATH"] = ROOT
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "dualmode.run", "--worker_num", "4",
+                           "--log_dir", str(tmp_path / "logs"), str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[4. 4. 4.]" in proc.stdout
+    assert "stand-alone collectives ok: 12 values on 4 ranks" in proc.stdout
+
+
+def test_stand_alone_collectives_communicate_on_simulated_devices():
+    mod = load_mpi_script(STAND_ALONE)
+    try:
+        dm.reset_auto_parallel_context()
+        dm.set_auto_parallel_context(device_num=4)
+        communication.init()
+        assert dm.get_auto_parallel_context("parallel_mode") == "stand_alone"
+        np.testing.assert_array_equal(
+            ops.AllReduce()(Tensor(np.ones(3, np.float32))).asnumpy(), [4.0, 4.0, 4.0])
+        got = mod.run("sim", 4)
+        _, progs = mod.programs(4)
+        for name, (_, fw, bw) in progs.items():
+            if fw is not None:
+                np.testing.assert_allclose(got[name], fw, rtol=1e-6, err_msg=name)
+                np.testing.assert_allclose(got[name + " dx"], bw, rtol=1e-5, err_msg=name)
+        # ReduceScatter: device d keeps rows [2d, 2d+2) of the sum 4x
+        x = mod._f32(1, 8, 3)
+        np.testing.assert_allclose(got["ReduceScatter"], 4 * x.reshape(4, 2, 3), rtol=1e-6)
+        # one device on purpose, or a backend of one device: the identity
+        dm.set_auto_parallel_context(device_num=1)
+        np.testing.assert_array_equal(
+            ops.AllReduce()(Tensor(np.ones(3, np.float32))).asnumpy(), [1.0, 1.0, 1.0])
+        communication.init()
+        np.testing.assert_array_equal(
+            ops.AllGather()(Tensor(np.ones(3, np.float32))).asnumpy(), [1.0, 1.0, 1.0])
+    finally:
+        _reset()

@@ -233,6 +233,22 @@ def ensure_init(func: str) -> Backend:
     return _STATE.backend
 
 
+def started_backend(func: str) -> Optional[Backend]:
+    """The live backend, or None in a process that runs alone. A process launched as one
+    of several MPI ranks whose backend was never started gets a RuntimeError naming
+    ``init()`` (`func` is the caller's op): what it asked for needs the other ranks, so
+    it never runs as a silent single device."""
+    if _STATE.backend is not None:
+        return _STATE.backend
+    launched = _mpi_launch()
+    if launched is not None and launched[1].strip() not in ("", "1"):
+        var, size = launched
+        raise RuntimeError(f"{func}: this process is one of {size} MPI ranks ({var}={size}) "
+                           f"but the communication backend is not started; call "
+                           f"dualmode.communication.init() first")
+    return None
+
+
 def no_device_num_error(parallel_mode: str) -> ValueError:
     """The error for a parallel mode that would run on one simulated device."""
     return ValueError(f"device_num is not set: parallel_mode={parallel_mode!r} would run on "

@@ -49,8 +49,14 @@ AllReduce, Broadcast and AlltoAll with ``split_dim == concat_dim`` also accept a
 smaller group, whose non-members keep their values. ``Broadcast(root_rank)`` counts
 ``root_rank`` within the group.
 
-Outside a parallel context (no backend, ``parallel_mode="stand_alone"``, or one device)
-every collective behaves as on one device: it returns its input unchanged.
+Under ``parallel_mode="stand_alone"`` no op is split, but every device the backend
+started (each MPI rank, or each simulated device of ``init()`` with ``device_num``
+set) runs the whole program, and a collective communicates among them as in
+MindSpore: after ``init()`` on 4 devices ``AllReduce()(ones(3))`` is ``[4, 4, 4]``
+under both backends. With one device (no backend, ``get_group_size() == 1``, or
+``device_num=1`` set to run one device on purpose) every collective returns its
+input unchanged. A process launched as one of several MPI ranks that calls a
+collective before ``init()`` gets a RuntimeError naming ``init()``.
 """
 from __future__ import annotations
 
@@ -59,13 +65,14 @@ import numpy as np
 from .._core import _tensor as _core
 from .._core._tensor import OpDef, TensorBase
 from ..communication import comm_cause, get_backend, group_members
+from ..communication.management import started_backend
 from ..ops._registry import (KIND_GENERIC, REGISTRY, apply, const, register, same_as_input,
                              wrap)
 from ..ops.collectives import WORLD_GROUP
 from . import device_local as dl
 from .moves import gather_global
 from .stacks import is_batch_layout
-from .devices import device_num, parallel_active
+from .devices import parallel_active
 from .grad_reduce import is_dp_partial
 from .graph.trace import is_abstract
 
@@ -441,20 +448,30 @@ BROADCAST = _register("Broadcast", same_as_input, _fw_broadcast, _bw_broadcast)
 ALL_TO_ALL = _register("AlltoAll", _infer_all_to_all, _fw_all_to_all, _bw_all_to_all)
 
 
+def _world(name) -> int:
+    """The devices a user collective communicates among: those of the parallel context,
+    or under ``parallel_mode="stand_alone"`` every device the backend started (MPI
+    ranks, or the simulated devices of ``init()``), each running the whole program;
+    1 when ``device_num=1`` is set (one device on purpose)."""
+    if not parallel_active():
+        started_backend(name)       # one of several MPI ranks before init(): the error
+    return dl.context_devices()
+
+
 def run(prim, x):
     """Run the collective primitive `prim` (``ops.AllReduce()`` & co.) on one value `x`
     (see the module docstring)."""
     name = prim.name
-    if is_abstract(x) and parallel_active():
+    n = _world(name)
+    if is_abstract(x) and n > 1:
         raise ValueError(f"{name}: op {name} has no sharding rule, so a sharded graph "
                          f"cannot place it; call it outside the compiled function (in "
                          f"PyNative mode)")
     x = const(x, name)
-    if not parallel_active():              # one device: the identity
+    if n == 1:                             # one device: the identity
         if isinstance(x, TensorBase) and x._node is not None and x._layout is None:
             return apply(REGISTRY[name].extras["one_device"], None, (x,))
         return wrap(x)
-    n = device_num()
     members = _resolve_group(name, prim.group, n)
     k = n if members is None else len(members)
     if isinstance(x, TensorBase):

@@ -250,9 +250,17 @@ def own_rows(full: np.ndarray, n: int) -> np.ndarray:
     return full if rows == n else full[local_ranks(n)]
 
 
-def _context_devices() -> int:
-    """Devices of the live parallel context; 1 outside one (no backend, stand_alone)."""
-    return device_num() if parallel_active() else 1
+def context_devices() -> int:
+    """Devices of the live parallel context; under ``parallel_mode="stand_alone"`` the
+    devices the backend started (MPI ranks, or the simulated devices of ``init()``),
+    each running the whole program, among which the user's collectives communicate
+    (and per-device values live); 1 with ``device_num=1`` (one device on purpose) or
+    without a backend."""
+    if parallel_active():
+        return device_num()
+    if context._STATE.auto_parallel.device_num == 1:
+        return 1
+    return device_num()
 
 
 def _require_devices(func: str) -> int:
@@ -260,7 +268,7 @@ def _require_devices(func: str) -> int:
         raise RuntimeError(f"{func}: needs an initialised parallel context; call "
                            f"dm.set_auto_parallel_context(parallel_mode='hybrid_parallel', "
                            f"device_num=N) and dm.communication.init() first")
-    return _context_devices()
+    return context_devices()
 
 
 # ============================================================================ user entry
@@ -502,7 +510,7 @@ def device_local_apply(op, attrs, inputs, rec):
                 raise RuntimeError(f"{name}: input {i} holds the values of {m} devices but an "
                                    f"earlier input those of {n}; device-local inputs of one op "
                                    f"must come from the same parallel context")
-    ctx = _context_devices()
+    ctx = context_devices()
     if ctx != n:
         raise RuntimeError(f"{name}: an input holds per-device (layerwise_parallel) values of "
                            f"{n} devices but the current parallel context has {ctx} device(s); "
