@@ -371,7 +371,7 @@ def set_layerwise_slices(param, values, dim=None):
     return param
 
 
-def layerwise_slice_dim(param):
+def layerwise_slice_dim(param) -> "int | None":
     """The dim of the full weight that :func:`set_layerwise_slices` cut `param`'s slices
     from (device ``d`` holds part ``d``), while `param` still holds those slices' layout;
     None when its slices were given as a stack (or it holds none)."""
