@@ -124,7 +124,7 @@ def _new_generator(seed: Optional[int]) -> np.random.Generator:
 
 @dataclass(frozen=True)
 class PSConfig:
-    """Values of :func:`set_ps_context` (parameter server mode, SPEC §6)."""
+    """Values of :func:`set_ps_context` (parameter server mode)."""
 
     enable_ps: bool = False
     mode: str = "sync"
@@ -552,7 +552,7 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
 
 
 def set_auto_parallel_context(**kwargs: Any) -> None:
-    """Configure parallel training (see SPEC.md §2 for the table of keys).
+    """Configure parallel training (every key is described below).
 
     Parameters
     ----------
