@@ -279,3 +279,65 @@ def test_one_device_collective_is_taped_as_the_identity(sim_devices, prim):
     np.testing.assert_allclose(val.asnumpy(), (4 * x.asnumpy() ** 2).sum(), rtol=1e-6)
     np.testing.assert_allclose(g.asnumpy(), 8 * x.asnumpy(), rtol=1e-6)
     assert prim(x) is x                     # nothing recorded: the input itself
+
+
+# ---------------------------------------------------------------------------- compiled
+
+class ScaledNet(nn.Cell):
+    """Semi-auto parallel; `wrong` multiplies the activation by the device count (a
+    "mean" ported from per-device code)."""
+
+    def __init__(self, wrong):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.w1 = Parameter(Tensor(rng.standard_normal((16, 8)).astype(np.float32)),
+                            name="w1")
+        self.w2 = Parameter(Tensor(rng.standard_normal((8, 4)).astype(np.float32)),
+                            name="w2")
+        self.mm1 = ops.MatMul().shard(((1, 2), (2, 1)))
+        self.mm2 = ops.MatMul()
+        self.wrong = wrong
+
+    def construct(self, x):
+        h = ops.relu(self.mm1(x, self.w1))
+        if self.wrong:
+            h = h * communication.get_group_size()
+        return self.mm2(h, self.w2)
+
+
+def test_graph_mode_cell_names_the_op_inside_it(sim_devices, assert_sharded_equal):
+    sim_devices(2)
+    dm.set_context(mode=dm.GRAPH_MODE)
+    try:
+        assert_sharded_equal(ScaledNet(False), _x())
+        net = ScaledNet(True)
+        rep = check_equivalence(net, _x())
+        assert not rep.ok and rep.first_divergent_op == "Mul", str(rep)
+        assert [op.name for op in rep.ops] == ["MatMul", "ReLU", "Mul", "MatMul"]
+        assert rep.values[0].max_rel_diff == pytest.approx(1.0, rel=1e-4)     # 2x
+        assert "GRAPH_MODE runs the cell as one compiled op" in rep.note
+        assert dm.get_context("mode") == dm.GRAPH_MODE            # restored
+
+        def loss(x):                     # the op after the compiled cell is not blamed
+            return ops.reduce_sum(ops.square(net(x)))
+
+        rep = check_equivalence(loss, _x(), weights=net.trainable_params())
+        assert rep.first_divergent_op == "Mul", str(rep)
+        with pytest.raises(pytest.fail.Exception, match=r"first divergent op: Mul"):
+            assert_sharded_equal(net, _x())
+    finally:
+        dm.set_context(mode=dm.PYNATIVE_MODE)
+
+
+def test_ops_shard_block_that_differs_says_its_ops_are_not_compared(sim_devices):
+    sim_devices(2)
+    w = Parameter(Tensor(np.random.default_rng(1).standard_normal((16, 8))
+                         .astype(np.float32)), name="w")
+    block = ops.shard(lambda x: ops.relu(ops.matmul(x, w)) * communication.get_group_size(),
+                      in_strategy=((1, 2),), parameter_plan={"w": (2, 1)})
+    rep = check_equivalence(block, _x(), weights=[w])
+    assert not rep.ok
+    assert "runs as one op: the ops inside are not compared" in rep.note, str(rep)
+    fine = ops.shard(lambda x: ops.relu(ops.matmul(x, w)), in_strategy=((1, 2),),
+                     parameter_plan={"w": (2, 1)})
+    assert check_equivalence(fine, _x(), weights=[w]).ok

@@ -47,7 +47,10 @@ sharded output must equal its input's stand-alone value (an AllReduce of a value
 device already holds whole sums copies of it, and is named as the divergent op).
 Only ops that are recorded on a tape are compared: ops on values that do not descend
 from a floating input or a weight, and ops without a backward rule, are not. A block
-compiled by ``ops.shard`` / ``Cell.shard`` is one op of the caller's tape. The context,
+compiled by ``ops.shard`` / ``Cell.shard`` is one op of the caller's tape: the ops inside
+it are not compared (the report's note says so when the runs differ). In GRAPH_MODE,
+where a Cell runs as one compiled op, runs that differ are run a third time, sharded and
+eagerly (PYNATIVE_MODE, the same strategies and weights), to name the op. The context,
 the random generator, the communication backend (re-initialised when the device count
 has to change: groups made by ``create_group`` are then gone) and every weight's storage
 are restored afterwards, whatever happens.
@@ -71,6 +74,7 @@ from ..ops._registry import REGISTRY
 from ..tensor import Parameter, Tensor, live_parameters
 from .device_local import DeviceLocalLayout, all_rows, layerwise_slice_dim
 from .devices import live_backend
+from .graph.compile import Block
 
 __all__ = ["check_equivalence", "EquivalenceReport", "ComparedValue", "ComparedOp",
            "tolerances", "parallel_settings"]
@@ -282,6 +286,7 @@ class _OpRun:
     in_layouts: Tuple[Any, ...]
     inputs_from: Tuple[Optional[str], ...]
     inputs_at: Tuple[Optional[int], ...] = ()     # index of each input's producer op
+    compiled: bool = False        # a block compiled by GRAPH_MODE / ops.shard / Cell.shard
 
 
 @dataclass
@@ -368,7 +373,8 @@ def _run(fn, inputs, weights, positions, seed) -> _Run:
                    and not x._node.is_leaf and id(x._node) in pos else None
                    for x in node.inputs)
         frm = tuple(None if i is None else order[i].op.name for i in at)
-        ops.append(_OpRun(node.op.name, vals, lays, ins, frm, at))
+        ops.append(_OpRun(node.op.name, vals, lays, ins, frm, at,
+                          isinstance(getattr(node.op.backward, "__self__", None), Block)))
     outputs, roots = [], []
     for o in outs:
         if isinstance(o, TensorBase):
@@ -590,12 +596,48 @@ def check_equivalence(fn_or_cell, *inputs, device_num: Optional[int] = None,
         for p, g in zip(weights, globals_):
             p._data, p._layout, p._init, p._shape = g, None, None, g.shape
         single = _run(fn_or_cell, inputs, weights, positions, seed)
+        report = _compare(sharded, single, inputs, positions, weights, layerwise, rtol,
+                          atol, device_num, mode)
+        blocks = [o.name for o in sharded.ops if o.compiled]
+        if report.ok or not blocks:
+            return report
+        if context._STATE.run.mode != context.GRAPH_MODE:
+            report.note = _joined(report.note, (
+                f"the compiled block{'s' if len(blocks) > 1 else ''} "
+                f"{', '.join(_counted(blocks))} run{'' if len(blocks) > 1 else 's'} as one "
+                f"op: the ops inside are not compared (a difference may start there)"))
+            return report
+        # GRAPH_MODE runs the cell as one compiled op: find the op by running the same
+        # program eagerly, with the same strategies and weights
+        for p, data, lay, init, shape in stored:
+            p._data, p._layout, p._init, p._shape = data, lay, init, shape
+        context._STATE.run = dataclasses.replace(context._STATE.run,
+                                                 mode=context.PYNATIVE_MODE)
+        _use_devices(mode, device_num, func)
+        eager = _run(fn_or_cell, inputs, weights, positions, seed)
+        found = _compare(eager, single, inputs, positions, weights, layerwise, rtol, atol,
+                         device_num, mode)
+        if found.ok:
+            report.note = _joined(report.note, (
+                f"the same program run eagerly (PYNATIVE_MODE) with the same strategies "
+                f"equals the stand-alone run: only the compiled graph "
+                f"({', '.join(_counted(blocks))}) differs"))
+            return report
+        report.first_divergent_op = found.first_divergent_op
+        report.divergent, report.ops = found.divergent, found.ops
+        report.only_sharded, report.only_single = found.only_sharded, found.only_single
+        report.note = _joined(found.note, (
+            "GRAPH_MODE runs the cell as one compiled op: its ops were compared by running "
+            "the same program eagerly (PYNATIVE_MODE) with the same strategies"))
+        return report
     finally:
         for p, data, lay, init, shape in stored:
             p._data, p._layout, p._init, p._shape = data, lay, init, shape
         saved.restore()
-    return _compare(sharded, single, inputs, positions, weights, layerwise, rtol, atol,
-                    device_num, mode)
+
+
+def _joined(*notes: str) -> str:
+    return "\n".join(n for n in notes if n)
 
 
 def _compare(sharded: _Run, single: _Run, inputs, positions, weights, layerwise, rtol, atol,
