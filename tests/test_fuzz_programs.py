@@ -180,8 +180,8 @@ class Program:
         lines += [b.code() for b in self.blocks]
         lines.append({"square": "loss = ReduceSum()(Square()(h))",
                       "mean": "loss = ReduceMean()(h * h)",
-                      "xent": "loss = ReduceMean()(SparseSoftmaxCrossEntropyWithLogits()"
-                              "(h, labels)[0])"}[self.loss])
+                      "xent": "loss = SparseSoftmaxCrossEntropyWithLogits()(h, labels)"}[
+                          self.loss])
         return "\n".join(lines)
 
 
@@ -240,7 +240,7 @@ def _loss(kind, h, labels):
         return ops.reduce_sum(ops.square(h))
     if kind == "mean":
         return ops.reduce_mean(h * h)
-    return ops.reduce_mean(ops.SparseSoftmaxCrossEntropyWithLogits()(h, labels)[0])
+    return ops.SparseSoftmaxCrossEntropyWithLogits()(h, labels)      # the batch's mean
 
 
 # ---------------------------------------------------------------------------

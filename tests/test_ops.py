@@ -312,7 +312,11 @@ case("sparse_xent-int32", F.sparse_softmax_cross_entropy,
 case("sparse_xent-int64", F.sparse_softmax_cross_entropy,
      lambda x, y: reference.sparse_softmax_xent(x, y)[0], [(5, 4), LABELS.astype(np.int64)])
 case("SparseSoftmaxCrossEntropyWithLogits-prim", ops.SparseSoftmaxCrossEntropyWithLogits(),
-     lambda x, y: reference.sparse_softmax_xent(x, y)[0], [(5, 4), LABELS])
+     lambda x, y: reference.sparse_softmax_xent(x, y)[0].mean(), [(5, 4), LABELS])
+case("SparseSoftmaxCrossEntropyWithLogits-is_grad",
+     ops.SparseSoftmaxCrossEntropyWithLogits(is_grad=True),
+     lambda x, y: ((np_softmax(x, -1) - np.eye(4)[y]) / len(y)).astype(x.dtype),
+     [(5, 4), LABELS])
 DENSE = np_softmax(RNG.uniform(-1, 1, (5, 4)), -1).astype(np.float32)
 case("softmax_xent", F.softmax_cross_entropy,
      lambda x, y: -(y * np_log_softmax(x, -1)).sum(-1), [(5, 4), DENSE],

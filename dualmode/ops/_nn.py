@@ -117,14 +117,34 @@ def _infer_sparse_xent_grad(attrs, probs, labels, g):
     return ((tuple(probs.shape), probs.dtype),)
 
 
+def _bw_sparse_xent_grad(node, gg):
+    """d = g * (probs - onehot(labels)): to the probabilities gg * g per row, to the row
+    weights g the row sums of gg * (probs - onehot)."""
+    probs, labels, g = node.inputs
+    d_probs = d_g = None
+    if node.needs_grad(0):
+        d_probs = M.mul(gg, A.expand_dims(g, -1))
+    if node.needs_grad(2):
+        ones = A.ones_like(g)
+        d_g = M.reduce_sum(M.mul(gg, apply(SPARSE_XENT_GRAD, None, (probs, labels, ones))),
+                           -1, False)
+    return d_probs, None, d_g
+
+
 SPARSE_XENT_GRAD = register("SparseSoftmaxCrossEntropyGrad", infer=_infer_sparse_xent_grad,
-                            kernel=_sparse_xent_grad_kernel, family=("rowwise",))
+                            kernel=_sparse_xent_grad_kernel, backward=_bw_sparse_xent_grad,
+                            family=("rowwise",))
 
 
 def _bw_sparse_xent(node, g_loss, g_probs):
+    """Through the per-sample loss: the fused gradient op; through the probabilities:
+    the softmax's Jacobian (skipped when they are unused)."""
     logits, labels = node.inputs
     probs = node.outputs[1]
     d = apply(SPARSE_XENT_GRAD, None, (probs, labels, g_loss))
+    if not _unused(g_probs):
+        gp = M.mul(g_probs, probs)
+        d = M.add(d, M.sub(gp, M.mul(probs, M.reduce_sum(gp, -1, True))))
     return d, None
 
 
@@ -133,11 +153,33 @@ SPARSE_XENT = register("SparseSoftmaxCrossEntropyWithLogits", infer=_infer_spars
                        save_outputs=True, multi_output=True, family=("rowwise",))
 
 
+def _sparse_xent_pair(logits, labels):
+    return apply(SPARSE_XENT, None, (const(logits, SPARSE_XENT.name),
+                                     const(labels, SPARSE_XENT.name)))
+
+
 def sparse_softmax_cross_entropy(logits, labels):
     """Per-sample -log softmax(logits)[label] for logits (N, C) and int labels (N,)."""
-    loss, _ = apply(SPARSE_XENT, None, (const(logits, SPARSE_XENT.name),
-                                        const(labels, SPARSE_XENT.name)))
-    return loss
+    return _sparse_xent_pair(logits, labels)[0]
+
+
+def sparse_softmax_cross_entropy_mean(logits, labels):
+    """The mean over the batch of -log softmax(logits)[label] (a scalar), as MindSpore's
+    ``SparseSoftmaxCrossEntropyWithLogits()`` primitive returns it. With the rows split
+    over devices each holds a part of the sum: one AllReduce finishes it where needed."""
+    return M.reduce_mean(sparse_softmax_cross_entropy(logits, labels))
+
+
+def sparse_softmax_cross_entropy_grad(logits, labels):
+    """(softmax(logits) - onehot(labels)) / N, the gradient of the batch's mean loss with
+    respect to the logits, as ``SparseSoftmaxCrossEntropyWithLogits(is_grad=True)``
+    returns it (differentiable in turn: the softmax's Jacobian / N)."""
+    logits = const(logits, SPARSE_XENT.name)
+    labels = const(labels, SPARSE_XENT.name)
+    _, probs = _sparse_xent_pair(logits, labels)
+    n = probs.shape[0]
+    weights = const(np.full((n,), 1.0 / max(n, 1), probs.dtype), SPARSE_XENT.name)
+    return apply(SPARSE_XENT_GRAD, None, (probs, labels, weights))
 
 
 # ---------------------------------------------------------------------------

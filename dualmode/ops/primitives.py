@@ -8,7 +8,8 @@ from . import functional as F
 from ._conv import (AVG_POOL, MAX_POOL, batch_norm_apply, batch_norm_train, bn_count,
                     check_pad, check_pad_mode, conv2d, pair, pool_op, running_update)
 from ._math import mat_mul
-from ._nn import DROPOUT, softmax_cross_entropy_pair
+from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entropy_grad,
+                  sparse_softmax_cross_entropy_mean)
 from ._registry import apply, const
 from .primitive import Primitive
 
@@ -264,11 +265,23 @@ class SoftmaxCrossEntropyWithLogits(Primitive):
 
 
 class SparseSoftmaxCrossEntropyWithLogits(Primitive):
-    """(logits, int labels) -> per-sample loss."""
+    """SparseSoftmaxCrossEntropyWithLogits(is_grad=False)(logits (N, C), int labels (N,)),
+    as MindSpore's primitive: the mean over the batch of -log softmax(logits)[label] (a
+    scalar), or with ``is_grad=True`` its gradient with respect to the logits,
+    (softmax(logits) - onehot(labels)) / N of shape (N, C). Its strategy splits the rows
+    of both inputs alike (the classes dim is gathered when split); with the rows split
+    the mean is a pending sum, finished by one AllReduce where it is needed. (The
+    functional ``ops.sparse_softmax_cross_entropy`` gives the per-sample losses.)"""
     name = "SparseSoftmaxCrossEntropyWithLogits"
 
+    def __init__(self, is_grad=False):
+        super().__init__()
+        self.is_grad = _bool(self.name, "is_grad", is_grad)
+
     def construct(self, logits, labels):
-        return F.sparse_softmax_cross_entropy(logits, labels)
+        if self.is_grad:
+            return sparse_softmax_cross_entropy_grad(logits, labels)
+        return sparse_softmax_cross_entropy_mean(logits, labels)
 
 
 class Conv2D(Primitive):
