@@ -146,6 +146,11 @@ def test_layerwise_argument_contradicting_the_recorded_dim_is_named(sim_devices)
     with pytest.raises(TypeError, match=r"check_equivalence: layerwise must be a dict "
                                         r"\{parameter name: dim\}, got list"):
         check_equivalence(net, x, layerwise=[1])
+    with pytest.raises(ValueError, match=r"check_equivalence: layerwise names 'wieght', "
+                                         r"which is not a weight holding per-device slices "
+                                         r"among the weights compared; layerwise_parallel "
+                                         r"weights with slices: \['weight'\]"):
+        check_equivalence(net, x, layerwise={"wieght": 1})
 
 
 def test_assert_sharded_equal_on_the_hybrid_layer(sim_devices, assert_sharded_equal):

@@ -518,6 +518,12 @@ def _check_inputs(func, fn, inputs, device_num, weights, rtol, atol, layerwise):
                                  f"from its full weight along dim {cut}; leave "
                                  f"{p.name!r} out of layerwise (or pass {cut})")
             layerwise[p.name] = int(dim) % nd
+    stray = [k for k in given if k not in layerwise]
+    if stray:
+        held = sorted(layerwise) or "none"
+        raise ValueError(f"{func}: layerwise names {stray[0]!r}, which is not a weight "
+                         f"holding per-device slices among the weights compared; "
+                         f"layerwise_parallel weights with slices: {held}")
     return out, weights, layerwise
 
 
