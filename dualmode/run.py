@@ -10,7 +10,9 @@
     python -m dualmode.run --k8s mpijob|ps [--image IMG] ... train.py args...
 
 The ranks are started by MPICH's ``mpiexec`` (from the ``mpich`` wheel, found beside
-``sys.executable``: no PATH set-up), each through :mod:`dualmode._rank_wrapper`, which
+``sys.executable``: no PATH set-up), each by :mod:`dualmode._rank_monitor` (which
+records how and when its rank ended, so the first rank to fail is the one named)
+through :mod:`dualmode._rank_wrapper`, which
 sets ``RANK_ID``/``RANK``, ``RANK_SIZE``/``WORLD_SIZE``, ``LOCAL_RANK`` and
 ``DEVICE_ID``, writes ``DIR/worker_<rank>.log`` (default ``log_output/``) and echoes rank
 0 to this terminal.
@@ -50,6 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from ._rank_monitor import read_record
 from ._rank_wrapper import FAIL_MARK, STATE_DIR_VAR, read_state
 from . import k8s
 from .communication.rank_table import RankTable, load_rank_table
@@ -117,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds to wait for ssh to reach each remote host of a hostfile "
                         "or rank table before anything starts (default 10)")
     p.add_argument("--mpiexec", default=None,
-                   help="the mpiexec to use; default: the one on PATH (mpich wheel)")
+                   help="the mpiexec to use; default: the mpich wheel's, beside this "
+                        "Python (no PATH set-up needed), else the one on PATH")
     p.add_argument("--ps", action="store_true",
                    help="parameter server mode: a scheduler, --server_num servers and "
                         "--worker_num workers (logs scheduler.log, server_<i>.log, "
@@ -129,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
                         "'mpijob' (kubeflow MPI operator) or 'ps' (parameter server roles)")
     p.add_argument("--image", default=None,
                    help="container image of the --k8s manifests (default "
-                        "python:3.<minor>-slim with dualmode installed by the command)")
+                        f"{k8s.DEFAULT_IMAGE!r}); it must hold dualmode and the script (for "
+                        "mpijob also the mpi extra and an ssh server)")
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
@@ -259,9 +264,20 @@ def build_command(cfg: LaunchConfig, hostfile: Optional[str] = None) -> List[str
     hostfile = hostfile or cfg.hostfile
     if hostfile:
         cmd += ["-f", hostfile]
-    cmd += ["-n", str(cfg.worker_num), sys.executable, "-m", "dualmode._rank_wrapper",
-            "--log_dir", cfg.log_dir, cfg.script, *cfg.args]
+    cmd += ["-n", str(cfg.worker_num), *rank_command(cfg.log_dir, cfg.script, cfg.args)]
     return cmd
+
+
+#: the per-rank monitor, run by path (it imports nothing of dualmode)
+MONITOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_monitor.py")
+
+
+def rank_command(log_dir: str, script: str, args: Sequence[str]) -> List[str]:
+    """What mpiexec starts for each rank: the monitor (which records how and when the
+    rank ended) running the wrapper (logs, environment, failure report) running the
+    script."""
+    return [sys.executable, MONITOR, sys.executable, "-m", "dualmode._rank_wrapper",
+            "--log_dir", log_dir, script, *args]
 
 
 def _write_hostfile(cfg: LaunchConfig, hosts: Sequence[Tuple[str, int]]) -> str:
@@ -388,6 +404,8 @@ class _Job:
         self.states = {}                            # rank -> last state tuple
         self.deaths: List[int] = []                 # ranks gone without a last word
         self.statuses: List[int] = []               # wait status of each rank, by mpiexec
+        #: (rank, wait status) of the earliest abnormal end its monitor recorded
+        self.first: Optional[Tuple[int, int]] = None
         self.state_dir = tempfile.mkdtemp(prefix="dualmode_run_")
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.worker_num, cfg.nnodes)))
@@ -566,17 +584,36 @@ class _Job:
             for t in self.pumps:
                 t.join(timeout=5)
             self._read_states()
+            self.first = self.first_exit()
             shutil.rmtree(self.state_dir, ignore_errors=True)
         return self.proc.returncode
+
+    def first_exit(self) -> Optional[Tuple[int, int]]:
+        """``(rank, wait status)`` of the rank of this machine whose monitor recorded
+        the earliest abnormal end (a signal, or a non-zero exit code), or None."""
+        found = []
+        for name in os.listdir(self.state_dir):
+            if name.startswith("exit_") and name[5:].isdigit():
+                rec = read_record(os.path.join(self.state_dir, name))
+                if rec is not None and rec[0] != 0:
+                    found.append((rec[1], int(name[5:]), rec[0]))
+        if not found:
+            return None
+        _, rank, status = min(found)
+        return rank, status
 
     def killed(self, rc: int) -> List[str]:
         """The rank that took the job down without a Python traceback, and how.
 
         mpiexec kills the other ranks at once, and neither its report nor its exit codes
-        nor the order in which processes vanish reliably single out the first. The
-        ranks' own last states do: the others were blocked in a collective, waiting for
-        it. So: the one dead rank that was not in a collective, else the rank mpiexec's
-        report names, else one with a non-zero status, else the first seen to go."""
+        nor the order in which processes vanish reliably single out the first. Each
+        rank's monitor (:mod:`dualmode._rank_monitor`) does: it records its rank's end
+        before mpiexec can learn of it, so the earliest record is the first rank to
+        fail. Without records (ranks of other machines): the one dead rank that was not
+        in a collective, else the rank mpiexec's report names, else one with a non-zero
+        status, else the first seen to go."""
+        if self.first is not None:
+            return [_status_text(*self.first)]
         banner, banner_signal = None, None
         for pid, line in self.hydra:
             rank = self._rank_of_pid(pid)
@@ -605,6 +642,13 @@ class _Job:
         if banner_signal is not None:
             return [f"rank {rank} was killed by {_signal_name(banner_signal)}"]
         return [f"rank {rank} ended (mpiexec exit code {rc})"]
+
+
+def _status_text(rank: int, status: int) -> str:
+    """How rank `rank` ended, from its wait status (signal or exit code)."""
+    if os.WIFSIGNALED(status):
+        return f"rank {rank} was killed by {_signal_name(os.WTERMSIG(status))}"
+    return f"rank {rank} exited with code {os.WEXITSTATUS(status)} (without a Python traceback)"
 
 
 def _pid_alive(pid: int) -> bool:
