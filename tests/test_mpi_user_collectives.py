@@ -10,6 +10,9 @@
   ``python -m dualmode.run``) is ``[4, 4, 4]``, as in MindSpore, and so is every
   collective on 4 simulated devices: both backends communicate among the devices
   ``init()`` started (tests/mpi_scripts/user_coll_stand_alone.py).
+* The gradient entering a GRAPH_MODE Cell is gathered within the smallest groups of
+  devices under "mpi" as under "sim": CommReport lists the same collectives on both
+  (tests/mpi_scripts/user_coll_boundary_grad.py).
 """
 import os
 import shutil
@@ -26,6 +29,7 @@ from _mpi import ROOT, SCRIPTS, load_mpi_script, run_mpi_script
 
 HYBRID = "user_coll_hybrid.py"
 STAND_ALONE = "user_coll_stand_alone.py"
+BOUNDARY = "user_coll_boundary_grad.py"
 
 
 def _reset():
@@ -112,3 +116,34 @@ def test_stand_alone_collectives_communicate_on_simulated_devices():
             ops.AllGather()(Tensor(np.ones(3, np.float32))).asnumpy(), [1.0, 1.0, 1.0])
     finally:
         _reset()
+
+
+# ---------------------------------------------------------------------------
+# the gradient entering a compiled Cell: one plan for both backends
+# ---------------------------------------------------------------------------
+def _check_boundary(loss, grad, entries):
+    mod = load_mpi_script(BOUNDARY)
+    want_loss, want_grad = mod.reference()
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    backward = [e for e in entries if e[1] == "Inner backward"]
+    # the (8, 32) float32 gradient, split in 2 along dim 1: each device receives the
+    # other half (512 B) from the other member of its group of 2
+    assert [tuple(str(v) for v in e) for e in backward] == \
+        [("AllGather", "Inner backward", "redistribution", "2", "2", "512.0")]
+
+
+def test_cell_gradient_gathered_in_the_smallest_groups_on_four_ranks(tmp_path):
+    out = tmp_path / "out.npz"
+    run_mpi_script(BOUNDARY, [out], tmp_path, ranks=4, timeout=180)
+    data = np.load(out)
+    _check_boundary(float(data["loss"]), data["grad"], [tuple(e) for e in data["entries"]])
+
+
+def test_cell_gradient_gathered_in_the_smallest_groups_on_simulated_devices():
+    mod = load_mpi_script(BOUNDARY)
+    try:
+        loss, grad, entries = mod.run("sim")
+    finally:
+        _reset()
+    _check_boundary(loss, grad, entries)

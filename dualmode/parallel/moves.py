@@ -76,11 +76,18 @@ def gather_stack(stack, layout, op_name):
             out = backend.all_gather(stack, members=None, axis=0)
         return np.asarray(out[0])
     if stack.shape[0] != layout.device_num:
-        # a process holding some devices: one AllGather of the stacks over the world
+        # a process holding some devices (one per MPI rank): one AllGather within each
+        # group of devices that differ only along the splitting axes, the groups "sim"
+        # records; every device's block is then the one of the member of this process's
+        # group at its coordinates along those axes (one replica of each block)
+        groups = layout.group_members(layout.split_axes)
         with _cause(op_name, "redistribution"):
-            out = backend.all_gather(np.ascontiguousarray(stack)[:, None], members=None,
+            out = backend.all_gather(np.ascontiguousarray(stack)[:, None], members=groups,
                                      axis=0)
-        return layout.assemble(out[0])
+        k = groups.shape[1]
+        pos = np.empty(layout.device_num, dtype=np.int64)
+        pos[groups.ravel()] = np.tile(np.arange(k, dtype=np.int64), groups.shape[0])
+        return layout.assemble(out[0][pos])
     # one AllGather over the axes that split the tensor; under "sim" the blocks are
     # reassembled in place, so only the record is made here
     group = 1
