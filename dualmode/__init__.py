@@ -5,7 +5,7 @@
 """
 from .common.dtype import (bool_, float16, float32, float64, int8, int16, int32, int64,
                            uint8)
-from .tensor import Parameter, Tensor, no_init_parameters
+from .tensor import Parameter, ParameterTuple, Tensor, no_init_parameters
 from . import ops  # noqa: E402  (registers operator ops)
 from .autograd import grad, value_and_grad
 from .context import (GRAPH_MODE, PYNATIVE_MODE, ParallelMode, get_auto_parallel_context,
@@ -22,17 +22,18 @@ from .train.serialization import (load_checkpoint, load_param_into_net,  # noqa:
 from .train.reshard import (load_distributed_checkpoint,  # noqa: E402
                             merge_sliced_checkpoints, transform_checkpoints)
 from . import parallel  # noqa: E402
+from .parallel import reshard, shard  # noqa: E402  (dm.shard is ops.shard)
 from . import communication  # noqa: E402
 from . import ps  # noqa: E402  (installs parameter server mode into init())
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Tensor", "Parameter", "no_init_parameters", "ops", "grad", "value_and_grad",
+    "Tensor", "Parameter", "ParameterTuple", "no_init_parameters", "ops", "grad", "value_and_grad",
     "set_context", "get_context", "set_seed", "get_seed", "set_auto_parallel_context",
     "get_auto_parallel_context", "reset_auto_parallel_context", "PYNATIVE_MODE",
     "GRAPH_MODE", "ParallelMode", "set_ps_context", "get_ps_context", "reset_ps_context", "nn", "dataset", "train", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
     "uint8", "bool_", "save_checkpoint", "load_checkpoint", "load_param_into_net",
     "load_distributed_checkpoint", "merge_sliced_checkpoints", "transform_checkpoints",
-    "initializer",
+    "initializer", "shard", "reshard",
 ]

@@ -435,14 +435,17 @@ def _check_fusion_config(func: str, key: str, value: Any) -> Optional[Tuple[int,
 
 def _check_comm_fusion(func: str, key: str, value: Any) -> Dict[str, Tuple[str, Any]]:
     expected = ('a dict like {"allreduce": {"mode": "size", "config": 32}} with keys among '
-                + ", ".join(repr(o) for o in _COMM_FUSION_OPS))
+                + ", ".join(repr(o) for o in ("openstate",) + _COMM_FUSION_OPS))
     if not isinstance(value, Mapping):
         raise _type_error(func, key, value, expected)
-    out: Dict[str, Tuple[str, Any]] = {}
+    out: Dict[str, Any] = {}
     for op, spec in value.items():
+        if op == "openstate":        # MindSpore's switch: False turns every fusion off
+            out[op] = _check_bool(func, f"{key}['openstate']", spec)
+            continue
         if op not in _COMM_FUSION_OPS:
             raise ValueError(f"{func}: {key} has unknown key {op!r}; expected keys among "
-                             + ", ".join(repr(o) for o in _COMM_FUSION_OPS))
+                             + ", ".join(repr(o) for o in ("openstate",) + _COMM_FUSION_OPS))
         where = f"{key}[{op!r}]"
         if not isinstance(spec, Mapping):
             raise _type_error(func, where, spec, 'a dict {"mode": ..., "config": ...}')
@@ -509,6 +512,8 @@ _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
     "gradients_mean": _check_bool,
     "parameter_broadcast": _check_bool,
     "search_mode": lambda f, k, v: _check_choice(f, k, v, _SEARCH_MODES),
+    # MindSpore's older spelling of search_mode
+    "auto_parallel_search_mode": lambda f, k, v: _check_choice(f, k, v, _SEARCH_MODES),
     "full_batch": _check_bool,
     "dataset_strategy": _check_dataset_strategy,
     "all_reduce_fusion_config": _check_fusion_config,
@@ -538,9 +543,22 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
     for key in _UNSUPPORTED_AUTO_PARALLEL:
         if key not in ("enable_parallel_optimizer", "pipeline_stages"):
             updates.pop(key, None)            # their default: nothing to store
+    if "auto_parallel_search_mode" in updates:
+        old_name = updates.pop("auto_parallel_search_mode")
+        if updates.get("search_mode", old_name) != old_name:
+            raise ValueError(
+                f"{func}: auto_parallel_search_mode={old_name!r} contradicts "
+                f"search_mode={updates['search_mode']!r}; they are one setting (the first "
+                f"is its older name): give only one of them")
+        updates["search_mode"] = old_name
     if "comm_fusion" in updates:
-        merged = dict(cur.comm_fusion)
-        merged.update(updates["comm_fusion"])
+        fusion = dict(updates["comm_fusion"])
+        if fusion.pop("openstate", True):
+            merged = dict(cur.comm_fusion)
+            merged.update(fusion)
+        else:                              # openstate False: no fusion of any collective
+            merged = {}
+            updates["all_reduce_fusion_config"] = None
         updates["comm_fusion"] = merged
     new = dataclasses.replace(cur, **updates)
     if new.device_num is not None and new.global_rank is not None \
@@ -573,7 +591,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         Broadcast rank 0's data-parallel parameters before training (default False).
     search_mode : str
         ``"sharding_propagation"`` (default), ``"dynamic_programming"`` or
-        ``"recursive_programming"``.
+        ``"recursive_programming"``. ``auto_parallel_search_mode`` is its older name.
     full_batch : bool
         True is the same as ``dataset_strategy="full_batch"``; False turns a
         ``"full_batch"`` strategy back into ``"data_parallel"``.
@@ -586,7 +604,9 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         ``{"allreduce"|"allgather"|"reducescatter": {"mode": m, "config": c}}`` with
         ``m="auto"`` (``c=None``, 64 MB buckets), ``"size"`` (``c`` MB) or ``"index"``
         (``c`` a list of indices; AllReduce only, as in MindSpore). Merged per op with
-        the earlier setting.
+        the earlier setting. ``"openstate": False`` turns every fusion off (the
+        ``comm_fusion`` entries and ``all_reduce_fusion_config``); ``True`` changes
+        nothing.
     strategy_ckpt_save_file, strategy_ckpt_load_file : str or None
         Paths of the strategy checkpoint.
     enable_parallel_optimizer, pipeline_stages, ... : default only
@@ -644,6 +664,8 @@ def get_auto_parallel_context(key: str) -> Any:
         return _backend_global_rank() if cfg.global_rank is None else cfg.global_rank
     if key == "full_batch":
         return cfg.dataset_strategy == "full_batch"
+    if key == "auto_parallel_search_mode":
+        return cfg.search_mode
     if key == "all_reduce_fusion_config":
         return None if cfg.all_reduce_fusion_config is None else list(cfg.all_reduce_fusion_config)
     if key == "comm_fusion":

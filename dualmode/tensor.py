@@ -17,7 +17,7 @@ from ._core import _tensor as _core
 from ._core._tensor import TensorBase
 from .common import dtype as _dt
 
-__all__ = ["Tensor", "Parameter", "no_init_parameters", "live_parameters"]
+__all__ = ["Tensor", "Parameter", "ParameterTuple", "no_init_parameters", "live_parameters"]
 
 
 def _default_array(data, dtype):
@@ -583,6 +583,19 @@ _INITIALIZER = []
 def register_initializer(fn) -> None:
     """Install the function ``Parameter.clone`` makes a filled copy with."""
     _INITIALIZER[:] = [fn]
+
+
+class ParameterTuple(tuple):
+    """A tuple of Parameters, as MindSpore's (``ParameterTuple(net.trainable_params())``
+    for ``GradOperation(get_by_list=True)`` and optimizers)."""
+
+    def __new__(cls, iterable=()):
+        items = tuple(iterable)
+        for i, p in enumerate(items):
+            if not isinstance(p, Parameter):
+                raise TypeError(f"ParameterTuple: item {i} is a {type(p).__name__}; every "
+                                f"item must be a Parameter")
+        return super().__new__(cls, items)
 
 
 #: ``hook(param)`` run when a ``layerwise_parallel`` Parameter gets a value (created or

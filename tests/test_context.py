@@ -238,7 +238,7 @@ MODES = "'stand_alone', 'data_parallel', 'semi_auto_parallel', 'auto_parallel', 
      r"full_batch=True contradicts dataset_strategy='data_parallel'"),
     ({"device_nums": 8}, ValueError,
      r"set_auto_parallel_context: unknown key 'device_nums'; valid keys are "
-     r"all_reduce_fusion_config, comm_fusion, dataset_strategy, device_num, "),
+     r"all_reduce_fusion_config, auto_parallel_search_mode, comm_fusion, dataset_strategy, device_num, "),
 ])
 def test_auto_parallel_errors(kwargs, exc, message):
     before = _snapshot()
@@ -276,7 +276,7 @@ def test_comm_fusion_merges_per_op_and_returns_copies():
 
 @pytest.mark.parametrize("value, exc, message", [
     ({"broadcast": {"mode": "auto"}}, ValueError,
-     r"comm_fusion has unknown key 'broadcast'; expected keys among 'allreduce', 'allgather', "
+     r"comm_fusion has unknown key 'broadcast'; expected keys among 'openstate', 'allreduce', 'allgather', "
      r"'reducescatter'"),
     ([("allreduce", {})], TypeError, r"comm_fusion=\[.*\] has type list"),
     ({"allreduce": "auto"}, TypeError, r"comm_fusion\['allreduce'\]='auto' has type str"),
@@ -453,7 +453,7 @@ def test_unimplemented_key_refused_by_name_state_unchanged(key, value, what):
 def test_unknown_key_lists_supported_and_default_only_keys():
     with pytest.raises(ValueError, match=re.escape(
             "set_auto_parallel_context: unknown key 'pipeline_stage'; valid keys are "
-            "all_reduce_fusion_config, comm_fusion, dataset_strategy, device_num, full_batch, "
+            "all_reduce_fusion_config, auto_parallel_search_mode, comm_fusion, dataset_strategy, device_num, full_batch, "
             "global_rank, gradients_mean, parallel_mode, parameter_broadcast, search_mode, "
             "strategy_ckpt_load_file, strategy_ckpt_save_file; accepted at their default value "
             "only (not implemented): auto_pipeline, ")):

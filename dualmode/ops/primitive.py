@@ -48,6 +48,27 @@ def check_strategy(opname, strategy, param):
     return tuple(out)
 
 
+def _device_target(prim, value):
+    """``primitive_target``: MindSpore runs the op on that device kind; every op here
+    runs on the CPU and gives the same numbers, so any of MindSpore's targets is
+    accepted."""
+    if value not in ("CPU", "GPU", "Ascend"):
+        raise ValueError(f"{prim.name}: add_prim_attr('primitive_target', {value!r}) is not "
+                         f"valid; expected 'CPU', 'GPU' or 'Ascend'")
+    return value
+
+
+def _manual_split(prim, value):
+    raise ValueError(f"{prim.name}: add_prim_attr('manual_split', {value!r}) is not "
+                     f"supported: dualmode splits a table into the equal row blocks its "
+                     f"strategy gives; drop the attribute and give the strategy alone")
+
+
+#: attributes with a meaning for parallel execution: a checker returns the value to
+#: store or raises naming the primitive and the attribute
+PRIM_ATTR_RULES = {"primitive_target": _device_target, "manual_split": _manual_split}
+
+
 #: bumped by every ``shard`` call: part of graph mode's cache key
 STRATEGY_EPOCH = [0]
 
@@ -60,6 +81,29 @@ class Primitive:
     def __init__(self):
         self.in_strategy = None
         self.out_strategy = None
+
+    def add_prim_attr(self, name, value):
+        """Set attribute `name` of this primitive, as MindSpore's ``add_prim_attr``;
+        returns self. Read them all with :attr:`attrs`. Attributes that change how
+        an op is parallelised are honoured or refused by name (see
+        :data:`PRIM_ATTR_RULES`); others are kept for the user to read."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{self.name}: add_prim_attr name must be a non-empty str, got "
+                            f"{name!r}")
+        rule = PRIM_ATTR_RULES.get(name)
+        if rule is not None:
+            value = rule(self, value)
+        self.__dict__.setdefault("_prim_attrs", {})[name] = value
+        return self
+
+    @property
+    def attrs(self):
+        """This primitive's attributes: those given at construction and by
+        :meth:`add_prim_attr` (a copy)."""
+        own = {k: v for k, v in vars(self).items()
+               if not k.startswith("_") and k not in ("in_strategy", "out_strategy")}
+        own.update(self.__dict__.get("_prim_attrs", {}))
+        return own
 
     def shard(self, in_strategy, out_strategy=None):
         """Set the sharding strategy (one tuple per tensor input); returns self."""

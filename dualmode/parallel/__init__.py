@@ -47,3 +47,8 @@ from .visualize import visualize  # noqa: E402
 __all__ += ["visualize"]
 
 from . import auto_parallel  # noqa: E402,F401  (dm.parallel.auto_parallel.AutoParallel)
+# the module dualmode.parallel.shard (MindSpore's path of Layout); dm.parallel.shard and
+# dm.parallel.reshard are its functions
+from .shard import reshard, shard  # noqa: E402
+
+__all__ += ["shard", "reshard"]
