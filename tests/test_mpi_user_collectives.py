@@ -1,9 +1,9 @@
 """The user's collectives (``ops.AllReduce`` & co.) under backend "mpi" (real ranks) and
 "sim": one rule for both, equal to the single device.
 
-* A hybrid-parallel layer (a ``layerwise_parallel`` weight cut on dim 1, the user's
-  AllReduce or AllGather, full batch) trains like the single-device layer with the whole
-  weight, whether each rank passes its own slice to ``Parameter``, the slices come from
+* A hybrid-parallel layer (a ``layerwise_parallel`` weight cut over the devices, the
+  user's AllReduce, AllGather, ReduceScatter or AlltoAll, full batch) trains like the
+  single-device layer with the whole weight, whether each rank passes its own slice to ``Parameter``, the slices come from
   ``set_layerwise_slices``, or every device starts from the same value
   (tests/mpi_scripts/user_coll_hybrid.py).
 * Without a parallel mode, ``init(); ops.AllReduce()(ones(3))`` on 4 ranks (started by
@@ -55,7 +55,7 @@ def test_hybrid_layer_trains_as_one_device_under_mpi(n, tmp_path):
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("how", ["slices", "same"])
-@pytest.mark.parametrize("kind", ["allreduce", "allgather"])
+@pytest.mark.parametrize("kind", ["allreduce", "allgather", "reducescatter", "alltoall"])
 def test_hybrid_layer_trains_as_one_device_under_sim(kind, how, n):
     mod = load_mpi_script(HYBRID)
     try:
