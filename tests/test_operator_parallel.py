@@ -88,11 +88,15 @@ def test_out_strategy_moves_the_result():
     np.testing.assert_allclose(out.asnumpy(), a @ b, rtol=1e-5, atol=1e-5)
 
 
-def test_strategies_are_checked_but_inert_in_stand_alone():
+def test_strategies_are_ignored_in_stand_alone():
+    """As in MindSpore: a network written for 8 devices runs unchanged on one."""
     _setup(1)
     a = Tensor(np.ones((8, 16), np.float32))
     out = ops.MatMul().shard(((2, 4), (4, 1)))(a, Tensor(np.ones((16, 4), np.float32)))
     assert out.layout is None
+    out = ops.MatMul().shard(((2, 3), (3, 1)))(a, Tensor(np.ones((16, 4), np.float32)))
+    np.testing.assert_array_equal(out.asnumpy(), np.full((8, 4), 16.0, np.float32))
+    _setup(8)
     with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[1\]=3 does not divide "
                                          r"dim 1 \(size 16\) of input 0"):
         ops.MatMul().shard(((2, 3), (3, 1)))(a, Tensor(np.ones((16, 4), np.float32)))

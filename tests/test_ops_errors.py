@@ -336,13 +336,30 @@ SHARD_CALL = [
 
 
 @pytest.mark.parametrize("strategy, sa, sb, exc, match", SHARD_CALL)
-def test_shard_strategy_checked_at_call(strategy, sa, sb, exc, match):
+def test_shard_strategy_checked_at_call(strategy, sa, sb, exc, match, sim_devices):
+    sim_devices(8)              # strategies run (and are checked) in semi-auto parallel
     prim = ops.MatMul().shard(strategy)
     with pytest.raises(exc, match=match):
         prim(f32(*sa), f32(*sb))
 
 
-def test_shard_checked_for_other_primitives():
+@pytest.mark.parametrize("mode", [None, "data_parallel", "hybrid_parallel"])
+@pytest.mark.parametrize("strategy, sa, sb, exc, match", SHARD_CALL)
+def test_strategies_are_ignored_outside_semi_auto_and_auto(strategy, sa, sb, exc, match,
+                                                           mode, sim_devices):
+    """As in MindSpore, a network written for 8 devices runs unchanged on one device (and
+    under data or hybrid parallel): its strategies are not applied, nor checked."""
+    if mode is None:
+        sim_devices(None)
+    else:
+        sim_devices(8, mode=mode, full_batch=True)
+    a, b = f32(*sa), f32(*sb)
+    np.testing.assert_allclose(ops.MatMul().shard(strategy)(a, b).asnumpy(),
+                               a.asnumpy() @ b.asnumpy(), rtol=1e-5)
+
+
+def test_shard_checked_for_other_primitives(sim_devices):
+    sim_devices(8)
     with pytest.raises(ValueError, match=E("ReLU: in_strategy[0][0]=4 does not divide dim 0 "
                                            "(size 2) of input 0")):
         ops.ReLU().shard(((4, 1),))(X)

@@ -24,6 +24,12 @@ class Interpreter:
     """One device, no parallel layer: strategies are checked against the inputs (by
     the primitive) and change nothing; collectives are the identity."""
 
+    def ignores_strategies(self) -> bool:
+        """Are strategies ignored now (not even checked against the inputs)? One device
+        without a parallel layer checks them; the parallel layer ignores them outside
+        the parallel modes that run them, as MindSpore does."""
+        return False
+
     def call_primitive(self, prim, args, kwargs):
         """Run the strategy-carrying primitive `prim` on `args`."""
         return prim.construct(*args, **kwargs)

@@ -1,10 +1,11 @@
 """Primitive: the class form of an op (``ops.MatMul()``), with ``.shard(...)``.
 
 A primitive holds its init attributes and an optional sharding strategy. Calling it
-runs the functional form. Strategies are validated for form at ``shard`` time and
-against the inputs' ranks and sizes at call time; in stand-alone mode they do not
-change the result; the parallel layer's interpreter (:mod:`dualmode.ops.interpreter`)
-runs them on shards, and a graph trace records them.
+runs the functional form. Strategies are validated for form at ``shard`` time and,
+where they run (semi-auto and auto parallel), against the inputs' ranks and sizes at
+call time; in the other modes they are ignored, as in MindSpore (the interpreter's
+``ignores_strategies``). The parallel layer's interpreter
+(:mod:`dualmode.ops.interpreter`) runs them on shards, and a graph trace records them.
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ class Primitive:
                                      f"divide dim {j} (size {d}) of input {i}")
 
     def __call__(self, *args, **kwargs):
-        if self.in_strategy is None and self.out_strategy is None:
+        if (self.in_strategy is None and self.out_strategy is None) \
+                or interpreter.base().ignores_strategies():
             return self.construct(*args, **kwargs)
         prim = self
         if self.in_strategy is not None:

@@ -9,17 +9,24 @@ graph (:mod:`dualmode.parallel.graph.api`).
 """
 from __future__ import annotations
 
+from .. import context
 from ..ops.interpreter import Interpreter
 from . import collectives
 from .graph.api import shard as _compile_shard
-from .strategy import (apply_in_strategy, apply_out_strategy, check_device_count,
-                       strategies_active)
+from .strategy import (STRATEGY_MODES, apply_in_strategy, apply_out_strategy,
+                       check_device_count, strategies_active)
 
 __all__ = ["ShardedEager"]
 
 
 class ShardedEager(Interpreter):
     """Strategies run sharded when active; otherwise as on one device."""
+
+    def ignores_strategies(self) -> bool:
+        """Strategies run only in semi_auto and auto parallel; in the other modes
+        (stand-alone, data or hybrid parallel) a network written for N devices runs
+        unchanged, its strategies ignored, as in MindSpore."""
+        return context._STATE.auto_parallel.parallel_mode not in STRATEGY_MODES
 
     def call_primitive(self, prim, args, kwargs):
         active = strategies_active()

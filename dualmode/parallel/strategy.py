@@ -38,19 +38,20 @@ from .sharding import cacheable_strategy, op_strategy_layouts, same_placement
 from .strategy_ckpt import layouts_fixed, loading, saved_layout
 from .strategy_checks import check_strategy_for
 
-_MODES = ("semi_auto_parallel", "auto_parallel")
+#: the parallel modes that run operator strategies (the others ignore them)
+STRATEGY_MODES = ("semi_auto_parallel", "auto_parallel")
 
 
 def strategies_active() -> bool:
     """Do shard strategies run sharded now?"""
-    return context._STATE.auto_parallel.parallel_mode in _MODES and parallel_active()
+    return context._STATE.auto_parallel.parallel_mode in STRATEGY_MODES and parallel_active()
 
 
 def check_device_count(prim) -> None:
     """Under semi_auto/auto parallel with one device set on purpose (``device_num=1``),
     a strategy that needs more devices is an error naming it, not a silent single-device
-    run (stand-alone mode accepts any strategy and runs it on one device)."""
-    if context.get_auto_parallel_context("parallel_mode") not in _MODES or \
+    run (stand-alone mode ignores strategies and runs on one device)."""
+    if context.get_auto_parallel_context("parallel_mode") not in STRATEGY_MODES or \
             context._STATE.auto_parallel.device_num != 1:
         return
     for i, st in enumerate(prim.in_strategy or ()):
