@@ -118,6 +118,32 @@ def test_stand_alone_collectives_communicate_on_simulated_devices():
         _reset()
 
 
+def test_stand_alone_collective_in_a_compiled_cell_is_refused_by_name():
+    class Net(dm.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.allreduce = ops.AllReduce()
+
+        def construct(self, x):
+            return self.allreduce(x * 2.0)
+
+    try:
+        dm.reset_auto_parallel_context()
+        dm.set_auto_parallel_context(device_num=4)
+        communication.init()
+        dm.set_context(mode=dm.GRAPH_MODE)
+        with pytest.raises(ValueError, match=r"^AllReduce: op AllReduce has no sharding rule, "
+                                             r"so a compiled graph cannot place it; call it "
+                                             r"outside the compiled function \(in PyNative"):
+            Net()(Tensor(np.ones(3, np.float32)))
+        dm.set_context(mode=dm.PYNATIVE_MODE)
+        np.testing.assert_array_equal(Net()(Tensor(np.ones(3, np.float32))).asnumpy(),
+                                      [8.0, 8.0, 8.0])
+    finally:
+        dm.set_context(mode=dm.PYNATIVE_MODE)
+        _reset()
+
+
 # ---------------------------------------------------------------------------
 # the gradient entering a compiled Cell: one plan for both backends
 # ---------------------------------------------------------------------------

@@ -464,7 +464,7 @@ def run(prim, x):
     name = prim.name
     n = _world(name)
     if is_abstract(x) and n > 1:
-        raise ValueError(f"{name}: op {name} has no sharding rule, so a sharded graph "
+        raise ValueError(f"{name}: op {name} has no sharding rule, so a compiled graph "
                          f"cannot place it; call it outside the compiled function (in "
                          f"PyNative mode)")
     x = const(x, name)
