@@ -829,6 +829,8 @@ INFER_TABLE = {
                       lambda d: (_arr((2, 3), d),)),
     "BatchNormFoldGrad": ({"count": 8, "dtype": np.dtype(np.float32)},
                           lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
+    "BatchNorm": ({"is_training": True, "epsilon": 1e-5, "count": 32},
+                  lambda d: (_arr((2, 3, 4, 4), d),) + tuple(_arr((3,), d, k) for k in range(4))),
 }
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
 

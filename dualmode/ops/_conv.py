@@ -20,23 +20,29 @@ padding at the bottom/right), so kernels and sharding rules read one form.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .._core import _conv as _K
+from . import interpreter
 from . import _array as A
 from . import _math as M
-from ._registry import apply, check_float, check_same_dtype, const, register
+from ._nn import unused_grad
+from ._registry import apply, check_float, check_same_dtype, checked_once, const, register
 
 __all__ = ["conv2d", "max_pool", "avg_pool", "batch_norm_stats", "batch_norm_fold",
            "batch_norm", "batch_norm_train",
-           "batch_norm_apply", "running_update", "bn_count", "conv_out_size", "pool_op", "pair", "check_pad", "check_pad_mode", "resolve_pads", "conv_stack", "conv_input_grad_stack",
+           "batch_norm_apply", "batch_norm_op", "assign_parameters", "batch_norm_stack",
+           "fold_sums", "running_update", "bn_count", "conv_out_size", "pool_op", "pair",
+           "check_pad", "check_pad_mode", "resolve_pads", "conv_stack", "conv_input_grad_stack",
            "conv_filter_grad_stack", "pool_stack", "pool_grad_stack", "window_view",
            "bn_sums_stack", "bn_affine_stack",
            "CONV2D", "CONV2D_INPUT_GRAD", "CONV2D_FILTER_GRAD", "MAX_POOL", "MAX_POOL_GRAD",
-           "AVG_POOL", "AVG_POOL_GRAD", "BN_STATS", "BN_STATS_GRAD", "BN_FOLD", "BN_FOLD_GRAD"]
+           "AVG_POOL", "AVG_POOL_GRAD", "BN_STATS", "BN_STATS_GRAD", "BN_FOLD", "BN_FOLD_GRAD",
+           "BATCH_NORM"]
 
 
 # ---------------------------------------------------------------------------
@@ -685,13 +691,17 @@ def _infer_bn_fold_grad(attrs, s, g):
     return ((tuple(s.shape), s.dtype),)
 
 
+def fold_sums(total, total_sq, count):
+    """(mean, biased variance) of `count` values from their sum and sum of squares (in
+    the sums' dtype, float64)."""
+    mean = total / count
+    return mean, np.maximum(total_sq / count - mean * mean, 0)
+
+
 def _bn_fold_kernel(attrs, s):
     """(sums, sums of squares) over `count` values -> (mean, biased variance), computed
     in the sums' dtype (float64) and given in attrs["dtype"] (x's)."""
-    n = attrs["count"]
-    mean = s[0] / n
-    var = np.maximum(s[1] / n - mean * mean, 0)
-    return np.stack([mean, var]).astype(attrs["dtype"])
+    return np.stack(fold_sums(s[0], s[1], attrs["count"])).astype(attrs["dtype"])
 
 
 def _bw_bn_fold(node, g):
@@ -786,9 +796,146 @@ def batch_norm(x, running_mean, running_var, weight, bias, training=False, momen
     n = bn_count(tuple(x.shape))
     new_mean, new_var = running_update(running_mean, running_var, mean, var, n,
                                        1.0 - momentum)
-    running_mean.set_data(np.asarray(new_mean))
-    running_var.set_data(np.asarray(new_var))
+    assign_parameters("BatchNorm.update", (running_mean, running_var), new_mean, new_var)
     return y
+
+
+def assign_parameters(label, params, *values):
+    """Set each Parameter of `params` to its value in `values`. Inside a graph being
+    traced (an interpreter that records opaque calls) this is recorded as one opaque
+    call named `label`, which sets them each time the graph runs."""
+    record = getattr(interpreter.current(), "call_opaque", None)
+    if record is not None:
+        record(functools.partial(assign_parameters, label, params), label, values)
+        return
+    for p, v in zip(params, values):
+        p.set_data(np.asarray(v))
+
+
+# ---------------------------------------------------------------------------
+# BatchNorm as one op (the primitive): (x, scale, bias, mean, variance) -> (y, mean,
+# variance); a strategy applies to the op as a whole
+# ---------------------------------------------------------------------------
+BN_NAME = "BatchNorm"
+BN_PARAMS = ("scale", "bias", "mean", "variance")
+#: (shapes, dtypes) of BatchNorm already validated -> output meta
+_BN_SEEN: dict = {}
+
+
+def _infer_batch_norm(attrs, x, *params):
+    key = (x.shape, x.dtype) + tuple((p.shape, p.dtype) for p in params)
+    return checked_once(_BN_SEEN, key, _check_batch_norm, x, params)
+
+
+def _check_batch_norm(x, params):
+    check_float(BN_NAME, x)
+    if x.ndim < 2:
+        raise ValueError(f"{BN_NAME}: x has shape {tuple(x.shape)}; expected (N, C, ...)")
+    c = x.shape[1]
+    for i, (key, p) in enumerate(zip(BN_PARAMS, params), 1):
+        check_float(BN_NAME, p, i)
+        if tuple(p.shape) != (c,):
+            raise ValueError(f"{BN_NAME}: {key} has shape {tuple(p.shape)}; expected "
+                             f"({c},), one value per channel of x {tuple(x.shape)}")
+    stats = _stats_dtype(params)
+    return ((tuple(x.shape), x.dtype), ((c,), stats), ((c,), stats))
+
+
+def _stats_dtype(params):
+    """The statistics' dtype: the widest of scale, bias, mean and variance."""
+    return np.result_type(*[p.dtype for p in params])
+
+
+def batch_norm_stack(attrs, xs, scale, bias, mean, var, all_reduce=None):
+    """The BatchNorm op on a stack: xs (D, N, C, ...), the others (D, C); returns (y,
+    mean, variance) stacks. Training: the statistics of ``attrs["count"]`` values per
+    channel from float64 sums and sums of squares, which `all_reduce` (when given)
+    totals over the devices that split the batch first; inference: `mean`, `var`."""
+    eps = attrs["epsilon"]
+    if attrs["is_training"]:
+        sums = bn_sums_stack(xs)                     # (D, 2, C) float64
+        if all_reduce is not None:
+            sums = all_reduce(sums)
+        m, v = fold_sums(sums[:, 0], sums[:, 1], attrs["count"])
+    else:
+        m, v = mean.astype(np.float64), var.astype(np.float64)
+    stats = _stats_dtype((scale, bias, mean, var))
+    out_m, out_v = m.astype(stats), v.astype(stats)
+    k = scale / np.sqrt(v + eps)                     # float64 per channel
+    shift = bias - m * k
+    y = bn_affine_stack(xs, shift.astype(xs.dtype), k.astype(xs.dtype))
+    return y, out_m, out_v
+
+
+def _batch_norm_kernel(attrs, x, *params):
+    outs = batch_norm_stack(attrs, x[None], *[p[None] for p in params])
+    return tuple(o[0] for o in outs)
+
+
+def _bw_batch_norm(node, gy, g_mean, g_var):
+    """Written with ops, so sharded inputs reduce per channel as any sum does (a split
+    batch: pending sums, one AllReduce each). Training: the statistics are the batch's
+    (outputs 1, 2), dx = k * (gy - mean(gy) - xhat * mean(gy * xhat)) plus what
+    reaches the statistics' outputs; inference: dx = k * gy, and the running
+    statistics get theirs. k = scale / sqrt(variance + epsilon)."""
+    x, scale = node.inputs[0], node.inputs[1]
+    attrs = node.attrs
+    training = attrs["is_training"]
+    mean, var = (node.outputs[1], node.outputs[2]) if training else \
+        (node.inputs[3], node.inputs[4])
+    nd = len(x.shape)
+    cshape = _channel_shape(x.shape[1], nd)
+    axes = (0,) + tuple(range(2, nd))
+    use_mean, use_var = not unused_grad(g_mean), not unused_grad(g_var)
+    rstd = M.div(A.ones_like(var), M.sqrt(M.add(var, float(attrs["epsilon"]))))
+    k = M.mul(scale, rstd)
+    centred = M.sub(x, A.reshape(mean, cshape))
+    xhat = M.mul(centred, A.reshape(rstd, cshape))
+    sum_gy = M.reduce_sum(gy, axes, False)
+    sum_gy_xhat = M.reduce_sum(M.mul(gy, xhat), axes, False)
+    gx = gs = gb = gm = gv = None
+    if training:
+        if node.needs_grad(0):
+            inv = 1.0 / attrs["count"]
+            inner = M.sub(gy, A.reshape(M.mul(sum_gy, inv), cshape))
+            inner = M.sub(inner, M.mul(xhat, A.reshape(M.mul(sum_gy_xhat, inv), cshape)))
+            gx = M.mul(inner, A.reshape(k, cshape))
+            if use_mean:
+                gx = M.add(gx, A.reshape(M.mul(g_mean, inv), cshape))
+            if use_var:
+                gx = M.add(gx, M.mul(centred, A.reshape(M.mul(g_var, 2.0 * inv), cshape)))
+    else:
+        if node.needs_grad(0):
+            gx = M.mul(gy, A.reshape(k, cshape))
+        if node.needs_grad(3):
+            gm = M.neg(M.mul(sum_gy, k))
+            gm = M.add(gm, g_mean) if use_mean else gm
+        if node.needs_grad(4):
+            gv = M.mul(M.mul(M.mul(sum_gy_xhat, k), rstd), -0.5)
+            gv = M.add(gv, g_var) if use_var else gv
+    if node.needs_grad(1):
+        gs = sum_gy_xhat
+    if node.needs_grad(2):
+        gb = sum_gy
+    if gx is not None and gx.dtype != x.dtype:
+        gx = M.cast(gx, x.dtype)
+    return gx, gs, gb, gm, gv
+
+
+BATCH_NORM = register(BN_NAME, infer=_infer_batch_norm, kernel=_batch_norm_kernel,
+                      backward=_bw_batch_norm, save_outputs=True, multi_output=True)
+
+
+def batch_norm_op(x, scale, bias, mean, variance, is_training, epsilon):
+    """``(y, mean, variance)`` of the BatchNorm op: training normalises x (N, C, ...) with
+    its batch's per-channel mean and biased variance (those of the global batch when
+    the batch is split over devices) and returns them; inference uses and returns
+    `mean` and `variance`."""
+    x = const(x, BN_NAME)
+    ins = (x,) + tuple(const(p, BN_NAME) for p in (scale, bias, mean, variance))
+    attrs = {"is_training": bool(is_training), "epsilon": float(epsilon),
+             "count": bn_count(tuple(x.shape)) if x.ndim >= 2 else 1}
+    return apply(BATCH_NORM, attrs, ins)
 
 
 def running_update(moving_mean, moving_var, mean, var, count, keep):

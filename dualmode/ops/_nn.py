@@ -142,7 +142,7 @@ def _bw_sparse_xent(node, g_loss, g_probs):
     logits, labels = node.inputs
     probs = node.outputs[1]
     d = apply(SPARSE_XENT_GRAD, None, (probs, labels, g_loss))
-    if not _unused(g_probs):
+    if not unused_grad(g_probs):
         gp = M.mul(g_probs, probs)
         d = M.add(d, M.sub(gp, M.mul(probs, M.reduce_sum(gp, -1, True))))
     return d, None
@@ -256,7 +256,7 @@ XENT_GRAD = register("SoftmaxCrossEntropyGrad", infer=_infer_xent_grad,
                      kernel=_xent_grad_kernel, family=("rowwise",))
 
 
-def _unused(g):
+def unused_grad(g):
     """Is `g` the gradient autograd gives an output nothing used (zeros stored once,
     stride 0)? Its contribution is then skipped."""
     if not isinstance(g, TensorBase) or g._layout is not None:
@@ -277,7 +277,7 @@ def _bw_xent(node, g_loss, g_dlogits):
     if need_y:
         g_col = A.expand_dims(g_loss, -1)
         gy = M.neg(M.mul(g_col, log_softmax(logits, -1)))
-    if not _unused(g_dlogits):
+    if not unused_grad(g_dlogits):
         if need_x:
             p = softmax(logits, -1)
             gp = M.mul(g_dlogits, p)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import functional as F
-from ._conv import (AVG_POOL, MAX_POOL, batch_norm_apply, batch_norm_train, bn_count,
-                    check_pad, check_pad_mode, conv2d, pair, pool_op, running_update)
+from ._conv import (AVG_POOL, MAX_POOL, assign_parameters, batch_norm_op, bn_count, check_pad,
+                    check_pad_mode, conv2d, pair, pool_op, running_update)
 from ._math import mat_mul
 from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entropy_grad,
                   sparse_softmax_cross_entropy_mean)
@@ -347,9 +347,13 @@ class AvgPool(_Pool):
 class BatchNorm(Primitive):
     """BatchNorm(is_training=False, epsilon=1e-5, momentum=0.1)(x, scale, bias, mean,
     variance) -> (y, batch_mean, batch_variance, reserve_space_1, reserve_space_2), as
-    MindSpore's primitive. Training: the batch's statistics (of the global batch when x
-    is sharded), and `mean`/`variance` (Parameters) updated in place to
-    ``(1 - momentum) * old + momentum * batch``; inference: `mean`/`variance` are used."""
+    MindSpore's primitive, one op. Training: x (N, C, ...) is normalised with its batch's
+    per-channel mean and biased variance (of the global batch when the batch is split
+    over devices), and `mean`/`variance` (Parameters) become ``(1 - momentum) * old +
+    momentum * batch`` (the variance unbiased) in place; inference: `mean`/`variance`
+    are used and returned. Its strategy has one entry per input, e.g. ((8, 1, 1, 1), (1,),
+    (1,), (1,), (1,)) for the batch or ((1, 2, 1, 1), (2,), (2,), (2,), (2,)) for the
+    channels (x's channel split and the other inputs' must agree)."""
     name = "BatchNorm"
 
     def __init__(self, is_training=False, epsilon=1e-5, momentum=0.1, data_format="NCHW"):
@@ -363,21 +367,23 @@ class BatchNorm(Primitive):
                              f"only 'NCHW'")
         self.epsilon, self.momentum = float(epsilon), float(momentum)
 
-    @staticmethod
-    def shared_dims(prim, xs):
-        if len(xs) != 5 or xs[0].ndim < 2:
-            return []
-        return [(0, 1, j, 0, "channel dim") for j in range(1, 5)
-                if xs[j].ndim == 1 and xs[j].shape[0] == xs[0].shape[1]]
+    def __call__(self, x, scale, bias, mean, variance):
+        if self.is_training:
+            for key, p in (("mean", mean), ("variance", variance)):
+                if not callable(getattr(p, "set_data", None)):     # not a Parameter
+                    raise TypeError(f"BatchNorm: with is_training=True, {key} must be a "
+                                    f"Parameter (it is updated in place), got "
+                                    f"{type(p).__name__}")
+        # the op runs on the inputs as the strategy (or a graph trace) moved them; the
+        # running statistics are updated here, on the Parameters themselves
+        out = super().__call__(x, scale, bias, mean, variance)
+        if self.is_training:
+            new_mean, new_var = running_update(mean, variance, out[1], out[2],
+                                               bn_count(tuple(x.shape)), 1.0 - self.momentum)
+            assign_parameters("BatchNorm.update", (mean, variance), new_mean, new_var)
+        return out
 
     def construct(self, x, scale, bias, mean, variance):
-        x = const(x, self.name)
-        if not self.is_training:
-            y = batch_norm_apply(x, mean, variance, scale, bias, self.epsilon)
-            return y, mean, variance, mean, variance
-        y, bm, bv = batch_norm_train(x, scale, bias, self.epsilon)
-        new_mean, new_var = running_update(mean, variance, bm, bv, bn_count(tuple(x.shape)),
-                                           1.0 - self.momentum)
-        mean.set_data(np.asarray(new_mean))
-        variance.set_data(np.asarray(new_var))
-        return y, bm, bv, bm, bv
+        y, m, v = batch_norm_op(x, scale, bias, mean, variance, self.is_training,
+                                self.epsilon)
+        return y, m, v, m, v

@@ -22,7 +22,9 @@ and theirs, and the BatchNorm pieces.
   from dy's), so these checks hold for both sides.
 * BatchNorm: the per-channel (sum, sum of squares) over N/H/W splits is a pending sum;
   folding it into mean and variance is not linear, so the dispatcher resolves it first
-  with one AllReduce of the (2, C) buffer: global-batch statistics, as one device.
+  with one AllReduce of the (2, C) buffer: global-batch statistics, as one device. The
+  BatchNorm op (the primitive, one op with one strategy) runs that AllReduce inside its
+  rule, between the sums and the normalisation.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from .devices import backend as _backend
 from .devices import op_cause
 from .sharding import ShardPlan, layout, register_rule
 
-__all__ = ["halo_exchange", "halo_reduce", "conv_pairs"]
+__all__ = ["halo_exchange", "halo_reduce", "conv_pairs", "bn_pairs"]
 
 
 def _parts(dm, axes):
@@ -430,3 +432,41 @@ def _channel_wise(name):
 
 register_rule("BatchNormFold", per_device=True)(_channel_wise("BatchNormFold"))
 register_rule("BatchNormFoldGrad", per_device=True)(_channel_wise("BatchNormFoldGrad"))
+
+
+# ---------------------------------------------------------------------------
+# BatchNorm as one op (the primitive)
+# ---------------------------------------------------------------------------
+def bn_pairs(prim, xs):
+    """BatchNorm's shared dims: x's channels and each per-channel input's one dim."""
+    if len(xs) != 5 or xs[0].ndim < 2:
+        return []
+    return [(0, 1, j, 0, "channel dim") for j in range(1, 5)
+            if xs[j].ndim == 1 and xs[j].shape[0] == xs[0].shape[1]]
+
+
+@register_rule("BatchNorm", shared=bn_pairs)
+def _batch_norm(attrs, lays, dtypes):
+    """x keeps every split; the per-channel inputs and the statistics follow its channel
+    split. Training with the batch (N, H, W...) split: each device's float64 sums and
+    sums of squares are totalled by one AllReduce of the (2, C) buffer over the devices
+    that split it, inside the op, so the statistics are the global batch's."""
+    if any(lay is None or lay.partial for lay in lays):
+        return None
+    x = lays[0]
+    dm = x.device_matrix
+    ch = x.tensor_map[1]
+    per_channel = layout(dm, (ch,), (x.shape[1],))
+    summed = tuple(a for d, axes in enumerate(x.tensor_map) if d != 1 for a in axes)
+    members = x.group_members(summed) if summed and attrs["is_training"] else None
+
+    def all_reduce(sums):
+        with op_cause("BatchNorm"):
+            return np.asarray(_backend().all_reduce(np.ascontiguousarray(sums),
+                                                    members=members, op="sum"))
+
+    def local(attrs, stacks):
+        return C.batch_norm_stack(attrs, *stacks,
+                                  all_reduce=all_reduce if members is not None else None)
+
+    return ShardPlan((x,) + (per_channel,) * 4, (x, per_channel, per_channel), local)
