@@ -235,3 +235,37 @@ def test_running_statistics_in_graph_mode_without_strategy(form):
             np.testing.assert_allclose(y, np_batch_norm(x, np.ones(C), np.zeros(C),
                                                         *np_batch_stats(x)),
                                        rtol=1e-4, atol=1e-5)
+
+
+def test_training_gradients_equal_finite_differences():
+    """Training, float64: the gradients of sum(w * y) + sum(a * mean) + sum(b * var) (the
+    batch statistics' outputs included) to x, gamma and beta against central finite
+    differences of a numpy forward."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(1.0, 2.0, size=(3, 2, 2, 2))
+    gamma, beta = rng.uniform(0.5, 1.5, 2), rng.normal(size=2)
+    w, a, b = rng.normal(size=x.shape), rng.normal(size=2), rng.normal(size=2)
+
+    def np_f(x, gamma, beta):
+        m, v = np_batch_stats(x)
+        return (w * np_batch_norm(x, gamma, beta, m, v)).sum() + (a * m).sum() + (b * v).sum()
+
+    def f(x, gamma, beta):
+        mean = Parameter(Tensor(np.zeros(2)), name="m", requires_grad=False)
+        var = Parameter(Tensor(np.ones(2)), name="v", requires_grad=False)
+        y, m, v, _, _ = ops.BatchNorm(True, EPS)(x, gamma, beta, mean, var)
+        return ops.reduce_sum(ops.mul(y, Tensor(w))) + ops.reduce_sum(ops.mul(m, Tensor(a))) + \
+            ops.reduce_sum(ops.mul(v, Tensor(b)))
+
+    got = dm.grad(f, grad_position=(0, 1, 2))(Tensor(x), Tensor(gamma), Tensor(beta))
+    args = [x, gamma, beta]
+    for i, g in enumerate(got):
+        want = np.zeros_like(args[i])
+        for j in np.ndindex(args[i].shape):
+            hi = [p.copy() for p in args]
+            lo = [p.copy() for p in args]
+            hi[i][j] += 1e-6
+            lo[i][j] -= 1e-6
+            want[j] = (np_f(*hi) - np_f(*lo)) / 2e-6
+        np.testing.assert_allclose(g.asnumpy(), want, rtol=1e-5, atol=1e-7,
+                                   err_msg=f"gradient of input {i}")
