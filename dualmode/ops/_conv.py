@@ -887,15 +887,19 @@ def _bw_batch_norm(node, gy, g_mean, g_var):
     cshape = _channel_shape(x.shape[1], nd)
     axes = (0,) + tuple(range(2, nd))
     use_mean, use_var = not unused_grad(g_mean), not unused_grad(g_var)
+    need = [node.needs_grad(i) for i in range(5)]
     rstd = M.div(A.ones_like(var), M.sqrt(M.add(var, float(attrs["epsilon"]))))
     k = M.mul(scale, rstd)
     centred = M.sub(x, A.reshape(mean, cshape))
     xhat = M.mul(centred, A.reshape(rstd, cshape))
-    sum_gy = M.reduce_sum(gy, axes, False)
-    sum_gy_xhat = M.reduce_sum(M.mul(gy, xhat), axes, False)
-    gx = gs = gb = gm = gv = None
+    # the per-channel sums (each an AllReduce when the batch is split): only those needed
+    sum_gy = M.reduce_sum(gy, axes, False) if need[2] or need[3] or \
+        (training and need[0]) else None
+    sum_gy_xhat = M.reduce_sum(M.mul(gy, xhat), axes, False) if need[1] or need[4] or \
+        (training and need[0]) else None
+    grads = [None] * 5
     if training:
-        if node.needs_grad(0):
+        if need[0]:
             inv = 1.0 / attrs["count"]
             inner = M.sub(gy, A.reshape(M.mul(sum_gy, inv), cshape))
             inner = M.sub(inner, M.mul(xhat, A.reshape(M.mul(sum_gy_xhat, inv), cshape)))
@@ -904,22 +908,22 @@ def _bw_batch_norm(node, gy, g_mean, g_var):
                 gx = M.add(gx, A.reshape(M.mul(g_mean, inv), cshape))
             if use_var:
                 gx = M.add(gx, M.mul(centred, A.reshape(M.mul(g_var, 2.0 * inv), cshape)))
+            grads[0] = gx
     else:
-        if node.needs_grad(0):
-            gx = M.mul(gy, A.reshape(k, cshape))
-        if node.needs_grad(3):
+        if need[0]:
+            grads[0] = M.mul(gy, A.reshape(k, cshape))
+        if need[3]:
             gm = M.neg(M.mul(sum_gy, k))
-            gm = M.add(gm, g_mean) if use_mean else gm
-        if node.needs_grad(4):
+            grads[3] = M.add(gm, g_mean) if use_mean else gm
+        if need[4]:
             gv = M.mul(M.mul(M.mul(sum_gy_xhat, k), rstd), -0.5)
-            gv = M.add(gv, g_var) if use_var else gv
-    if node.needs_grad(1):
-        gs = sum_gy_xhat
-    if node.needs_grad(2):
-        gb = sum_gy
-    if gx is not None and gx.dtype != x.dtype:
-        gx = M.cast(gx, x.dtype)
-    return gx, gs, gb, gm, gv
+            grads[4] = M.add(gv, g_var) if use_var else gv
+    if need[1]:
+        grads[1] = sum_gy_xhat
+    if need[2]:
+        grads[2] = sum_gy
+    return tuple(g if g is None or g.dtype == inp.dtype else M.cast(g, inp.dtype)
+                 for g, inp in zip(grads, node.inputs))
 
 
 BATCH_NORM = register(BN_NAME, infer=_infer_batch_norm, kernel=_batch_norm_kernel,
