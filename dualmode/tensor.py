@@ -599,7 +599,7 @@ class ParameterTuple(tuple):
 
 
 #: ``hook(param)`` run when a ``layerwise_parallel`` Parameter gets a value (created or
-#: ``set_data``): in a hybrid-parallel context it makes the value this device's own
+#: ``set_data``): when several devices run the program it makes the value each device's own
 #: (the parallel layer builds on Tensor, so it registers itself here when imported)
 _LAYERWISE = []
 

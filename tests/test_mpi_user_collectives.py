@@ -51,6 +51,12 @@ def test_hybrid_layer_trains_as_one_device_under_mpi(n, tmp_path):
                                        err_msg=f"{kind}/{how} on {n} ranks")
             np.testing.assert_allclose(data[f"{kind}_{how}_weight"], weight, rtol=1e-4,
                                        atol=1e-6, err_msg=f"{kind}/{how} on {n} ranks")
+    for how in ("own", "slices"):
+        losses, weight = mod.reference("allreduce", how, n)
+        np.testing.assert_allclose(data[f"stand_alone_{how}_losses"], losses, rtol=1e-4,
+                                   err_msg=f"stand_alone/{how} on {n} ranks")
+        np.testing.assert_allclose(data[f"stand_alone_{how}_weight"], weight, rtol=1e-4,
+                                   atol=1e-6, err_msg=f"stand_alone/{how} on {n} ranks")
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -63,6 +69,18 @@ def test_hybrid_layer_trains_as_one_device_under_sim(kind, how, n):
     finally:
         _reset()
     want_losses, want_weight = mod.reference(kind, how, n)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+    np.testing.assert_allclose(weight, want_weight, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["slices", "same"])
+def test_hybrid_layer_without_a_parallel_mode_trains_as_one_device_under_sim(how):
+    mod = load_mpi_script(HYBRID)
+    try:
+        losses, weight = mod.train("allreduce", how, "sim", 4, mode="stand_alone")
+    finally:
+        _reset()
+    want_losses, want_weight = mod.reference("allreduce", how, 4)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
     np.testing.assert_allclose(weight, want_weight, rtol=1e-4, atol=1e-6)
 

@@ -23,8 +23,9 @@ each device its own::
     dm.parallel.set_layerwise_slices(net.weight, W, dim=1)       # W (512, 128): device d
     dm.parallel.set_layerwise_slices(net.weight, stack)          # or a stack (n, 512, 64)
 
-A layerwise parameter given a value while a hybrid-parallel context of several devices
-is live (created, or ``set_data``) is per-device at once: under "mpi" each rank holds
+A layerwise parameter given a value (created, or ``set_data``) while several devices
+run the program (a hybrid-parallel context, or ``stand_alone`` after ``init()`` on
+several devices) is per-device at once: under "mpi" each rank holds
 the value it passed (its own slice), under "sim" every device the same value. One made
 before that context is a plain value until it first meets a device-local value in an
 op. Either way it is then stored as ``n`` per-device copies, which its per-device
@@ -404,18 +405,19 @@ def _localize_parameter(p, n):
 
 
 def _own_value(p):
-    """A ``layerwise_parallel`` Parameter given a value (created or ``set_data``) while a
-    hybrid-parallel context of several devices is live holds it per device: under "mpi"
-    the value this rank passed, under "sim" the same value on every device. Each device
-    then has its own copy and its own gradient, whatever op first uses it."""
-    if context._STATE.auto_parallel.parallel_mode != "hybrid_parallel":
+    """A ``layerwise_parallel`` Parameter given a value (created or ``set_data``) while
+    several devices run the program (a hybrid-parallel context, or ``stand_alone`` after
+    ``init()`` on several devices) holds it per device: under "mpi" the value this rank
+    passed, under "sim" the same value on every device. Each device then has its own
+    copy and its own gradient, whatever op first uses it."""
+    if context._STATE.auto_parallel.parallel_mode not in ("hybrid_parallel", "stand_alone"):
         return
     try:
-        active = parallel_active()
+        n = context_devices()
     except ValueError:           # device_num not set yet: the first op says so
         return
-    if active:
-        _localize_parameter(p, device_num())
+    if n > 1:
+        _localize_parameter(p, n)
 
 
 register_layerwise_hook(_own_value)

@@ -22,6 +22,9 @@ The last two give each device its own batch rows of the product; the loss is
 single device's ``sum((x @ W - t)^2)``. ``s_d`` and ``p_d`` are ``layerwise_parallel``
 constants (``requires_grad=False``).
 
+Each runs in ``hybrid_parallel`` mode; the AllReduce layer also without a parallel mode
+(``stand_alone``, where the devices ``init()`` started each run the program).
+
 How each device gets its slice of the weight (``how``):
 
 * ``"slices"``: ``set_layerwise_slices(weight, W, dim)``;
@@ -112,14 +115,16 @@ class HybridLayer(nn.Cell):
         return self.loss_sum(self.sum(ops.square(rows - self.fc(self.pick, self.target))))
 
 
-def train(kind, how, backend=None, n=None):
+def train(kind, how, backend=None, n=None, mode="hybrid_parallel"):
     """Losses of the steps and the final weight (the devices' slices joined along the
-    cut dim) on the hybrid-parallel context of `backend` ("sim" with `n` devices,
-    None: mpi)."""
+    cut dim) in `mode` ("hybrid_parallel" with ``full_batch``, or "stand_alone": the
+    devices ``init()`` started each run the program) on `backend` ("sim" with `n`
+    devices, None: mpi)."""
     dm.reset_auto_parallel_context()
     if n is not None:
         dm.set_auto_parallel_context(device_num=n)
-    dm.set_auto_parallel_context(parallel_mode="hybrid_parallel", full_batch=True)
+    if mode == "hybrid_parallel":
+        dm.set_auto_parallel_context(parallel_mode=mode, full_batch=True)
     communication.init(backend)
     n = communication.get_group_size()
     dim = KINDS[kind]
@@ -176,6 +181,10 @@ def main():
             losses, weight = train(kind, how)
             res[f"{kind}_{how}_losses"] = losses
             res[f"{kind}_{how}_weight"] = weight
+    for how in ("own", "slices"):          # no parallel mode: the same layer
+        losses, weight = train("allreduce", how, mode="stand_alone")
+        res[f"stand_alone_{how}_losses"] = losses
+        res[f"stand_alone_{how}_weight"] = weight
     if communication.get_rank() == 0:
         np.savez(out, n=communication.get_group_size(), **res)
 
