@@ -253,15 +253,20 @@ def own_rows(full: np.ndarray, n: int) -> np.ndarray:
 
 def context_devices() -> int:
     """Devices of the live parallel context; under ``parallel_mode="stand_alone"`` the
-    devices the backend started (MPI ranks, or the simulated devices of ``init()``),
-    each running the whole program, among which the user's collectives communicate
-    (and per-device values live); 1 with ``device_num=1`` (one device on purpose) or
-    without a backend."""
+    devices that each run the whole program, among which the user's collectives
+    communicate (and per-device values live): every MPI rank, or the simulated devices
+    of ``init()`` while ``device_num`` asks for them (simulated devices left from an
+    earlier setting that ``device_num`` no longer names are not used); 1 with
+    ``device_num=1`` (one device on purpose) or without a backend."""
     if parallel_active():
         return device_num()
-    if context._STATE.auto_parallel.device_num == 1:
+    b = live_backend()
+    want = context._STATE.auto_parallel.device_num
+    if b is None or want == 1:
         return 1
-    return device_num()
+    if want is None and len(b.local_ranks) == b.world_size:
+        return 1
+    return b.world_size
 
 
 def _require_devices(func: str) -> int:
