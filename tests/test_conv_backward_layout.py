@@ -11,7 +11,7 @@ import pytest
 
 import dualmode as dm
 from dualmode import Tensor, nn, ops
-from dualmode.parallel.rules_conv import _halo_sizes
+from dualmode.parallel.rules.conv import _halo_sizes
 from dualmode.parallel.sharding import plan_for
 from dualmode.parallel.tensor_layout import TensorLayout
 from dualmode.ops._registry import REGISTRY

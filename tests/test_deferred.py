@@ -13,7 +13,8 @@ from dualmode._core import _tensor as _core
 from dualmode.communication import totals as totals_mod
 from dualmode.communication.totals import DeferredShares, known_totals
 from dualmode.parallel import CommReport, TensorLayout
-from dualmode.parallel import rules, sharding
+from dualmode.parallel import sharding
+from dualmode.parallel.rules import contract as rules
 from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.communication import SimBackend
 from dualmode.parallel.redistribute import execute, plan_redistribution, run_plan

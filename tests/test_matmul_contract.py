@@ -7,7 +7,7 @@ import pytest
 import dualmode as dm
 from dualmode import Tensor, communication, ops
 from dualmode.parallel import CommReport
-from dualmode.parallel.rules import contract_groups, stack_matmul
+from dualmode.parallel.rules.contract import contract_groups, stack_matmul
 
 
 def _per_device_sums(a, b, dm, axes):
@@ -73,7 +73,7 @@ def test_grouped_matmul_and_its_gradients_equal_one_device():
     """Products large enough to run as one GEMM per group of devices (the contracted
     dim split over one axis of two): forward value and both gradients equal numpy's,
     and the grouping changes nothing that CommReport sees."""
-    from dualmode.parallel import rules
+    from dualmode.parallel.rules import contract as rules
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 256)).astype(np.float32)
     w = rng.standard_normal((256, 128)).astype(np.float32)

@@ -13,7 +13,7 @@ from dualmode.communication.totals import known_totals, remember_totals
 from dualmode.parallel import CommReport, TensorLayout
 from dualmode.parallel.redistribution import executor
 from dualmode.parallel.redistribution.executor import global_value
-from dualmode.parallel.rules import contract_groups
+from dualmode.parallel.rules.contract import contract_groups
 
 RNG = np.random.default_rng(5)
 

@@ -1,7 +1,7 @@
 """Stacks of pending sums that remember their totals (and blocks their value).
 
 When one process holds every device ("sim"), an op that produces a pending sum often
-computes its total first: the grouped MatMul (:func:`dualmode.parallel.rules.
+computes its total first: the grouped MatMul (:func:`dualmode.parallel.rules.contract.
 contract_groups`) runs one GEMM per group of devices that share a sum and only then
 writes that group's total as equal shares, one per device. Whoever later adds the
 shares up (a redistribution that needs the global value, an AllReduce over exactly

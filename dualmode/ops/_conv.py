@@ -4,7 +4,7 @@ variance, and the backward of both).
 
 Every kernel here is written over a *stack*: a leading device axis ``D`` in front of the
 NCHW dims (one device: ``D = 1``), so the sharding rules in
-:mod:`dualmode.parallel.rules_conv` run each op's local computation with the same
+:mod:`dualmode.parallel.rules.conv` run each op's local computation with the same
 functions, in one numpy call over every device. Convolution is im2col + one GEMM per
 stack in a channels-last layout: the images are copied once, zero-bordered, into (B, Hp,
 Wp, C), whose windows are runs of whole channels; the Cython kernels of

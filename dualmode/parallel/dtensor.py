@@ -4,7 +4,7 @@ A distributed Tensor keeps ``_layout`` (a :class:`TensorLayout`) and, in ``_data
 the stack of the local shards of the devices this process holds (leading axis =
 local devices). The dispatcher hands every op with a distributed input to
 :func:`dist_apply`, which runs it in one of these ways, each derived from the op's
-sharding rule (parallel/rules.py) where one is needed:
+sharding rule (parallel/rules/) where one is needed:
 
 1. **other layout kinds**: inputs whose layout class registered its own runner
    (:func:`register_layout_kind`; hybrid parallel's per-device values) go there.
@@ -12,7 +12,7 @@ sharding rule (parallel/rules.py) where one is needed:
    (``register(..., linear=...)``: Add/Sub of terms of one sum, Mul/RealDiv by a fixed
    value, Neg, Cast to a float, Reshape, Transpose, BroadcastTo, ReduceSum/Mean) runs its
    rule, which keeps the sums pending over the same device axes
-   (:func:`dualmode.parallel.rules.pending_sums`); any other op first resolves them with
+   (:func:`dualmode.parallel.rules.base.pending_sums`); any other op first resolves them with
    an AllReduce. A pending sum's layout names the op that made it (``partial_op``,
    kept through the linear ops), and its resolution is reported under that op.
 3. **data parallel** (:func:`_batch_global`): when every distributed input is split on
@@ -49,7 +49,7 @@ from .buffers import pooled_call
 from .devices import BACKEND_STATE, device_num, parallel_active
 from .devices import some_devices as _some_devices
 from .moves import REDISTRIBUTE, gather_global, gather_stack, moved, resolve_partial
-from .rules import pending_sums
+from .rules.base import pending_sums
 from .sharding import decide, keep_made_by, sharded_apply
 from .stacks import assemble, distribute, is_batch_layout, local_rows
 from .tensor_layout import TensorLayout
@@ -121,7 +121,7 @@ def _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial):
 
 
 def _sharded(op, attrs, inputs, rec, layouts):
-    """The op's sharding rule (parallel/rules.py), when it has one."""
+    """The op's sharding rule (parallel/rules/), when it has one."""
     return sharded_apply(op, attrs, inputs, rec, layouts)
 
 

@@ -9,7 +9,7 @@ redistributes the inputs, runs the local computation in one numpy call over the
 device axis and wraps the outputs. The same rules serve the backward pass (backward
 rules are written with ops), graph planning and propagation, the data-parallel fast
 path and hybrid parallel's per-device values. A rule keeps pending sums through its op
-when the op is registered as linear in them (:func:`dualmode.parallel.rules.pending_sums`).
+when the op is registered as linear in them (:func:`dualmode.parallel.rules.base.pending_sums`).
 
 Device matrices: layouts of different inputs may use different device matrices with
 the same rank order (e.g. (8,) and (2, 4)); they are re-expressed over their common

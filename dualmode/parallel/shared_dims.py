@@ -2,7 +2,7 @@
 of input ``i`` and dim ``dj`` of input ``j`` are one dim (contracted, batch, broadcast,
 channel...). A rule declares its op's function at registration (``register_rule(...,
 shared=...)``); the contraction family derives it from the op's einsum subscripts
-(:func:`dualmode.parallel.rules.contract_pairs`). Strategy checks and the op's device
+(:func:`dualmode.parallel.rules.contract.contract_pairs`). Strategy checks and the op's device
 matrix read it through :func:`dualmode.parallel.sharding.shared_dims`."""
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from ..grad_reduce import is_dp_partial, replica_gradient_scale, resolves_pendin
 from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribute import plan_redistribution
-from ..rules import pending_sums
+from ..rules.base import pending_sums
 from ..sharding import (RULES, made_by, plan_for, same_placement, shared_replicas,
                         wants_grids)
 from ..strategy import is_sharded_layout, placement_conflict, stored_from_file

@@ -1,7 +1,7 @@
-"""Sharding rules for the array ops: Gather and GatherGrad, Concat, Split, basic
-indexing (GetItem, IndexAdd) and Dropout.
+"""Sharding rules of the array ops: Reshape, BroadcastTo, OneHot, Gather and GatherGrad,
+Concat, Split, basic indexing (GetItem, IndexAdd) and Dropout.
 
-Same contract as :mod:`.rules`: a rule gets the op's attrs, the input layouts over one
+Same contract as every rule (:mod:`dualmode.parallel.rules`): a rule gets the op's attrs, the input layouts over one
 device matrix (None for scalars) and the input dtypes, and returns a
 :class:`~.sharding.ShardPlan` or None (the caller then gathers the inputs and runs the
 op plainly, which is always correct). Every local computation runs once over the
@@ -9,6 +9,10 @@ stacks' leading device axis.
 
 Communication each rule implies (beyond moving inputs into the required layouts):
 
+- ``Reshape``: a split survives when it is on the first dim of a merged or split group
+  of dims (and still divides); other splits are gathered first.
+- ``BroadcastTo``: splits of the broadcast input carry over; new dims are whole.
+- ``OneHot``: the indices' splits carry over; the depth dim is whole.
 - ``Gather``: a table split on the gathered axis (vocabulary parallel) looks up, on
   each device, only the indices falling in its rows (index minus the device's row
   offset, other indices masked to zero); the output is a pending partial sum over the
@@ -30,19 +34,121 @@ Communication each rule implies (beyond moving inputs into the required layouts)
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ..context import rng
-from ..ops._array import _is_advanced
-from .devices import backend
-from .shared_dims import concat_pairs
-from .sharding import ShardPlan, layout, register_rule
+from ...context import rng
+from ...ops._array import _is_advanced
+from ...ops._registry import REGISTRY
+from ..devices import backend
+from ..shared_dims import concat_pairs
+from ..sharding import ShardPlan, expand_stack, layout, register_rule
+from .base import parts as _parts
+from .base import pending_sums
 
 
-def _parts(dm, axes):
-    return math.prod(dm[a] for a in axes)
+def _reshape_groups(ins, outs):
+    """Pair input and output dims into groups of equal size (unit dims on their own)."""
+    groups, i, j = [], 0, 0
+    while i < len(ins) or j < len(outs):
+        if i < len(ins) and ins[i] == 1:
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(outs) and outs[j] == 1:
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, gj, pi, pj = [], [], 1, 1
+        if i < len(ins):
+            gi.append(i)
+            pi *= ins[i]
+            i += 1
+        if j < len(outs):
+            gj.append(j)
+            pj *= outs[j]
+            j += 1
+        while pi != pj:
+            if pi < pj and i < len(ins):
+                gi.append(i)
+                pi *= ins[i]
+                i += 1
+            elif j < len(outs):
+                gj.append(j)
+                pj *= outs[j]
+                j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+@register_rule("Reshape", per_device=True)
+def _reshape(attrs, lays, dtypes):
+    x = lays[0]
+    pend = pending_sums("Reshape", attrs, lays)
+    if x is None or pend is None:
+        return None
+    dm = x.device_matrix
+    out_shape = tuple(attrs["shape"])
+    in_map, out_map = [()] * x.ndim, [()] * len(out_shape)
+    for gi, gj in _reshape_groups(x.shape, out_shape):
+        if not gi or not gj:
+            continue
+        axes = x.tensor_map[gi[0]]
+        if axes and out_shape[gj[0]] % _parts(dm, axes) == 0:
+            in_map[gi[0]] = axes
+            out_map[gj[0]] = axes
+    need = layout(dm, in_map, x.shape, pend[0])
+    out = layout(dm, out_map, out_shape, pend[0])
+    local_shape = out.local_shape
+
+    def local(attrs, stacks):
+        s = stacks[0]
+        return s.reshape((s.shape[0],) + tuple(local_shape))
+
+    return ShardPlan((need,), (out,), local)
+
+
+@register_rule("BroadcastTo", per_device=True)
+def _broadcast_to(attrs, lays, dtypes):
+    x = lays[0]
+    if x is None or pending_sums("BroadcastTo", attrs, lays) is None:
+        return None
+    shape = tuple(attrs["shape"])
+    off = len(shape) - x.ndim
+    tmap = [()] * off + [m if x.shape[d] == shape[d + off] else ()
+                         for d, m in enumerate(x.tensor_map)]
+    need = layout(x.device_matrix, tmap[off:], x.shape, x.partial)
+    out = layout(x.device_matrix, tmap, shape, x.partial)
+    local_shape = out.local_shape
+
+    def local(attrs, stacks):
+        s = expand_stack(stacks[0], len(shape))
+        return np.broadcast_to(s, (s.shape[0],) + tuple(local_shape))
+
+    return ShardPlan((need,), (out,), local)
+
+
+@register_rule("OneHot")
+def _one_hot(attrs, lays, dtypes):
+    idx = lays[0]
+    if idx is None or idx.partial:
+        return None
+    axis = attrs["axis"]
+    pos = axis if axis >= 0 else idx.ndim + 1 + axis
+    tmap = list(idx.tensor_map)
+    tmap.insert(pos, ())
+    shape = list(idx.shape)
+    shape.insert(pos, attrs["depth"])
+    out = layout(idx.device_matrix, tmap, shape)
+    op = REGISTRY["OneHot"]
+
+    def local(attrs, stacks):
+        at = dict(attrs)
+        at["axis"] = -1 if axis == -1 else pos + 1
+        return op.kernel(at, *stacks)
+
+    return ShardPlan((idx, None, None), (out,), local)
 
 
 def _local_ranks(n):
@@ -370,4 +476,3 @@ def _dropout(attrs, lays, dtypes):
         return out, mask
 
     return ShardPlan((x,), (x, x), local)
-

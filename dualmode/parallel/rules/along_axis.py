@@ -1,0 +1,28 @@
+"""Ops computed along one axis (``family=("along_axis",)``: Softmax, LogSoftmax): that
+axis must be whole on each device; every other dim keeps its split."""
+from __future__ import annotations
+
+from ..sharding import ShardPlan, layout, register_rule
+
+__all__ = ["rule"]
+
+
+def _along_axis_whole(op):
+    def rule(attrs, lays, dtypes):
+        x = lays[0]
+        if x is None or x.partial:
+            return None
+        axis = attrs["axis"]
+        tmap = [() if d == axis else m for d, m in enumerate(x.tensor_map)]
+        need = layout(x.device_matrix, tmap, x.shape)
+
+        def local(attrs, stacks):
+            return op.kernel({"axis": axis + 1}, stacks[0])
+
+        return ShardPlan((need,), (need,), local)
+    return rule
+
+
+def rule(op):
+    """Register the rule of `op`, which declares ``family=("along_axis",)``."""
+    return register_rule(op.name, per_device=True)(_along_axis_whole(op))
