@@ -444,8 +444,8 @@ class Parameter(DeclaredShape, Tensor):
             self._data = _default_array(default_input, None)
             self._shape = self._data.shape
             self._dtype = self._data.dtype
-            if layerwise_parallel and _LAYERWISE:
-                _LAYERWISE[0](self)
+        if layerwise_parallel and _LAYERWISE and self._data is not None:
+            _LAYERWISE[0](self)
 
     @property
     def has_init(self) -> bool:

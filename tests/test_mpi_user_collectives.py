@@ -85,6 +85,27 @@ def test_hybrid_layer_without_a_parallel_mode_trains_as_one_device_under_sim(how
     np.testing.assert_allclose(weight, want_weight, rtol=1e-4, atol=1e-6)
 
 
+def test_layerwise_parameter_made_in_a_hybrid_context_is_per_device():
+    try:
+        dm.reset_auto_parallel_context()
+        dm.set_auto_parallel_context(parallel_mode="hybrid_parallel", device_num=2)
+        communication.init()
+        w = dm.Parameter(dm.common.initializer.initializer("normal", [4, 3], dm.float32),
+                         name="w", layerwise_parallel=True)
+        v = dm.Parameter(Tensor(np.ones((4, 3), np.float32)), name="v",
+                         layerwise_parallel=True)
+        for p in (w, v):
+            assert p.layout == dm.parallel.DeviceLocalLayout(2, (4, 3))
+            assert p.asnumpy().shape == (2, 4, 3) and p.shape == (4, 3)
+        v.set_data(np.full((4, 3), 2.0, np.float32))       # a new value for every device
+        assert v.layout == dm.parallel.DeviceLocalLayout(2, (4, 3))
+        np.testing.assert_array_equal(v.asnumpy(), np.full((2, 4, 3), 2.0, np.float32))
+        plain = dm.Parameter(Tensor(np.ones(3, np.float32)), name="plain")
+        assert plain.layout is None
+    finally:
+        _reset()
+
+
 # ---------------------------------------------------------------------------
 # no parallel mode: the collectives still communicate among the devices init() made
 # ---------------------------------------------------------------------------
