@@ -35,7 +35,13 @@ it; for prod times the other devices' product); AllGather gives device d rows
 ``[d*s0:(d+1)*s0]`` of the gradient (a ReduceScatter when the gradient is a pending
 partial sum); ReduceScatter AllGathers the gradient to every device's input (sum and
 mean only, as MindSpore); Broadcast sends the gradient to the root, zeros elsewhere;
-AlltoAll runs the inverse AlltoAll (split and concat dims swapped).
+AlltoAll runs the inverse AlltoAll (split and concat dims swapped). One rule under
+both backends: a plain result is one value with one gradient (the program has one
+loss, not one per device), an input every device holds alike (plain) gets the sum of
+the devices' gradients, and a device-local input (a ``layerwise_parallel`` weight) its
+device's own. So a layer whose collective rebuilds the single device's value (the
+AllReduce of partial sums, the AllGather of column blocks, ...) trains exactly as the
+single device does, with every device's slice getting its part of the gradient.
 
 Every collective runs through the communication backend, so
 :class:`dualmode.parallel.CommReport` records it with reason ``"user"`` (``"backward"``
@@ -53,9 +59,9 @@ Under ``parallel_mode="stand_alone"`` no op is split, but every device the backe
 started (each MPI rank, or each simulated device of ``init()`` with ``device_num``
 set) runs the whole program, and a collective communicates among them as in
 MindSpore: after ``init()`` on 4 devices ``AllReduce()(ones(3))`` is ``[4, 4, 4]``
-under both backends. With one device (no backend, ``get_group_size() == 1``, or
-``device_num=1`` set to run one device on purpose) every collective returns its
-input unchanged. A process launched as one of several MPI ranks that calls a
+under both backends. With one device (no backend, ``get_group_size() == 1``,
+``device_num=1`` set to run one device on purpose, or under "sim" no ``device_num``
+set) every collective returns its input unchanged. A process launched as one of several MPI ranks that calls a
 collective before ``init()`` gets a RuntimeError naming ``init()``.
 """
 from __future__ import annotations
@@ -452,7 +458,7 @@ def _world(name) -> int:
     """The devices a user collective communicates among: those of the parallel context,
     or under ``parallel_mode="stand_alone"`` every device the backend started (MPI
     ranks, or the simulated devices of ``init()``), each running the whole program;
-    1 when ``device_num=1`` is set (one device on purpose)."""
+    see :func:`~dualmode.parallel.device_local.context_devices`."""
     if not parallel_active():
         started_backend(name)       # one of several MPI ranks before init(): the error
     return dl.context_devices()
