@@ -14,7 +14,7 @@ import pytest
 import dualmode as dm
 from dualmode import Parameter, Tensor, nn, ops
 from dualmode._core import _checksum
-from dualmode.parallel.layout import TensorLayout
+from dualmode.parallel.tensor_layout import TensorLayout
 from dualmode.train.reshard import SlicedCheckpoint
 from dualmode.train.safetensors_io import (CheckpointError, CheckpointFile, chunk_crcs,
                                             chunk_crcs_reference, write_files)

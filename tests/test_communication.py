@@ -345,7 +345,7 @@ def test_axis_groups_rows_and_member_order():
 
 
 def test_axis_groups_agree_with_layout_group_members():
-    layout_mod = pytest.importorskip("dualmode.parallel.layout")
+    from dualmode.parallel import tensor_layout as layout_mod
     lay = layout_mod.TensorLayout.replicated((8, 8), (2, 2, 2))
     for axes in [(0,), (1, 2), (2, 0)]:
         np.testing.assert_array_equal(lay.group_members(axes), axis_groups((2, 2, 2), axes))

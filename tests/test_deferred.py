@@ -17,7 +17,7 @@ from dualmode.parallel import sharding
 from dualmode.parallel.rules import contract as rules
 from dualmode.parallel.auto_parallel import AutoParallel
 from dualmode.communication import SimBackend
-from dualmode.parallel.redistribute import execute, plan_redistribution, run_plan
+from dualmode.parallel.redistribution import execute, plan_redistribution, run_plan
 from dualmode.parallel.redistribution import executor
 
 from _steps import mean_square_step

@@ -32,7 +32,7 @@ from dualmode.parallel.grad_reduce import (fuse_gradient_moves, fused_bucket,
                                            grouped_buckets, resolves_pending, single_step,
                                            step_group)
 from dualmode.parallel.graph.ir import FUSED, FUSED_RS
-from dualmode.parallel.redistribute import plan_redistribution
+from dualmode.parallel.redistribution import plan_redistribution
 from dualmode.parallel.tensor_layout import TensorLayout
 
 from _devices import devices

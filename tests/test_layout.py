@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import dualmode as dm
 from dualmode.parallel import IndivisibleError, Layout, LayoutError, LayoutSpec, TensorLayout
-from dualmode.parallel.layout import format_table
+from dualmode.parallel.tensor_layout import format_table
 
 E = re.escape
 L3 = Layout((2, 2, 2), ("dp", "sp", "mp"))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dualmode.parallel import LayoutError, TensorLayout
-from dualmode.parallel.layout import stand_in
+from dualmode.parallel.tensor_layout import stand_in
 
 
 def test_from_strategy_is_cached_and_still_validates():
@@ -41,11 +41,12 @@ def test_cached_constructors_still_reject_bools():
         TensorLayout.batch_split((16, 4), True)
 
 
-def test_primitive_remembers_passed_shapes_only_for_its_strategy():
+def test_primitive_remembers_passed_shapes_only_for_its_strategy(sim_devices):
     """A primitive skips the strategy checks for input shapes that passed them before,
     for the same strategy only: new shapes, a re-shard and an assigned strategy are
-    checked again."""
+    checked again (strategies run, and are checked, under semi-auto parallel)."""
     import dualmode as dm
+    sim_devices(8)
     mm = dm.ops.MatMul().shard(((2, 1), (1, 1)))
     a = dm.Tensor(np.ones((4, 4), np.float32))
     np.testing.assert_array_equal(mm(a, a).asnumpy(), np.full((4, 4), 4.0, np.float32))

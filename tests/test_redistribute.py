@@ -22,7 +22,7 @@ from dualmode.communication import SimBackend
 from dualmode.parallel import CommReport, Layout, TensorLayout
 from dualmode.parallel.redistribution.planner import _build
 from dualmode.parallel.redistribution.reference import _reference_raw
-from dualmode.parallel.redistribute import (AllGather, AllReduce, AllToAll, LocalSlice, Plan,
+from dualmode.parallel.redistribution import (AllGather, AllReduce, AllToAll, LocalSlice, Plan,
                                             RedistributionError, ReduceScatter, Remesh,
                                             clear_plan_cache, plan_cache_info,
                                             plan_redistribution, redistribute, reference_plan,

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 
 from dualmode.communication import SimBackend
 from dualmode.parallel import CommReport, TensorLayout
-from dualmode.parallel.redistribute import (blocks_of, execute, global_value,
+from dualmode.parallel.redistribution import (blocks_of, execute, global_value,
                                             plan_redistribution, run_plan, run_plan_direct)
 
 from test_redistribute import check_result, layout_pairs, source_stack

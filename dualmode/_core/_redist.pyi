@@ -1,5 +1,5 @@
 """Type stub for the redistribution planner kernel (`_redist.pyx`); its pure-Python
-reference is `dualmode.parallel.redistribute.reference_plan`, which follows the same
+reference is `dualmode.parallel.redistribution.reference_plan`, which follows the same
 rules move for move (the tests compare the two).
 
 The layouts come in as TensorLayout fields (tuples of ints): device matrix, tensor map

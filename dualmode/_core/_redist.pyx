@@ -2,7 +2,7 @@
 """Redistribution planner kernel: unify two device matrices, then search the cheapest
 sequence of steps (bytes moved per device) between two tensor layouts.
 
-The rules are those of :mod:`dualmode.parallel.redistribute` (whose module docstring
+The rules are those of :mod:`dualmode.parallel.redistribution` (whose docstring
 explains them) and of its pure-Python ``reference_plan``; the tests compare the two.
 
 * ``_unify``: the common refinement of two device matrices (cut both at every rank

@@ -1,11 +1,14 @@
 """dualmode.parallel: layouts, distributed tensors, gradient reduction, reports."""
 from ..context import get_algo_parameters, reset_algo_parameters, set_algo_parameters
-from .layout import IndivisibleError, Layout, LayoutError, LayoutSpec, TensorLayout
+from ._layout_checks import IndivisibleError, LayoutError
+from .layout_spec import Layout, LayoutSpec
+from .tensor_layout import TensorLayout
 from . import dtensor  # noqa: F401  (registers the dispatcher's distributed hooks)
 from . import rules  # noqa: F401  (registers the per-op sharding rules)
 from . import strategy  # noqa: F401  (registers the Redistribute op)
 from .grad_reduce import reduce_gradients
-from .redistribute import RedistributionError, plan_redistribution
+from .redistribution.planner import plan_redistribution
+from .redistribution.steps import RedistributionError
 
 
 def local_shape(tensor_or_parameter):

@@ -44,7 +44,7 @@ from ..communication.totals import stored
 from ..communication import trace
 from ..communication.trace import comm_cause
 from .devices import backend as _backend
-from .redistribute import plan_redistribution
+from .redistribution.planner import plan_redistribution
 from .tensor_layout import TensorLayout
 
 __all__ = ["reduce_gradients", "replica_gradient_scale", "fusion_buckets",

@@ -10,7 +10,7 @@ from .._core._tensor import TensorBase
 from ..tensor import Parameter
 from .devices import device_num, some_devices
 from .dtensor import distribute, moved
-from .redistribute_bridge import remember_blocks
+from .moves import remember_blocks
 from .tensor_layout import TensorLayout
 
 __all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows"]

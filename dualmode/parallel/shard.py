@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..ops import shard
 from ..ops.primitive import Primitive
 from ..tensor import Tensor
-from .layout import Layout
+from .layout_spec import Layout
 
 __all__ = ["Layout", "shard", "reshard"]
 

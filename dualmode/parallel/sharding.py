@@ -44,8 +44,8 @@ from ..ops._registry import REGISTRY
 from .devices import backend as _backend
 from .devices import holds_all_devices, live_backend as _live_backend, op_cause
 from .tensor_layout import LayoutError, TensorLayout, stand_in
-from .redistribute import unify_device_matrices
-from .redistribute_bridge import redistribute_grid, redistribute_tensor
+from .redistribution.unify import unify_device_matrices
+from .moves import redistribute_grid, redistribute_tensor
 from .replicas import ReplicaBlocks
 
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "decide", "refine",

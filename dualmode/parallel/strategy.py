@@ -32,7 +32,7 @@ from ..ops.primitive import _flat
 from .devices import device_num, live_backend, parallel_active
 from .moves import moved
 from .tensor_layout import TensorLayout
-from .redistribute_bridge import redistribute_tensor
+from .moves import redistribute_tensor
 from .replicas import store_blocks
 from .sharding import cacheable_strategy, op_strategy_layouts, same_placement
 from .strategy_ckpt import layouts_fixed, loading, saved_layout

@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from .._core._tensor import TensorBase
-from .layout import LayoutSpec
+from .layout_spec import LayoutSpec
 from .sharding import shared_dims
 
 __all__ = ["check_strategy_for", "StrategyError"]

@@ -25,7 +25,8 @@ import numpy as np
 from .._core._tensor import TensorBase
 from .device_local import DeviceLocalLayout
 from .devices import device_num as _device_num
-from .layout import LayoutSpec, TensorLayout
+from .layout_spec import LayoutSpec
+from .tensor_layout import TensorLayout
 
 __all__ = ["visualize", "layout_rows"]
 

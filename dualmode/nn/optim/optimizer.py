@@ -17,7 +17,7 @@ from ..._core._tensor import TensorBase
 from ...parallel.grad_reduce import fuse_gradient_moves, reduce_gradients
 from ...parallel.graph.trace import current_trace
 from ...parallel.tensor_layout import TensorLayout
-from ...parallel.redistribute_bridge import redistribute_grid, redistribute_tensor
+from ...parallel.moves import redistribute_grid, redistribute_tensor
 from ...parallel.replicas import replica_blocks, store_blocks
 from ...parallel.strategy import is_sharded_layout
 from ...ps.optim import register_optimizer_class

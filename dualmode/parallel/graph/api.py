@@ -18,7 +18,7 @@ from ...ops import primitive as _primitive
 from ...tensor import Parameter
 from ..devices import device_num, live_backend, parallel_active
 from ..inputs import distribute_inputs
-from ..layout import LayoutSpec
+from ..layout_spec import LayoutSpec
 from ..strategy import apply_saved_layouts, is_sharded_layout
 from ..strategy_ckpt import layouts_fixed
 from .compile import compile_graph

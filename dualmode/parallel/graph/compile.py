@@ -43,7 +43,7 @@ from ...autograd import vjp
 from ...tensor import Tensor
 from ..moves import gather_stack
 from ..tensor_layout import TensorLayout
-from ..redistribute_bridge import redistribute_tensor
+from ..moves import redistribute_tensor
 from ..report import compiled_comm_times
 from ..sharding import RULES, common_device_matrix, reexpress
 from .candidates import op_candidates

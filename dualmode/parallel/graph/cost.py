@@ -10,7 +10,7 @@ bytes per device in a group of ``n``). Defaults:
 * ``beta = 1e-10`` s per byte: 10 GB/s of bandwidth per device.
 
 A redistribution costs the sum over its plan's communicating steps
-(:func:`~dualmode.parallel.redistribute.plan_redistribution`); LocalSlice and Remesh
+(:func:`~dualmode.parallel.redistribution.planner.plan_redistribution`); LocalSlice and Remesh
 steps move nothing and cost nothing, so an equal or merely finer layout is free.
 Costs are cached per ``(src, dst, itemsize, model)``.
 """
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from ...communication.trace import bytes_per_device
 from ..tensor_layout import TensorLayout
-from ..redistribute import plan_redistribution
+from ..redistribution.planner import plan_redistribution
 
 __all__ = ["CostModel", "DEFAULT_MODEL", "redistribution_cost", "partial_cost",
            "allreduce_cost", "cost_cache_info", "clear_cost_cache"]

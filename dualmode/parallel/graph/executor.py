@@ -38,8 +38,9 @@ from ..devices import backend as _backend
 from ..devices import op_cause, op_reason
 from ..dtensor import batch_global_outputs
 from ..moves import gather_stack
-from ..redistribute import execute, plan_redistribution, run_plan_grid
-from ..redistribute_bridge import local_stack, move_stack, redistribute_tensor
+from ..redistribution.executor import execute, run_plan_grid
+from ..redistribution.planner import plan_redistribution
+from ..moves import local_stack, move_stack, redistribute_tensor
 from ..sharding import (RULES, once_per_replica_set, replica_grid, run_kernel, run_local,
                         stack_grid)
 from ..strategy import _to

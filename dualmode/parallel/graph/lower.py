@@ -40,7 +40,7 @@ from ..._core._tensor import TensorBase
 from ..grad_reduce import is_dp_partial, replica_gradient_scale, resolves_pending
 from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
-from ..redistribute import plan_redistribution
+from ..redistribution.planner import plan_redistribution
 from ..rules.base import pending_sums
 from ..sharding import (RULES, made_by, plan_for, same_placement, shared_replicas,
                         wants_grids)

@@ -14,7 +14,8 @@ from ..._core._tensor import Deferred
 from ...communication.totals import (DeferredShares, as_stack, deferral_on, known_totals,
                                      remember_totals)
 from ...communication.trace import comm_cause
-from ..layout import LayoutSpec, TensorLayout
+from ..layout_spec import LayoutSpec
+from ..tensor_layout import TensorLayout
 from .planner import plan_redistribution
 from .steps import Plan
 

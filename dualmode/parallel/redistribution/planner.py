@@ -6,7 +6,9 @@ import math
 from typing import Dict, Tuple, Union
 
 from ..._core import _redist
-from ..layout import LayoutError, LayoutSpec, TensorLayout
+from .._layout_checks import LayoutError
+from ..layout_spec import LayoutSpec
+from ..tensor_layout import TensorLayout
 from .reference import _reference_raw
 from .steps import _BY_NAME, SEARCH_BUDGET, Plan, RedistributionError, Remesh
 
