@@ -80,7 +80,7 @@ def _configured_device_num() -> int:
 
 def _check_hand_started(launched: Optional[Tuple[str, str]]) -> None:
     """Refuse a process that says it is one of several ranks (``RANK_SIZE > 1``, as
-    seed 004's shell scripts set) but was not started by mpiexec: it would otherwise run
+    MindSpore's launch scripts set) but was not started by mpiexec: it would otherwise run
     alone, as rank 0 of 1, without a word."""
     if launched is not None:
         return
@@ -150,7 +150,7 @@ def init(backend_name: Optional[str] = None) -> None:
         raise TypeError(f"init: backend_name={backend_name!r} has type "
                         f"{type(backend_name).__name__}; expected a str or None")
     if context._STATE.ps.enable_ps:
-        # parameter server mode: the role from the environment (SPEC §6); the scheduler
+        # parameter server mode: the role from the environment; the scheduler
         # and the servers never return from the join
         if _PS_JOIN[0] is None:
             raise RuntimeError("init: set_ps_context(enable_ps=True) needs dualmode.ps, "

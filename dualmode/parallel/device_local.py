@@ -573,7 +573,7 @@ def device_local_apply(op, attrs, inputs, rec):
 def _per_device(op, attrs, arrays, local, n):
     """Every device applies `op` to its own values (stacks (n, *s) where `local[i]`, else
     plain values every device shares), in one call: the local computation of the op's
-    sharding rule (parallel/rules.py) with every input whole on every device, which
+    sharding rule (parallel/rules/) with every input whole on every device, which
     is exactly a per-device map."""
     lays, stacks = [], []
     for a, loc in zip(arrays, local):
