@@ -29,6 +29,13 @@ _FORWARD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal
             signal.SIGUSR2)
 
 
+def rank_command(log_dir: str, script: str, args) -> list:
+    """What mpiexec starts for each rank: this monitor (run by path) running the
+    wrapper (logs, environment, failure report) running the script."""
+    return [sys.executable, os.path.abspath(__file__), sys.executable, "-m",
+            "dualmode._rank_wrapper", "--log_dir", log_dir, script, *args]
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: be killed when the monitor dies (Linux)."""
     try:

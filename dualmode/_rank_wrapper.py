@@ -38,6 +38,7 @@ import traceback
 from typing import List, Optional, Tuple
 
 from .communication.rank_table import load_rank_table
+from .ps.workers_world import RANK_VAR
 
 FAIL_MARK = "[dualmode.run] rank "
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
@@ -46,8 +47,13 @@ _LOCAL_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
 #: environment variable naming the launcher's directory of per-rank state files
 STATE_DIR_VAR = "DM_RUN_STATE_DIR"
 _STATE_PERIOD = 0.25
-#: the module whose frames mean "blocked in an MPI collective"
-_COLLECTIVE_FILE = os.sep + os.path.join("communication", "mpi.py")
+#: the modules whose frames mean "blocked in an MPI collective" (the backend's, and the
+#: parameter server workers' joining into one world)
+_COLLECTIVE_FILES = (os.sep + os.path.join("communication", "mpi.py"),
+                     os.sep + os.path.join("ps", "workers_world.py"))
+#: a parameter server worker's id, set by ``dualmode.run --ps`` for the worker's own
+#: one-rank MPI job (its rank among the workers instead of its MPI rank)
+PS_WORKER_VAR = RANK_VAR
 
 
 def _env_first(names, default: Optional[str] = None) -> Optional[str]:
@@ -58,7 +64,11 @@ def _env_first(names, default: Optional[str] = None) -> Optional[str]:
 
 
 def _identity() -> Tuple[int, int, int]:
-    """(rank, size, local rank) from the MPI launcher's environment."""
+    """(rank, size, local rank) from the MPI launcher's environment (for a parameter
+    server worker of ``dualmode.run --ps``: its worker id and the worker count)."""
+    if os.environ.get(PS_WORKER_VAR):
+        rank = int(os.environ[PS_WORKER_VAR])
+        return rank, int(os.environ["DM_WORKER_NUM"]), rank
     rank = _env_first(_RANK_VARS)
     size = _env_first(_SIZE_VARS)
     if rank is None or size is None:
@@ -177,7 +187,7 @@ class _StateWriter:
             if top:
                 where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
                 top = False
-            if not in_coll and code.co_filename.endswith(_COLLECTIVE_FILE):
+            if not in_coll and code.co_filename.endswith(_COLLECTIVE_FILES):
                 in_coll = True
                 where = f"the MPI collective {code.co_name.lstrip('_')}"
             frame = frame.f_back

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ._rank_monitor import read_record
+from ._rank_monitor import rank_command, read_record
 from ._rank_wrapper import FAIL_MARK, STATE_DIR_VAR, read_state
 from . import k8s
 from .communication.rank_table import RankTable, load_rank_table
@@ -268,18 +268,6 @@ def build_command(cfg: LaunchConfig, hostfile: Optional[str] = None) -> List[str
     return cmd
 
 
-#: the per-rank monitor, run by path (it imports nothing of dualmode)
-MONITOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_monitor.py")
-
-
-def rank_command(log_dir: str, script: str, args: Sequence[str]) -> List[str]:
-    """What mpiexec starts for each rank: the monitor (which records how and when the
-    rank ended) running the wrapper (logs, environment, failure report) running the
-    script."""
-    return [sys.executable, MONITOR, sys.executable, "-m", "dualmode._rank_wrapper",
-            "--log_dir", log_dir, script, *args]
-
-
 def _write_hostfile(cfg: LaunchConfig, hosts: Sequence[Tuple[str, int]]) -> str:
     os.makedirs(cfg.log_dir, exist_ok=True)
     path = os.path.join(cfg.log_dir, "hostfile")
@@ -468,6 +456,7 @@ class _Job:
         """Poll mpiexec and the ranks until the job ends or must be ended."""
         timeout = self.cfg.timeout
         seen = {}                        # rank -> (progress, since)
+        first_seen = {}                  # (rank, status) of a monitor's record -> since
         exited_at = None
         last_progress = time.monotonic()
         tick = 0
@@ -481,6 +470,11 @@ class _Job:
                 continue
             self._read_states()
             now = time.monotonic()
+            first = self.first_exit()
+            if first is not None and now - first_seen.setdefault(first, now) >= EXIT_GRACE:
+                # mpiexec did not end the job by itself: the launcher does
+                self._end(_status_text(*first))
+                return
             for rank, st in self.states.items():
                 if seen.get(rank, (None,))[0] != st[3]:
                     seen[rank] = (st[3], now)

@@ -164,6 +164,12 @@ class Block:
             return f"h = h + Gather(){shard}(E, idx, 0)"
         if k == "onehot":
             return f"h = h + OneHot(){shard}(idx, 8, 1.0, 0.0)"
+        if k == "layernorm":        # gamma and beta both the parameter `a`
+            axes = "1, 1" if a == "b" else "1, 0"
+            return (f"y, m, v = LayerNorm({axes}){shard}(h, {a}, {a})\n"
+                    f"h = y + m * v")
+        if k == "l2norm":
+            return f"h = L2Normalize(axis={a}){shard}(h)"
         return k
 
 
@@ -233,6 +239,13 @@ def _apply_block(blk, h, h0, params, idx):
         return h + prim("Gather")(E, idx, 0)
     if k == "onehot":
         return h + prim("OneHot")(idx, F, 1.0, 0.0)
+    if k == "layernorm":
+        ln = ops.LayerNorm(1, 1 if blk.arg == "b" else 0)
+        y, m, v = (ln.shard(s) if s is not None else ln)(h, params[blk.arg], params[blk.arg])
+        return y + m * v
+    if k == "l2norm":
+        l2 = ops.L2Normalize(axis=blk.arg)
+        return (l2.shard(s) if s is not None else l2)(h)
     raise AssertionError(k)
 
 
@@ -264,7 +277,7 @@ def _split(draw, shape, total=8):
 @st.composite
 def _block(draw, with_strategy):
     kinds = ["unary", "binary_param", "binary_skip", "matmul", "bias_add", "reduce",
-             "softmax", "reshape", "transpose", "gather", "onehot"]
+             "softmax", "reshape", "transpose", "gather", "onehot", "layernorm", "l2norm"]
     k = draw(st.sampled_from(kinds))
     sharded = with_strategy and draw(st.booleans())
     if k == "unary":
@@ -307,6 +320,19 @@ def _block(draw, with_strategy):
             return Block(k, "Gather")
         fv, fe, fi = draw(_split((V, F, B)))
         return Block(k, "Gather", ((fv, fe), (fi,)))
+    if k == "layernorm":            # rows split; gamma (16, 8) follows them, (8,) is whole
+        arg = draw(st.sampled_from(["b", "U"]))
+        if not sharded:
+            return Block(k, "LayerNorm", None, arg)
+        f = draw(_F)
+        return Block(k, "LayerNorm", ((f, 1), (1,), (1,)) if arg == "b" else
+                     ((f, 1), (f, 1), (f, 1)), arg)
+    if k == "l2norm":               # the normalised axis whole, the other split
+        axis = draw(st.sampled_from([0, 1, -1]))
+        if not sharded:
+            return Block(k, "L2Normalize", None, axis)
+        f = draw(_F)
+        return Block(k, "L2Normalize", ((1, f),) if axis == 0 else ((f, 1),), axis)
     if not sharded:
         return Block(k, "OneHot")
     spell = draw(st.booleans())
@@ -316,7 +342,7 @@ def _block(draw, with_strategy):
 
 def _param_of(blk):
     return {"matmul": "W", "bias_add": "b", "gather": "E"}.get(
-        blk.kind, blk.arg if blk.kind == "binary_param" else None)
+        blk.kind, blk.arg if blk.kind in ("binary_param", "layernorm") else None)
 
 
 def _one_strategy_per_parameter(blocks):
@@ -527,7 +553,7 @@ def test_invalid_strategies_are_refused_by_name():
 def test_every_registered_op_is_fuzzed_or_excused():
     blocks = {"MatMul", "BiasAdd", "ReduceSum", "ReduceMean", "Softmax", "LogSoftmax",
               "Reshape", "Transpose", "Gather", "OneHot",
-              "SparseSoftmaxCrossEntropyWithLogits"}
+              "SparseSoftmaxCrossEntropyWithLogits", "LayerNorm", "L2Normalize"}
     elementwise = set(UNARY) | set(BINARY)
     no_backward = {n for n, op in REGISTRY.items()
                    if op.kind in (KIND_UNARY, KIND_BINARY) and n not in elementwise}

@@ -118,3 +118,58 @@ def test_help_of_image_and_mpiexec_says_what_they_do():
     assert f"default image `{k8s.DEFAULT_IMAGE}`" in docs
     manifests = k8s.to_yaml(k8s.mpijob_manifests("train.py", (), 2))
     assert f'"{k8s.DEFAULT_IMAGE}"' in manifests or k8s.DEFAULT_IMAGE in manifests
+
+
+# ------------------------------------------- parameter server: a worker dies
+
+
+def _ps_launch(tmp_path, cfg, timeout=120):
+    import json
+    s = _copy(tmp_path, "ps_scripts", "fault_kill_worker.py")
+    shutil.copy(os.path.join(ROOT, "tests", "ps_scripts", "train_ps.py"), tmp_path)
+    return launch("--ps", "--server_num", 2, "--worker_num", 2, "--log_dir",
+                  tmp_path / "logs", s, json.dumps(cfg), tmp_path, cwd=tmp_path,
+                  timeout=timeout)
+
+
+def test_ps_worker_killed_under_the_launcher_the_other_finishes(tmp_path):
+    """Every trainable weight on the servers: worker 1 SIGKILLed at step 2 of 5 does not
+    end worker 0 (each worker is its own MPI job); after the heartbeat timeout the
+    servers apply the steps with worker 0 alone, so its weights equal the single
+    device trained on both batches for steps 0-1 and on worker 0's from step 2. The
+    launcher says at once that worker 1 died, and exits 1 at the end naming it."""
+    import numpy as np
+    from _ps import program
+    cfg = {"opt": "momentum", "steps": 5, "kill_rank": 1, "kill_at": 2}
+    proc = _ps_launch(tmp_path, cfg)
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, out
+    assert proc.stderr.count("dualmode.run: worker 1 was killed by signal 9 (SIGKILL)") == 2, out
+    assert "the other roles finished without it" in proc.stderr, out
+    assert not os.path.exists(tmp_path / "worker_1.npz")
+    data = np.load(tmp_path / "worker_0.npz")
+    assert len(data["arr_0"]) == 5
+    _, ref = program().reference(cfg, workers=2, alive_until={1: 2})
+    got = [data[f"arr_{i}"] for i in range(1, len(data.files))]
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    logs = (tmp_path / "logs" / "server_0.log").read_text()
+    assert "sync steps go on with the live workers [0]" in logs, logs
+    assert no_survivors(str(tmp_path)) == []
+
+
+def test_ps_hybrid_worker_killed_ends_the_job_naming_it(tmp_path):
+    """fc2 all-reduced among the workers: worker 0 waits for the dead worker 1 in the
+    AllReduce; the launcher ends every role within 30 s of the kill, naming worker 1."""
+    cfg = {"opt": "sgd", "steps": 5, "hybrid": True, "kill_rank": 1, "kill_at": 2}
+    proc = _ps_launch(tmp_path, cfg)
+    ended = time.time()
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, out
+    killed_at = float((tmp_path / "killed_at").read_text())
+    assert ended - killed_at < 30, (ended - killed_at, out)
+    assert ("dualmode.run: worker 1 was killed by signal 9 (SIGKILL) while worker 0 waits "
+            "for it in the MPI collective") in proc.stderr, out
+    assert not os.path.exists(tmp_path / "worker_0.npz")
+    assert no_survivors(str(tmp_path)) == []

@@ -831,6 +831,10 @@ INFER_TABLE = {
                           lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
     "BatchNorm": ({"is_training": True, "epsilon": 1e-5, "count": 32},
                   lambda d: (_arr((2, 3, 4, 4), d),) + tuple(_arr((3,), d, k) for k in range(4))),
+    # normalisations (tests/test_norm_ops.py checks them against numpy)
+    "LayerNorm": ({"begin_norm_axis": 1, "begin_params_axis": 2, "epsilon": 1e-7},
+                  lambda d: (_arr((2, 3, 4), d), _arr((4,), d, 1), _arr((4,), d, 2))),
+    "L2Normalize": ({"axis": (1,), "epsilon": 1e-4}, lambda d: (_arr((2, 3), d),)),
 }
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
 

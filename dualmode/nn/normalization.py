@@ -25,7 +25,9 @@ class LayerNorm(Cell):
     """Layer normalisation: ``(x - mean) / sqrt(var + epsilon) * gamma + beta``.
 
     Mean and (biased) variance are taken over the axes from `begin_norm_axis` to the
-    last; `gamma` and `beta` cover the axes from `begin_params_axis` to the last.
+    last; `gamma` and `beta` cover the axes from `begin_params_axis` to the last. The
+    computation is one ``ops.LayerNorm`` op, held as ``self.layer_norm``: as in
+    MindSpore, ``cell.layer_norm.shard(((8, 1), (1,), (1,)))`` splits the rows.
 
     Parameters
     ----------
@@ -59,6 +61,9 @@ class LayerNorm(Cell):
                                     self.normalized_shape, dtype, "gamma")
         self.beta = make_parameter("LayerNorm", "beta_init", beta_init,
                                    self.normalized_shape, dtype, "beta")
+        # the op, as MindSpore's cell holds it: ``.layer_norm.shard(...)`` sets its strategy
+        self.layer_norm = ops.LayerNorm(self.begin_norm_axis, self.begin_params_axis,
+                                        self.epsilon)
 
     def construct(self, x):
         check_float_tensor("LayerNorm", "input", x)
@@ -66,18 +71,17 @@ class LayerNorm(Cell):
         nd = len(shape)
         if nd == 0:
             raise ValueError("LayerNorm: the input is 0-d; expected rank >= 1")
-        norm = _axis("LayerNorm", "begin_norm_axis", self.begin_norm_axis, nd)
+        _axis("LayerNorm", "begin_norm_axis", self.begin_norm_axis, nd)
         par = _axis("LayerNorm", "begin_params_axis", self.begin_params_axis, nd)
         if shape[par:] != self.normalized_shape:
             raise ValueError(f"LayerNorm: input has shape {shape}; its dims from "
                              f"begin_params_axis={self.begin_params_axis} are {shape[par:]} "
                              f"but normalized_shape is {self.normalized_shape}")
-        axes = tuple(range(norm, nd))
-        mean = ops.reduce_mean(x, axes, True)
-        centered = ops.sub(x, mean)
-        var = ops.reduce_mean(ops.mul(centered, centered), axes, True)
-        y = ops.div(centered, ops.sqrt(ops.add(var, self.epsilon)))
-        return ops.add(ops.mul(y, self.gamma), self.beta)
+        gamma, beta = self.gamma, self.beta
+        if gamma.dtype != x.dtype:           # as MindSpore: the parameters in x's dtype
+            gamma, beta = ops.cast(gamma, x.dtype), ops.cast(beta, x.dtype)
+        y, _, _ = self.layer_norm(x, gamma, beta)
+        return y
 
     def extend_repr(self):
         return (f"normalized_shape={self.normalized_shape}, "

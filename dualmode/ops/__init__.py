@@ -17,6 +17,8 @@ from .primitives import (Abs, Add, BatchMatMul, BiasAdd, Cast, Concat, Div, Drop
                          Softmax, SoftmaxCrossEntropyWithLogits,
                          SparseSoftmaxCrossEntropyWithLogits, Split, Sqrt, Square, Squeeze,
                          StopGradient, StridedSlice, Sub, Tanh, Transpose, ZerosLike)
+# normalisations
+from .primitives import L2Normalize, LayerNorm  # noqa: E402
 
 _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAST, _promote)
 
@@ -31,6 +33,7 @@ __all__ = list(_functional_names) + ["shard",
     "StopGradient", "StridedSlice", "Sub", "Tanh", "Transpose", "ZerosLike",
     "Conv2D", "MaxPool", "AvgPool", "BatchNorm",
 ]
+__all__ += ["LayerNorm", "L2Normalize"]
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="CPU", level=0):

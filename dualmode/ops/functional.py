@@ -38,3 +38,8 @@ def scalar_to_array(x, dtype=None):
 
 
 scalar_to_tensor = scalar_to_array
+
+# normalisations: LayerNorm, L2Normalize
+from ._norm import l2_normalize, layer_norm  # noqa: E402
+
+__all__ += ["layer_norm", "l2_normalize"]

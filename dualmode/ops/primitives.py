@@ -12,6 +12,7 @@ from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entr
                   sparse_softmax_cross_entropy_mean)
 from ._registry import apply, const
 from .primitive import Primitive
+from ._norm import l2_normalize, l2_normalize_axes, layer_norm_axes, layer_norm_op
 
 
 def _bool(opname, key, v):
@@ -387,3 +388,96 @@ class BatchNorm(Primitive):
         y, m, v = batch_norm_op(x, scale, bias, mean, variance, self.is_training,
                                 self.epsilon)
         return y, m, v, m, v
+
+
+# ---------------------------------------------------------------------------
+# normalisations: LayerNorm, L2Normalize
+# ---------------------------------------------------------------------------
+def _parts(entry, d):
+    """How many parts strategy entry `entry` (a tuple or an applied Layout) splits dim `d`
+    into."""
+    if isinstance(entry, tuple):
+        return entry[d]
+    sizes = dict(zip(entry.alias_name, entry.device_matrix))
+    return int(np.prod([sizes[a] for a in entry.spec[d]]))
+
+
+def _whole_dims(prim, entry, x, dims, what):
+    """Refuse a strategy entry for input 0 that splits one of `dims` (MindSpore refuses
+    such strategies too)."""
+    if not isinstance(entry, tuple) and not hasattr(entry, "spec"):
+        return
+    for d in dims:
+        if d < len(x.shape) and _parts(entry, d) != 1:
+            raise ValueError(f"{prim.name}: in_strategy[0][{d}]={_parts(entry, d)} splits dim "
+                             f"{d} of input 0, {what}; it must be 1 (keep dim {d} whole, "
+                             f"{_whole_example(entry, dims)})")
+
+
+def _whole_example(entry, dims):
+    if not isinstance(entry, tuple):
+        return "'None' for it in the layout"
+    return f"e.g. in_strategy[0]={tuple(1 if d in dims else v for d, v in enumerate(entry))}"
+
+
+class LayerNorm(Primitive):
+    """LayerNorm(begin_norm_axis=1, begin_params_axis=1, epsilon=1e-7)(input_x, gamma,
+    beta) -> (y, mean, variance), as MindSpore's primitive, one op: x normalised over its
+    dims from begin_norm_axis with their mean and biased variance, times gamma plus beta
+    (both of x's shape from begin_params_axis); mean and variance keep the normalised
+    dims as 1s. Its strategy has one entry per input and may split only the dims before
+    begin_norm_axis, e.g. ((8, 1), (1,), (1,)) for rows of a 2-d input; gamma and beta
+    follow x's split of their dims."""
+    name = "LayerNorm"
+
+    def __init__(self, begin_norm_axis=1, begin_params_axis=1, epsilon=1e-7):
+        super().__init__()
+        for key, v in (("begin_norm_axis", begin_norm_axis),
+                       ("begin_params_axis", begin_params_axis)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"LayerNorm: {key} must be an int, got {v!r}")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or \
+                not epsilon >= 0:
+            raise TypeError(f"LayerNorm: epsilon must be a non-negative float, got "
+                            f"{epsilon!r}")
+        self.begin_norm_axis = int(begin_norm_axis)
+        self.begin_params_axis = int(begin_params_axis)
+        self.epsilon = float(epsilon)
+
+    def _check_inputs(self, tensors, st):
+        super()._check_inputs(tensors, st)
+        x = tensors[0]
+        bna, _ = layer_norm_axes(self.name, self.begin_norm_axis, self.begin_params_axis,
+                                 len(x.shape))
+        _whole_dims(self, st[0], x, range(bna, len(x.shape)),
+                    f"a normalised dim (begin_norm_axis={self.begin_norm_axis})")
+
+    def construct(self, input_x, gamma, beta):
+        return layer_norm_op(input_x, gamma, beta, self.begin_norm_axis,
+                             self.begin_params_axis, self.epsilon)
+
+
+class L2Normalize(Primitive):
+    """L2Normalize(axis=0, epsilon=1e-4)(x) = x / sqrt(max(sum(x^2, axis), epsilon)), as
+    MindSpore's primitive; `axis` an int or a tuple/list of ints. Its strategy may split
+    every dim but the normalised ones, e.g. ((1, 8),) with axis=0."""
+    name = "L2Normalize"
+
+    def __init__(self, axis=0, epsilon=1e-4):
+        super().__init__()
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer, tuple, list)):
+            raise TypeError(f"L2Normalize: axis must be an int or a tuple/list of ints, got "
+                            f"{axis!r}")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+            raise TypeError(f"L2Normalize: epsilon must be a float, got {epsilon!r}")
+        self.axis = tuple(axis) if isinstance(axis, list) else axis
+        self.epsilon = float(epsilon)
+
+    def _check_inputs(self, tensors, st):
+        super()._check_inputs(tensors, st)
+        x = tensors[0]
+        axes = l2_normalize_axes(self.axis, len(x.shape))
+        _whole_dims(self, st[0], x, axes, f"a normalised dim (axis={self.axis})")
+
+    def construct(self, x):
+        return l2_normalize(x, self.axis, self.epsilon)

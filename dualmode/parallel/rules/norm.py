@@ -1,4 +1,7 @@
-"""Sharding rules of the normalisations. BatchNorm: the per-channel (sum, sum of
+"""Sharding rules of the normalisations. LayerNorm: the dims before begin_norm_axis (the
+rows) keep their split, the normalised dims are whole on each device, gamma and beta
+follow x's split of their dims and the statistics x's rows; nothing is communicated.
+BatchNorm: the per-channel (sum, sum of
 squares) over N/H/W splits is a pending sum; folding it into mean and variance is not
 linear, so the dispatcher resolves it first with one AllReduce of the (2, C) buffer:
 global-batch statistics, as one device. The BatchNorm op (the primitive, one op with one
@@ -9,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops import _conv as C
+from ...ops import _norm as N
 from ...ops._registry import REGISTRY
 from ..devices import backend as _backend
 from ..devices import op_cause
 from ..sharding import ShardPlan, layout, register_rule
 
-__all__ = ["bn_pairs"]
+__all__ = ["bn_pairs", "layer_norm_pairs"]
 
 
 @register_rule("BatchNormStats", per_device=True)
@@ -106,3 +110,46 @@ def _batch_norm(attrs, lays, dtypes):
                                   all_reduce=all_reduce if members is not None else None)
 
     return ShardPlan((x,) + (per_channel,) * 4, (x, per_channel, per_channel), local)
+
+
+# ---------------------------------------------------------------------------
+# LayerNorm (x, gamma, beta) -> (y, mean, variance)
+# ---------------------------------------------------------------------------
+def _ln_axes(prim, xs):
+    try:
+        return N.layer_norm_axes(prim.name, prim.begin_norm_axis, prim.begin_params_axis,
+                                 xs[0].ndim)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def layer_norm_pairs(prim, xs):
+    """LayerNorm's shared dims: gamma's and beta's dims are x's from begin_params_axis."""
+    axes = _ln_axes(prim, xs) if len(xs) == 3 else None
+    if axes is None:
+        return []
+    bpa = axes[1]
+    tail = tuple(xs[0].shape[bpa:])
+    return [(0, bpa + d, j, d, f"dim {bpa + d}") for j in (1, 2)
+            if tuple(xs[j].shape) == tail for d in range(len(tail))]
+
+
+@register_rule("LayerNorm", per_device=True, shared=layer_norm_pairs)
+def _layer_norm(attrs, lays, dtypes):
+    """The rows (dims before begin_norm_axis) keep x's split; the normalised dims are
+    made whole; gamma and beta take x's split of their dims; each device normalises its
+    rows with their own statistics, as one device does."""
+    if any(lay is None or lay.partial for lay in lays):
+        return None
+    x = lays[0]
+    dm = x.device_matrix
+    bna, bpa = attrs["begin_norm_axis"], attrs["begin_params_axis"]
+    tmap = [m if d < bna else () for d, m in enumerate(x.tensor_map)]
+    need_x = layout(dm, tmap, x.shape)
+    need_p = layout(dm, tmap[bpa:], x.shape[bpa:])
+    stats = layout(dm, tmap, x.shape[:bna] + (1,) * (len(x.shape) - bna))
+
+    def local(attrs, stacks):
+        return N.layer_norm_stack(attrs, *stacks)
+
+    return ShardPlan((need_x, need_p, need_p), (need_x, stats, stats), local)
