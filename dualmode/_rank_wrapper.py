@@ -1,7 +1,10 @@
-"""One rank of a job started by :mod:`dualmode.run` (``mpiexec ... python -m
-dualmode._rank_wrapper --log_dir DIR [--echo_rank 0] -- script.py args``).
+"""One rank of a job started by :mod:`dualmode.run` (``mpiexec ... python
+.../_rank_monitor.py python -m dualmode._rank_wrapper --log_dir DIR [--echo_rank 0] --
+script.py args``: the monitor runs this wrapper as its child).
 
-It reads its rank from the MPI launcher (``PMI_RANK`` / ``OMPI_COMM_WORLD_RANK``), sets
+It reads its rank from the MPI launcher (``PMI_RANK`` / ``OMPI_COMM_WORLD_RANK``; for a
+worker of ``dualmode.run --ps``, which runs as its own one-rank MPI job, its worker id
+``DM_PS_WORKER_RANK`` and the worker count ``DM_WORKER_NUM``), sets
 ``RANK_ID`` and ``RANK`` (the rank), ``RANK_SIZE`` and ``WORLD_SIZE`` (the world size),
 ``LOCAL_RANK`` (the rank's index on its node) and ``DEVICE_ID`` (the local rank, or the
 rank's ``device_id`` in ``RANK_TABLE_FILE``), sends its stdout and stderr to
