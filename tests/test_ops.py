@@ -717,6 +717,15 @@ case("batch_norm-inference", lambda x, m, v, g, b: F.batch_norm(x, m, v, g, b),
      [(2, 3, 4, 4), (3,), np.linspace(0.5, 1.5, 3).astype(np.float32), (3,), (3,)],
      ["batch_norm"], rtol=1e-5, atol=1e-5)
 
+# normalisations (tests/test_norm_ops.py: every mode, sharded, errors)
+case("layer_norm", lambda x, g, b: F.layer_norm(x, (3, 4), g, b, 1e-5),
+     lambda x, g, b: ((x - x.mean((1, 2), keepdims=True))
+                      / np.sqrt(x.var((1, 2), keepdims=True) + 1e-5) * g + b),
+     [(2, 3, 4), (3, 4), (3, 4)], ["layer_norm"], rtol=1e-5, atol=1e-6)
+case("l2_normalize", lambda x: F.l2_normalize(x, 1),
+     lambda x: x / np.sqrt(np.maximum(np.square(x).sum(1, keepdims=True), 1e-4)),
+     [(3, 4)], ["l2_normalize"])
+
 
 def test_every_functional_form_is_tested():
     dedicated = {"one_hot", "zeros", "ones", "zeros_like", "ones_like", "shape",
