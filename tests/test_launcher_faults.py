@@ -173,3 +173,15 @@ def test_ps_hybrid_worker_killed_ends_the_job_naming_it(tmp_path):
             "for it in the MPI collective") in proc.stderr, out
     assert not os.path.exists(tmp_path / "worker_0.npz")
     assert no_survivors(str(tmp_path)) == []
+
+
+def test_ps_worker_dead_before_the_workers_joined_ends_the_job(tmp_path):
+    """Worker 1 dies before init(): worker 0 waits for it to join the workers' MPI
+    world; the launcher ends every role, naming worker 1."""
+    cfg = {"opt": "sgd", "steps": 2, "kill_rank": 1, "kill_at": -1}
+    proc = _ps_launch(tmp_path, cfg)
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1 and proc.seconds < TIMEOUT, out
+    assert ("dualmode.run: worker 1 was killed by signal 9 (SIGKILL) before the workers "
+            "joined their MPI world, for which worker 0 waits in init()") in proc.stderr, out
+    assert no_survivors(str(tmp_path)) == []

@@ -234,6 +234,10 @@ def _shared_fate(workers, dead: Dict[int, str], state_dir: str,
         since = waiting_since.setdefault(i, now)
         if now - since >= _SHARED_FATE_GRACE:
             first = min(dead)
+            if st[4].endswith(("join_workers", "merge")):
+                return (f"worker {first} {dead[first]} before the workers joined their "
+                        f"MPI world, for which worker {i} waits in init() (ended every "
+                        "role)")
             return (f"worker {first} {dead[first]} while worker {i} waits for it in "
                     f"{st[4]}: the workers all-reduce the weights that are not on the "
                     "servers, so they cannot go on without it (ended every role)")

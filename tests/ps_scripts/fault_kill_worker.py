@@ -3,7 +3,8 @@
 
 CONFIG: train_ps.py's keys (opt, steps, hybrid, hb_timeout, ...) and ``kill_rank``,
 ``kill_at``: that worker SIGKILLs itself at the start of step ``kill_at`` (after
-writing the time to OUT_DIR/killed_at). Each worker that finishes writes
+writing the time to OUT_DIR/killed_at), or before ``init()`` when ``kill_at`` < 0
+(under ``dualmode.run --ps``, whose ``DM_PS_WORKER_RANK`` gives the worker's id). Each worker that finishes writes
 OUT_DIR/worker_<rank>.npz as train_ps.py does: its losses and final weights.
 """
 import importlib.util
@@ -31,6 +32,9 @@ def main():
                       heartbeat_timeout=cfg.get("hb_timeout", 2.0), connect_timeout=30.0)
     if cfg.get("hybrid"):
         dm.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
+    if cfg["kill_at"] < 0 and os.environ.get("DM_ROLE") == "DM_WORKER" and \
+            os.environ.get("DM_PS_WORKER_RANK") == str(cfg["kill_rank"]):
+        os.kill(os.getpid(), signal.SIGKILL)     # before init(): the workers never joined
     dm.communication.init()
     rank = dm.communication.get_rank()
     workers = dm.communication.get_group_size()
