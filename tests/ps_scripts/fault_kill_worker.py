@@ -4,8 +4,9 @@
 CONFIG: train_ps.py's keys (opt, steps, hybrid, hb_timeout, ...) and ``kill_rank``,
 ``kill_at``: that worker SIGKILLs itself at the start of step ``kill_at`` (after
 writing the time to OUT_DIR/killed_at), or before ``init()`` when ``kill_at`` < 0
-(under ``dualmode.run --ps``, whose ``DM_PS_WORKER_RANK`` gives the worker's id). Each worker that finishes writes
-OUT_DIR/worker_<rank>.npz as train_ps.py does: its losses and final weights.
+(under ``dualmode.run --ps``, whose ``DM_PS_WORKER_RANK`` gives the worker's id).
+Each worker that finishes writes OUT_DIR/worker_<rank>.npz as train_ps.py does: its
+losses and final weights.
 """
 import importlib.util
 import json
