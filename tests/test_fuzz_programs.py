@@ -46,8 +46,8 @@ RTOL, ATOL = 1e-4, 1e-5
 # the ops: elementwise ones straight from the registry
 # ---------------------------------------------------------------------------
 #: elementwise ops whose inputs must be kept in a domain (the input is mapped first)
-_POSITIVE = {"Log", "Sqrt", "Pow"}          # inputs in (0.5, 1.5)
-_NONZERO_RIGHT = {"RealDiv"}                # divisor in (0.5, 1.5)
+_POSITIVE = {"Log", "Sqrt", "Pow", "Rsqrt", "Reciprocal"}    # inputs in (0.5, 1.5)
+_NONZERO_RIGHT = {"RealDiv", "Mod", "FloorMod"}               # divisor in (0.5, 1.5)
 
 
 def _float_elementwise(kind):
@@ -160,6 +160,15 @@ class Block:
             return f"h = Reshape()(Tanh(){shard}(Reshape()(h, {a})), (16, 8))"
         if k == "transpose":
             return f"h = Transpose()(Tanh(){shard}(Transpose()(h, (1, 0))), (1, 0))"
+        if k == "select":        # continuous: both branches are 0 where h is
+            mask = {"LogicalAnd": "LogicalAnd()(h > 0, h0 > 0)",
+                    "LogicalOr": "LogicalOr()(h > 0, h0 > 0)",
+                    "LogicalNot": "LogicalNot()(h > 0)"}.get(a, "h > 0")
+            return f"h = Select(){shard}({mask}, h, h * 0.25)"
+        if k == "addn":
+            return f"h = AddN(){shard}((h, h0, h * h0))"
+        if k == "prelu":
+            return f"h = PReLU(){shard}(h, b)"
         if k == "gather":
             return f"h = h + Gather(){shard}(E, idx, 0)"
         if k == "onehot":
@@ -235,6 +244,17 @@ def _apply_block(blk, h, h0, params, idx):
         return ops.reshape(prim("Tanh")(ops.reshape(h, blk.arg)), (B, F))
     if k == "transpose":
         return ops.transpose(prim("Tanh")(ops.transpose(h, (1, 0))), (1, 0))
+    if k == "select":
+        mask = ops.greater(h, 0.0)
+        if blk.arg == "LogicalNot":
+            mask = ops.LogicalNot()(mask)
+        elif blk.arg is not None:
+            mask = getattr(ops, blk.arg)()(mask, ops.greater(h0, 0.0))
+        return prim("Select")(mask, h, h * 0.25)
+    if k == "addn":
+        return prim("AddN")((h, h0, h * h0))
+    if k == "prelu":
+        return prim("PReLU")(h, b)
     if k == "gather":
         return h + prim("Gather")(E, idx, 0)
     if k == "onehot":
@@ -278,8 +298,10 @@ def _split(draw, shape, total=8):
 def _block(draw, with_strategy):
     kinds = ["unary", "binary_param", "binary_skip", "matmul", "bias_add", "reduce",
              "softmax", "reshape", "transpose", "gather", "onehot", "layernorm", "l2norm"]
-    k = draw(st.sampled_from(kinds))
+    k = draw(st.sampled_from(kinds + _ELEMENTWISE_MORE))
     sharded = with_strategy and draw(st.booleans())
+    if k in _ELEMENTWISE_MORE:
+        return _elementwise_more_block(draw, k, sharded)
     if k == "unary":
         op = draw(st.sampled_from(UNARY))
         return Block(k, op, (draw(_split((B, F))),) if sharded else None)
@@ -340,8 +362,22 @@ def _block(draw, with_strategy):
     return Block(k, "OneHot", (s, (), ()) if spell else (s,))
 
 
+#: blocks of Select (after a logical op), AddN and PReLU
+_ELEMENTWISE_MORE = ["select", "addn", "prelu"]
+
+
+def _elementwise_more_block(draw, k, sharded):
+    s = draw(_split((B, F))) if sharded else None
+    if k == "select":         # the mask is h > 0, combined by a logical op (or not)
+        logical = draw(st.sampled_from([None, "LogicalAnd", "LogicalOr", "LogicalNot"]))
+        return Block(k, "Select", (s, s, s) if sharded else None, logical)
+    if k == "addn":
+        return Block(k, "AddN", (s, s, s) if sharded else None)
+    return Block(k, "PReLU", (s, (s[1],)) if sharded else None)     # b: per channel
+
+
 def _param_of(blk):
-    return {"matmul": "W", "bias_add": "b", "gather": "E"}.get(
+    return {"matmul": "W", "bias_add": "b", "gather": "E", "prelu": "b"}.get(
         blk.kind, blk.arg if blk.kind in ("binary_param", "layernorm") else None)
 
 
@@ -554,6 +590,7 @@ def test_every_registered_op_is_fuzzed_or_excused():
     blocks = {"MatMul", "BiasAdd", "ReduceSum", "ReduceMean", "Softmax", "LogSoftmax",
               "Reshape", "Transpose", "Gather", "OneHot",
               "SparseSoftmaxCrossEntropyWithLogits", "LayerNorm", "L2Normalize"}
+    blocks |= {"Select", "LogicalAnd", "LogicalOr", "LogicalNot", "AddN", "PReLU"}
     elementwise = set(UNARY) | set(BINARY)
     no_backward = {n for n, op in REGISTRY.items()
                    if op.kind in (KIND_UNARY, KIND_BINARY) and n not in elementwise}

@@ -822,6 +822,25 @@ INFER_TABLE = {
     "Less": (None, lambda d: (_arr((3,), d), _arr((3,), d, 1))),
     "LessEqual": (None, lambda d: (_arr((3,), d), _arr((3,), d, 1))),
     "Greater": (None, lambda d: (_arr((3,), d), _arr((3,), d, 1))),
+    # more elementwise ops (tests/test_ops_elementwise_more.py: every mode)
+    "GeLU": (None, lambda d: (_arr((2, 3), d),)),
+    "FastGeLU": (None, lambda d: (_arr((2, 3), d),)),
+    "GeLUGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
+    "FastGeLUGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
+    "Erf": (None, lambda d: (_arr((2, 3), d),)),
+    "Rsqrt": (None, lambda d: (_arr((2, 3), d),)),
+    "Reciprocal": (None, lambda d: (_arr((2, 3), d),)),
+    "Select": (None, lambda d: (_arr((3, 1), np.bool_), _arr((4,), d, 1), _arr((3, 4), d, 2))),
+    "Mod": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "FloorMod": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "FloorDiv": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "TruncateDiv": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "SquaredDifference": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "LogicalAnd": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "LogicalOr": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "LogicalNot": (None, lambda d: (_arr((2, 3), d),)),
+    "AddN": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1), _arr((2, 3), d, 2))),
+    "PReLU": (None, lambda d: (_arr((2, 3, 2), d), _arr((3,), d, 1))),
     # image ops (tests/test_conv_ops.py checks them against direct references)
     "Conv2D": ({"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((4, 3, 3, 3), d, 1))),
     "Conv2DBackpropInput": ({**{"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, "in_hw": (5, 5)},
@@ -876,3 +895,40 @@ def test_infer_matches_kernel_across_dtypes(name, dtype):
     assert got == want, f"{name}[{np.dtype(dtype)}]: infer {want}, kernel {got}"
     for o in outs:
         assert type(o._data) is np.ndarray
+
+
+# ---------------------------------------------------------------------------
+# more elementwise ops (in every mode in tests/test_ops_elementwise_more.py)
+# ---------------------------------------------------------------------------
+import math  # noqa: E402
+
+case("gelu-none", F.gelu, lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(
+    x.astype(np.float64) / math.sqrt(2))), [(3, 4)], ["gelu"], out_dtype=np.float32)
+case("fast_gelu", F.fast_gelu, lambda x: x * np_sigmoid(1.702 * x.astype(np.float64)),
+     [(3, 4)], ["fast_gelu"], out_dtype=np.float32)
+case("erf", F.erf, np.vectorize(math.erf, otypes=[np.float32]), [(3, 4)], ["erf"])
+case("rsqrt", F.rsqrt, lambda x: 1 / np.sqrt(x), [positive((3, 4))], ["rsqrt"])
+case("reciprocal", F.reciprocal, lambda x: 1 / x, [away_from_zero((3, 4))], ["reciprocal"])
+case("select", lambda x, y: F.select(Tensor(np.array([True, False, True, False])), x, y),
+     lambda x, y: np.where([True, False, True, False], x, y), [(3, 4), (3, 4)], ["select"])
+case("fmod", F.fmod, np.fmod, [np.array([-7.5, 5.5, 2.25], np.float32),
+                               np.array([2.0, -2.0, 1.0], np.float32)], ["fmod"])
+case("floor_mod", F.floor_mod, np.mod, [np.array([-7.5, 5.5, 2.25], np.float32),
+                                        np.array([2.0, -2.0, 1.0], np.float32)], ["floor_mod"])
+case("floor_div", F.floor_div, np.floor_divide, [(3, 4), away_from_zero((4,))], ["floor_div"],
+     grad=False)
+case("truncate_div", F.truncate_div, lambda a, b: np.trunc(a / b), [(3, 4), away_from_zero((4,))],
+     ["truncate_div"], grad=False)
+case("squared_difference", F.squared_difference, lambda a, b: (a - b) ** 2, [(3, 4), (4,)],
+     ["squared_difference"])
+case("logical_and", F.logical_and, np.logical_and, [np.array([True, False, True]),
+                                                    np.array([True, True, False])],
+     ["logical_and"], grad=False)
+case("logical_or", F.logical_or, np.logical_or, [np.array([True, False, False]),
+                                                  np.array([True, True, False])],
+     ["logical_or"], grad=False)
+case("logical_not", F.logical_not, np.logical_not, [np.array([True, False])], ["logical_not"],
+     grad=False)
+case("addn", lambda a, b: F.addn([a, b]), np.add, [(3, 4), (3, 4)], ["addn"])
+case("prelu", F.prelu, lambda x, w: np.where(x > 0, x, x * w[:, None]),
+     [away_from_zero((2, 3, 4)), (3,)], ["prelu"])

@@ -20,6 +20,11 @@ from .primitives import (Abs, Add, BatchMatMul, BiasAdd, Cast, Concat, Div, Drop
 # normalisations
 from .primitives import L2Normalize, LayerNorm  # noqa: E402
 
+# more elementwise ops
+from .primitives import (AddN, Erf, FastGeLU, FloorDiv, FloorMod, GeLU,  # noqa: E402
+                         LogicalAnd, LogicalNot, LogicalOr, Mod, PReLU, Reciprocal, Rsqrt,
+                         Select, SquaredDifference, TruncateDiv)
+
 _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAST, _promote)
 
 __all__ = list(_functional_names) + ["shard", 
@@ -34,6 +39,9 @@ __all__ = list(_functional_names) + ["shard",
     "Conv2D", "MaxPool", "AvgPool", "BatchNorm",
 ]
 __all__ += ["LayerNorm", "L2Normalize"]
+__all__ += ["AddN", "Erf", "FastGeLU", "FloorDiv", "FloorMod", "GeLU", "LogicalAnd",
+            "LogicalNot", "LogicalOr", "Mod", "PReLU", "Reciprocal", "Rsqrt", "Select",
+            "SquaredDifference", "TruncateDiv"]
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="CPU", level=0):

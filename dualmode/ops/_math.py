@@ -774,3 +774,462 @@ def bias_add(x, bias):
     if not isinstance(bias, TensorBase):
         bias = const(bias, "BiasAdd")
     return apply(BIAS_ADD, None, (x, bias))
+
+
+# ---------------------------------------------------------------------------
+# more elementwise ops: GeLU / FastGeLU / Erf, Rsqrt / Reciprocal, Select, the
+# remainder and floor ops, SquaredDifference, the logical ops, AddN, PReLU
+# ---------------------------------------------------------------------------
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715
+_FAST_GELU_SCALE = 1.702
+
+
+def _gelu_kernel(x):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), what MindSpore's GeLU computes,
+    as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) (accurate in the tails)."""
+    inner = x * x
+    inner *= _GELU_CUBIC
+    inner += 1
+    inner *= x
+    inner *= 2 * _SQRT_2_OVER_PI
+    out = _sigmoid_kernel(inner)
+    out *= x
+    return out
+
+
+def _gelu_grad_kernel(x, dy):
+    """dy * d GeLU / dx: s + 2 x s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 x^2), with
+    s = sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))."""
+    x2 = x * x
+    s = _sigmoid_kernel(2 * _SQRT_2_OVER_PI * x * (1 + _GELU_CUBIC * x2))
+    return dy * (s + 2 * _SQRT_2_OVER_PI * x * s * (1 - s) * (1 + 3 * _GELU_CUBIC * x2))
+
+
+def _fast_gelu_kernel(x):
+    """x / (1 + exp(-1.702 |x|)) * exp(0.851 (x - |x|)), which is x * sigmoid(1.702 x)."""
+    out = _sigmoid_kernel(x * _FAST_GELU_SCALE)
+    out *= x
+    return out
+
+
+def _fast_gelu_grad_kernel(x, dy):
+    s = _sigmoid_kernel(x * _FAST_GELU_SCALE)
+    return dy * (s + _FAST_GELU_SCALE * x * s * (1 - s))
+
+
+# W. J. Cody's rational Chebyshev approximations of erf / erfc (Math. Comp. 23, 1969),
+# relative error below 1e-15 in float64: erf on |x| <= 0.46875, erfc * exp(x^2) on
+# (0.46875, 4] and, in 1/x^2, beyond
+_ERF_A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02,
+          3.20937758913846947e03, 1.85777706184603153e-1)
+_ERF_B = (2.36012909523441209e01, 2.44024637934444173e02, 1.28261652607737228e03,
+          2.84423683343917062e03)
+_ERF_C = (5.64188496988670089e-1, 8.88314979438837594e00, 6.61191906371416295e01,
+          2.98635138197400131e02, 8.81952221241769090e02, 1.71204761263407058e03,
+          2.05107837782607147e03, 1.23033935479799725e03, 2.15311535474403846e-8)
+_ERF_D = (1.57449261107098347e01, 1.17693950891312499e02, 5.37181101862009858e02,
+          1.62138957456669019e03, 3.29079923573345963e03, 4.36261909014324716e03,
+          3.43936767414372164e03, 1.23033935480374942e03)
+_ERF_P = (3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1,
+          1.60837851487422766e-2, 6.58749161529837803e-4, 1.63153871373020978e-2)
+_ERF_Q = (2.56852019228982242e00, 1.87295284992346047e00, 5.27905102951428412e-1,
+          6.05183413124413191e-2, 2.33520497626869185e-3)
+_INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
+
+
+def _erf_kernel(x):
+    """erf(x), elementwise, computed in float64 and returned in x's dtype."""
+    v = np.asarray(x, np.float64)
+    y = np.abs(v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        # |x| <= 0.46875: erf = x P(x^2) / Q(x^2)
+        z = y * y
+        num, den = _ERF_A[4] * z, z.copy()
+        for a, b in zip(_ERF_A[:3], _ERF_B[:3]):
+            num = (num + a) * z
+            den = (den + b) * z
+        small = v * (num + _ERF_A[3]) / (den + _ERF_B[3])
+        # 0.46875 < |x| <= 4: erfc = exp(-x^2) P(|x|) / Q(|x|)
+        num, den = _ERF_C[8] * y, y.copy()
+        for c, d in zip(_ERF_C[:7], _ERF_D[:7]):
+            num = (num + c) * y
+            den = (den + d) * y
+        mid = (num + _ERF_C[7]) / (den + _ERF_D[7])
+        # |x| > 4: erfc = exp(-x^2) / |x| (1/sqrt(pi) - R(1/x^2) / x^2)
+        w = 1.0 / z
+        num, den = _ERF_P[5] * w, w.copy()
+        for p, q in zip(_ERF_P[:4], _ERF_Q[:4]):
+            num = (num + p) * w
+            den = (den + q) * w
+        far = (_INV_SQRT_PI - w * (num + _ERF_P[4]) / (den + _ERF_Q[4])) / y
+        erfc = np.exp(-z) * np.where(y <= 4.0, mid, far)
+        out = np.where(y <= 0.46875, small, np.copysign(1.0 - erfc, v))
+    out = np.where(np.isnan(v), v, out)
+    return out.astype(x.dtype, copy=False) if isinstance(x, np.ndarray) else out
+
+
+GELU_GRAD = register("GeLUGrad", kind=KIND_BINARY, kernel=_gelu_grad_kernel, float_only=True)
+FAST_GELU_GRAD = register("FastGeLUGrad", kind=KIND_BINARY, kernel=_fast_gelu_grad_kernel,
+                          float_only=True)
+GELU = register("GeLU", kind=KIND_UNARY, kernel=_gelu_kernel, float_only=True,
+                backward=lambda node, g: (apply(GELU_GRAD, None, (node.inputs[0], g)),))
+FAST_GELU = register("FastGeLU", kind=KIND_UNARY, kernel=_fast_gelu_kernel, float_only=True,
+                     backward=lambda node, g: (apply(FAST_GELU_GRAD, None,
+                                                     (node.inputs[0], g)),))
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+ERF = register("Erf", kind=KIND_UNARY, kernel=_erf_kernel, float_only=True,
+               backward=lambda node, g: (mul(g, mul(exp(neg(square(node.inputs[0]))),
+                                                    _TWO_OVER_SQRT_PI)),))
+
+
+def _rsqrt_kernel(x):
+    out = np.sqrt(x)
+    return np.divide(1, out, out=out)
+
+
+def _reciprocal_kernel(x):
+    return np.divide(1, x, out=np.empty_like(x))
+
+
+RSQRT = register("Rsqrt", kind=KIND_UNARY, kernel=_rsqrt_kernel, float_only=True,
+                 save_outputs=True, reads_inputs=False,
+                 backward=lambda node, g: (mul(mul(g, -0.5), mul(
+                     node.outputs[0], square(node.outputs[0]))),))
+RECIPROCAL = register("Reciprocal", kind=KIND_UNARY, kernel=_reciprocal_kernel,
+                      float_only=True, save_outputs=True, reads_inputs=False,
+                      backward=lambda node, g: (neg(mul(g, square(node.outputs[0]))),))
+
+
+def gelu(x, approximate="none"):
+    """Gaussian error linear unit, as ``mindspore.ops.gelu``: with ``approximate="none"``
+    x * P(X <= x) = 0.5 x (1 + erf(x / sqrt(2))) (written with Erf); with "tanh" the GeLU
+    op, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    if approximate == "tanh":
+        return _unary(GELU, x)
+    if approximate != "none":
+        raise ValueError(f"gelu: approximate={approximate!r} is not valid; expected 'none' "
+                         f"or 'tanh'")
+    x = const(x, "GeLU")
+    return mul(mul(x, 0.5), add(erf(mul(x, 1.0 / math.sqrt(2.0))), 1.0))
+
+
+def fast_gelu(x):
+    """x / (1 + exp(-1.702 |x|)) * exp(0.851 (x - |x|)) (= x * sigmoid(1.702 x))."""
+    return _unary(FAST_GELU, x)
+
+
+def erf(x):
+    """The Gauss error function."""
+    return _unary(ERF, x)
+
+
+def rsqrt(x):
+    """1 / sqrt(x)."""
+    return _unary(RSQRT, x)
+
+
+def reciprocal(x):
+    """1 / x."""
+    return _unary(RECIPROCAL, x)
+
+
+# Select(cond, x, y): x where cond, else y (the three broadcast together)
+#: (shapes, dtypes) of Selects already validated -> their output meta
+_SELECT_SEEN: dict = {}
+
+
+def _infer_select(attrs, c, x, y):
+    key = (c.shape, x.shape, y.shape, c.dtype, x.dtype, y.dtype)
+    return checked_once(_SELECT_SEEN, key, _check_select, c, x, y)
+
+
+def _check_select(c, x, y):
+    if c.dtype != np.bool_:
+        raise TypeError(f"Select: cond (input 0) has dtype {c.dtype}; expected bool")
+    if x.dtype != y.dtype:
+        raise TypeError(f"Select: x (input 1) has dtype {x.dtype} but y (input 2) has dtype "
+                        f"{y.dtype}; x and y must have the same dtype (use ops.cast)")
+    shape = tuple(c.shape)
+    for i, s in ((1, tuple(x.shape)), (2, tuple(y.shape))):
+        try:
+            shape = broadcast_shapes("Select", shape, s)
+        except ValueError:
+            raise ValueError(f"Select: cond has shape {tuple(c.shape)}, x {tuple(x.shape)} "
+                             f"and y {tuple(y.shape)}; they cannot be broadcast together "
+                             f"(input {i})") from None
+    return ((shape, x.dtype),)
+
+
+def _bw_select(node, g):
+    c, x, y = node.inputs
+    zero = np.zeros((), g.dtype)
+    gx = unbroadcast(select(c, g, zero), tuple(x.shape)) if _needs(node, 1) else None
+    gy = unbroadcast(select(c, zero, g), tuple(y.shape)) if _needs(node, 2) else None
+    return None, gx, gy
+
+
+SELECT = register("Select", family=("elementwise",), infer=_infer_select,
+                  kernel=lambda attrs, c, x, y: np.where(c, x, y), backward=_bw_select)
+
+
+def select(cond, x, y):
+    """`x` where `cond` is True, else `y` (cond bool; the three broadcast together; a
+    Python number for x or y takes the other's dtype)."""
+    cond = const(cond, "Select")
+    if not isinstance(x, TensorBase) and isinstance(y, TensorBase):
+        x = const(x, "Select", y.dtype)
+    elif not isinstance(y, TensorBase) and isinstance(x, TensorBase):
+        y = const(y, "Select", x.dtype)
+    else:
+        x, y = const(x, "Select"), const(y, "Select")
+    return apply(SELECT, None, (cond, x, y))
+
+
+# remainders, floor division, squared difference
+def _bw_mod(floor):
+    def bw(node, g):
+        a, b = node.inputs
+        ga = unbroadcast(g, a.shape) if _needs(node, 0) else None
+        gb = None
+        if _needs(node, 1):
+            q = floor_div(a, b) if floor else _trunc_div(a, b)
+            gb = unbroadcast(neg(mul(g, q)), b.shape)
+        return ga, gb
+    return bw
+
+
+def _bw_squared_difference(node, g):
+    a, b = node.inputs
+    d = mul(sub(a, b), mul(g, 2.0))
+    return (unbroadcast(d, a.shape) if _needs(node, 0) else None,
+            unbroadcast(neg(d), b.shape) if _needs(node, 1) else None)
+
+
+def _fmod_kernel(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.fmod(x, y)
+
+
+def _floor_mod_kernel(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.mod(x, y)
+
+
+def _floor_div_kernel(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.floor_divide(x, y)
+
+
+def _trunc_div_kernel(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.divide(x, y)
+        return np.trunc(q, out=q) if x.dtype.kind == "f" else (x - np.fmod(x, y)) // y
+
+
+def _squared_difference_kernel(x, y):
+    d = np.subtract(x, y)
+    return np.multiply(d, d, out=d)
+
+
+MOD = register("Mod", kind=KIND_BINARY, kernel=_fmod_kernel, numeric_only=True,
+               backward=_bw_mod(False))
+FLOOR_MOD = register("FloorMod", kind=KIND_BINARY, kernel=_floor_mod_kernel,
+                     numeric_only=True, backward=_bw_mod(True))
+# integer-valued steps: not differentiable (no backward: their outputs are constants to
+# the gradient, as the comparisons')
+FLOOR_DIV = register("FloorDiv", kind=KIND_BINARY, kernel=_floor_div_kernel,
+                     numeric_only=True)
+TRUNC_DIV = register("TruncateDiv", kind=KIND_BINARY, kernel=_trunc_div_kernel,
+                     numeric_only=True)
+SQUARED_DIFFERENCE = register("SquaredDifference", kind=KIND_BINARY,
+                              kernel=_squared_difference_kernel, numeric_only=True,
+                              backward=_bw_squared_difference)
+
+
+def mod(x, y):
+    """The remainder of x / y with the sign of x (C's fmod), as ``mindspore.ops.Mod``."""
+    return binary(MOD, x, y, False)
+
+
+def floor_mod(x, y):
+    """x - floor(x / y) * y: the remainder with the sign of y."""
+    return binary(FLOOR_MOD, x, y, False)
+
+
+def floor_div(x, y):
+    """floor(x / y) (not differentiable)."""
+    return binary(FLOOR_DIV, x, y, False)
+
+
+def _trunc_div(x, y):
+    return binary(TRUNC_DIV, x, y, False)
+
+
+truncate_div = _trunc_div
+
+
+def squared_difference(x, y):
+    """(x - y) ** 2."""
+    return binary(SQUARED_DIFFERENCE, x, y, False)
+
+
+# logical ops: bool in, bool out (not differentiable)
+def _make_logical_infer(name, n):
+    cache = {}
+
+    def infer(attrs, *xs):
+        key = tuple((x.shape, x.dtype) for x in xs)
+        return checked_once(cache, key, check, xs)
+
+    def check(xs):
+        check_nin(name, xs, n)
+        for i, x in enumerate(xs):
+            if x.dtype != np.bool_:
+                raise TypeError(f"{name}: input {i} has dtype {x.dtype}; expected bool "
+                                f"(use ops.cast)")
+        shape = tuple(xs[0].shape)
+        if n == 2:
+            shape = broadcast_shapes(name, shape, tuple(xs[1].shape))
+        return ((shape, np.dtype(np.bool_)),)
+    return infer
+
+
+LOGICAL_AND = register("LogicalAnd", family=("elementwise",),
+                       infer=_make_logical_infer("LogicalAnd", 2),
+                       kernel=lambda attrs, x, y: np.logical_and(x, y))
+LOGICAL_OR = register("LogicalOr", family=("elementwise",),
+                      infer=_make_logical_infer("LogicalOr", 2),
+                      kernel=lambda attrs, x, y: np.logical_or(x, y))
+LOGICAL_NOT = register("LogicalNot", family=("elementwise",),
+                       infer=_make_logical_infer("LogicalNot", 1),
+                       kernel=lambda attrs, x: np.logical_not(x))
+
+
+def _bool_operand(x, opname):
+    return x if isinstance(x, TensorBase) else const(x, opname, np.bool_)
+
+
+def logical_and(x, y):
+    """x and y, elementwise (bool inputs)."""
+    return apply(LOGICAL_AND, None, (_bool_operand(x, "LogicalAnd"),
+                                     _bool_operand(y, "LogicalAnd")))
+
+
+def logical_or(x, y):
+    """x or y, elementwise (bool inputs)."""
+    return apply(LOGICAL_OR, None, (_bool_operand(x, "LogicalOr"),
+                                    _bool_operand(y, "LogicalOr")))
+
+
+def logical_not(x):
+    """not x, elementwise (a bool input)."""
+    return apply(LOGICAL_NOT, None, (_bool_operand(x, "LogicalNot"),))
+
+
+# AddN: the sum of n tensors of one shape and dtype
+#: (shapes, dtypes) of AddNs already validated -> their output meta
+_ADDN_SEEN: dict = {}
+
+
+def _infer_addn(attrs, *xs):
+    key = tuple((x.shape, x.dtype) for x in xs)
+    return checked_once(_ADDN_SEEN, key, _check_addn, xs)
+
+
+def _check_addn(xs):
+    if not xs:
+        raise ValueError("AddN: takes a non-empty tuple or list of tensors, got none")
+    s0, d0 = tuple(xs[0].shape), xs[0].dtype
+    for i, x in enumerate(xs[1:], 1):
+        if tuple(x.shape) != s0:
+            raise ValueError(f"AddN: input 0 has shape {s0} but input {i} has shape "
+                             f"{tuple(x.shape)}; all inputs must have the same shape")
+    check_same_dtype("AddN", xs)
+    if d0 == np.bool_:
+        raise TypeError("AddN: input 0 has dtype bool; supported dtypes: integer and "
+                        "floating dtypes (use ops.cast)")
+    return ((s0, d0),)
+
+
+def _addn_kernel(attrs, *xs):
+    out = np.add(xs[0], xs[1]) if len(xs) > 1 else np.array(xs[0], copy=True)
+    for x in xs[2:]:
+        np.add(out, x, out=out)
+    return out
+
+
+ADDN = register("AddN", linear="sum", family=("elementwise",), infer=_infer_addn,
+                kernel=_addn_kernel, reads_inputs=False,
+                backward=lambda node, g: tuple(g if node.needs_grad(i) else None
+                                               for i in range(len(node.inputs))))
+
+
+def addn(x):
+    """The elementwise sum of the tensors in the tuple or list `x` (one shape and dtype)."""
+    if not isinstance(x, (tuple, list)):
+        raise TypeError(f"AddN: takes a tuple or list of tensors, got {type(x).__name__}")
+    return apply(ADDN, None, tuple(const(t, "AddN") for t in x))
+
+
+# PReLU(x, weight): x where x > 0, else weight * x, the weight per channel (dim 1)
+#: (shapes, dtypes) of PReLUs already validated -> their output meta
+_PRELU_SEEN: dict = {}
+
+
+def _infer_prelu(attrs, x, w):
+    key = (x.shape, w.shape, x.dtype, w.dtype)
+    return checked_once(_PRELU_SEEN, key, _check_prelu, x, w)
+
+
+def _check_prelu(x, w):
+    check_float("PReLU", x)
+    check_same_dtype("PReLU", (x, w))
+    if x.ndim < 2:
+        raise ValueError(f"PReLU: input 0 has rank {x.ndim} (shape {tuple(x.shape)}); "
+                         f"expected rank >= 2 (N, C, ...), channels on dim 1")
+    if w.ndim != 1 or w.shape[0] not in (1, x.shape[1]):
+        raise ValueError(f"PReLU: input 0 has shape {tuple(x.shape)} but weight has shape "
+                         f"{tuple(w.shape)}; the weight must be 1-D of size 1 or "
+                         f"{x.shape[1]} (the channels, dim 1 of input 0)")
+    return ((tuple(x.shape), x.dtype),)
+
+
+def _prelu_map(x, w):
+    """PReLU on a weight already aligned to x's dims (unit dims elsewhere)."""
+    return np.where(x > 0, x, x * w)
+
+
+def _prelu_kernel(attrs, x, w):
+    return _prelu_map(x, w.reshape(w.shape + (1,) * (x.ndim - 2)))
+
+
+def _prelu_subscripts(attrs, ranks):
+    """x (n, c, ...) and the per-channel weight (c,): one channel letter, nothing summed."""
+    if len(ranks) != 2 or ranks[0] < 2 or ranks[1] != 1:
+        return None
+    x = "nc" + _BATCH_LETTERS[:ranks[0] - 2]
+    return (x, "c"), x, {"c": "channel dim"}
+
+
+def _bw_prelu(node, g):
+    x, w = node.inputs
+    wide = A.reshape(w, tuple(w.shape) + (1,) * (x.ndim - 2))
+    pos = greater(x, 0.0)
+    gx = select(pos, g, mul(g, wide)) if _needs(node, 0) else None
+    gw = None
+    if _needs(node, 1):
+        gxw = select(pos, np.zeros((), g.dtype), mul(g, x))
+        axes = tuple(i for i in range(x.ndim) if i != 1 or w.shape[0] == 1)
+        gw = A.reshape(reduce_sum(gxw, axes), tuple(w.shape))
+    return gx, gw
+
+
+PRELU = register("PReLU", infer=_infer_prelu, kernel=_prelu_kernel, backward=_bw_prelu,
+                 family=("contract", _prelu_subscripts, _prelu_map))
+
+
+def prelu(x, weight):
+    """x where x > 0, else weight * x; `weight` (1-D, size 1 or the channels) applies
+    per channel along dim 1 of x (N, C, ...)."""
+    return apply(PRELU, None, (const(x, "PReLU"), const(weight, "PReLU")))

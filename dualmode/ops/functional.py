@@ -43,3 +43,14 @@ scalar_to_tensor = scalar_to_array
 from ._norm import l2_normalize, layer_norm  # noqa: E402
 
 __all__ += ["layer_norm", "l2_normalize"]
+
+# more elementwise ops: GeLU, FastGeLU, Erf, Rsqrt, Reciprocal, Select, the remainder and
+# floor ops, SquaredDifference, the logical ops, AddN, PReLU
+from ._math import (addn, erf, fast_gelu, floor_div, floor_mod, gelu,  # noqa: E402
+                    logical_and, logical_not, logical_or, prelu, reciprocal, rsqrt, select,
+                    squared_difference, truncate_div)
+from ._math import mod as fmod  # noqa: E402
+
+__all__ += ["addn", "erf", "fast_gelu", "floor_div", "floor_mod", "fmod", "gelu",
+            "logical_and", "logical_not", "logical_or", "prelu", "reciprocal", "rsqrt",
+            "select", "squared_difference", "truncate_div"]

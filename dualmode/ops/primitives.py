@@ -481,3 +481,29 @@ class L2Normalize(Primitive):
 
     def construct(self, x):
         return l2_normalize(x, self.axis, self.epsilon)
+
+
+# more elementwise ops
+GeLU = _elementwise("GeLU", lambda x: F.gelu(x, "tanh"),
+                    "Gaussian error linear unit as MindSpore's GeLU computes it: 0.5 x (1 + "
+                    "tanh(sqrt(2/pi) (x + 0.044715 x^3))).")
+FastGeLU = _elementwise("FastGeLU", F.fast_gelu,
+                        "x / (1 + exp(-1.702 |x|)) * exp(0.851 (x - |x|)).")
+Erf = _elementwise("Erf", F.erf, "The Gauss error function.")
+Rsqrt = _elementwise("Rsqrt", F.rsqrt, "1 / sqrt(x).")
+Reciprocal = _elementwise("Reciprocal", F.reciprocal, "1 / x.")
+Select = _elementwise("Select", F.select,
+                      "Select()(cond, x, y): x where cond, else y (broadcast together).")
+Mod = _elementwise("Mod", F.fmod, "The remainder of x / y with the sign of x.")
+FloorMod = _elementwise("FloorMod", F.floor_mod, "x - floor(x / y) * y.")
+FloorDiv = _elementwise("FloorDiv", F.floor_div, "floor(x / y).")
+TruncateDiv = _elementwise("TruncateDiv", F.truncate_div, "x / y rounded towards zero.")
+SquaredDifference = _elementwise("SquaredDifference", F.squared_difference, "(x - y) ** 2.")
+LogicalAnd = _elementwise("LogicalAnd", F.logical_and, "x and y (bool).")
+LogicalOr = _elementwise("LogicalOr", F.logical_or, "x or y (bool).")
+LogicalNot = _elementwise("LogicalNot", F.logical_not, "not x (bool).")
+AddN = _elementwise("AddN", F.addn, "AddN()((x1, x2, ...)): the sum of tensors of one shape.")
+PReLU = _elementwise("PReLU", F.prelu,
+                     "PReLU()(x, weight): x where x > 0, else weight * x, the 1-D weight "
+                     "(size 1 or C) per channel along dim 1; its strategy splits x's "
+                     "channels and the weight alike, e.g. ((2, 4, 1, 1), (4,)).")

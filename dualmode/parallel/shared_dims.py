@@ -22,10 +22,13 @@ def _aligned(s0, s1):
 
 
 def elementwise_pairs(prim, xs):
-    if len(xs) != 2:
-        return []
-    return [(0, d0, 1, d1, "broadcast dim")
-            for d0, d1 in _aligned(tuple(xs[0].shape), tuple(xs[1].shape))]
+    """Every pair of tensor inputs' dims aligned from the right with equal sizes (any
+    number of inputs: Select, AddN)."""
+    shapes = [tuple(x.shape) if hasattr(x, "shape") else None for x in xs]
+    return [(i, d0, j, d1, "broadcast dim")
+            for i in range(len(xs)) for j in range(i + 1, len(xs))
+            if shapes[i] is not None and shapes[j] is not None
+            for d0, d1 in _aligned(shapes[i], shapes[j])]
 
 
 def concat_pairs(prim, xs):

@@ -26,9 +26,11 @@ __all__ = ["rule", "contract_pairs", "contract_groups", "stack_matmul", "GROUPED
 # do not fit (the op's own shape check then names the error). A letter is one dim shared
 # by every input and output naming it; an input dim of size 1 under a letter of larger
 # size broadcasts. ``combine`` is "mul" (a product summed over the letters missing from
-# the output: matmul form) or "add" (every input letter is an output letter; a broadcast
-# sum). ``labels`` names letters in strategy errors (default: "contracted dim" for a
-# summed letter, "batch dim <d>" for the others).
+# the output: matmul form), "add" (every input letter is an output letter; a broadcast
+# sum) or a numpy function of the inputs aligned to the output's letters (unit dims where
+# an input lacks one; every input letter an output letter): an elementwise map along
+# named dims, e.g. PReLU's per-channel weight. ``labels`` names letters in strategy
+# errors (default: "contracted dim" for a summed letter, "batch dim <d>" for the others).
 # From the subscripts alone the rule derives which dims a strategy must split alike,
 # the output layout, and pending sums: a split of a summed letter leaves the output a
 # pending sum over its device axes.
@@ -118,6 +120,8 @@ def _contract_plan(op, spec, combine, attrs, lays):
                  set(pending) | summed)
     if combine == "add":
         local = _broadcast_add(ins, out_sub)
+    elif callable(combine):
+        local = _broadcast_add(ins, out_sub, combine)
     else:
         k = next((c for c in ins[0] if c not in out_sub), None)
         summed_axes = ref.get(k, ())
@@ -128,9 +132,9 @@ def _contract_plan(op, spec, combine, attrs, lays):
     return ShardPlan(need, (out,), local)
 
 
-def _broadcast_add(ins, out_sub):
+def _broadcast_add(ins, out_sub, fn=None):
     """Stacks aligned to the output's letters (unit dims where an input lacks one),
-    added."""
+    added (or given to `fn`, an elementwise numpy function of them)."""
     perms = [(0,) + tuple(1 + d for d in sorted(range(len(sub)),
                                                  key=lambda d: out_sub.index(sub[d])))
              for sub in ins]
@@ -142,7 +146,7 @@ def _broadcast_add(ins, out_sub):
             dims = iter(s.shape[1:])
             aligned.append(s.reshape((s.shape[0],) + tuple(
                 next(dims) if c in sub else 1 for c in out_sub)))
-        return functools.reduce(np.add, aligned)
+        return functools.reduce(np.add, aligned) if fn is None else fn(*aligned)
     return local
 
 
@@ -264,8 +268,8 @@ def rule(op):
     """Register the rule of `op`, which declares ``family=("contract", subscripts[, combine])``."""
     fam = op.extras["family"]
     spec, combine = fam[1], (fam[2] if len(fam) > 2 else "mul")
-    if combine not in ("mul", "add"):
+    if not callable(combine) and combine not in ("mul", "add"):
         raise ValueError(f"register: op {op.name} declares contraction combine {combine!r}; "
-                         f"valid: 'mul', 'add'")
-    return register_rule(op.name, per_device=combine == "add", shared=contract_pairs(spec))(
+                         f"valid: 'mul', 'add' or an elementwise function")
+    return register_rule(op.name, per_device=combine != "mul", shared=contract_pairs(spec))(
         lambda attrs, lays, dtypes: _contract_plan(op, spec, combine, attrs, lays))

@@ -1,12 +1,13 @@
-"""Elementwise ops (unary and binary, with numpy broadcasting): a family rule built
-for every op of kind unary or binary, or declaring ``family=("elementwise",)``.
+"""Elementwise ops (any number of inputs, with numpy broadcasting): a family rule built
+for every op of kind unary or binary, or declaring ``family=("elementwise",)`` (Cast,
+Select, AddN, the logical ops).
 
 The first input that splits a dim decides its device axes; the others are moved to
 match, and the output keeps those splits. Pending sums stay pending through an op
 linear in them (``a + b`` over the same devices, ``a * c``)."""
 from __future__ import annotations
 
-from ..._core._tensor import KIND_BINARY, broadcast_shapes
+from ..._core._tensor import KIND_UNARY, broadcast_shapes
 from ..redistribution.planner import plan_redistribution
 from ..shared_dims import elementwise_pairs
 from ..sharding import ShardPlan, expand_stack, layout, register_rule, run_kernel
@@ -85,5 +86,5 @@ def _moved_bytes(lays, needs) -> float:
 def rule(op):
     """Register `op`'s elementwise rule."""
     return register_rule(op.name, per_device=True,
-                         shared=elementwise_pairs if op.kind == KIND_BINARY else None)(
+                         shared=None if op.kind == KIND_UNARY else elementwise_pairs)(
         lambda attrs, lays, dtypes: _elementwise_plan(op, attrs, lays, dtypes))
