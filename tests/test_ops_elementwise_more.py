@@ -95,6 +95,9 @@ UNARY_CASES = [
     ("erf", ops.erf, _ERF, (), {}),
     ("Rsqrt", lambda x: ops.Rsqrt()(x), lambda x: 1 / np.sqrt(x), (3, 4), {"low": 0.3}),
     ("rsqrt", ops.rsqrt, lambda x: 1 / np.sqrt(x), (2, 3, 2), {"low": 0.3}),
+    ("rsqrt-0d", ops.rsqrt, lambda x: 1 / np.sqrt(x), (), {"low": 0.3}),
+    ("gelu-0d", lambda x: ops.gelu(x, "tanh"), np_gelu_tanh, (), {}),
+    ("fast_gelu-0d", ops.fast_gelu, np_fast_gelu, (), {}),
     ("Reciprocal", lambda x: ops.Reciprocal()(x), lambda x: 1 / x, (3, 4), {"low": 0.3}),
     ("reciprocal", ops.reciprocal, lambda x: 1 / x, (), {"low": 0.3}),
 ]

@@ -884,7 +884,7 @@ ERF = register("Erf", kind=KIND_UNARY, kernel=_erf_kernel, float_only=True,
 
 
 def _rsqrt_kernel(x):
-    out = np.sqrt(x)
+    out = np.sqrt(x, out=np.empty_like(x))     # out= keeps 0-d results arrays
     return np.divide(1, out, out=out)
 
 
