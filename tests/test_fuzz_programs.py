@@ -124,6 +124,8 @@ _NOT_FUZZED = {
     "BatchNorm": "the primitive on 4-d images: tests/test_batchnorm_strategy.py",
     "ReduceMax": "ties make its gradient order-dependent: tests/test_sharding_rules.py",
     "ReduceMin": "ties make its gradient order-dependent: tests/test_sharding_rules.py",
+    "Assign": "the value Assign / AssignAdd / AssignSub write into a Parameter (a side "
+              "effect): every mode in tests/test_array_ops_more.py",
 }
 
 
@@ -169,6 +171,15 @@ class Block:
             return f"h = AddN(){shard}((h, h0, h * h0))"
         if k == "prelu":
             return f"h = PReLU(){shard}(h, b)"
+        if k == "slice_tile":
+            inner = f"StridedSlice(){shard}(h, (0, 0), (16, 4), (1, 1))"
+            return f"h = Tile(){_shard_code(a)}(Tanh()({inner}), (1, 2))"
+        if k == "expand_squeeze":
+            return f"h = Squeeze(1){_shard_code(a)}(Tanh()(ExpandDims(){shard}(h, 1)))"
+        if k == "arg" and self.op.endswith("WithValue"):
+            return f"h = h * {self.op}(axis={a}, keep_dims=True){shard}(h)[1]"
+        if k == "arg":
+            return f"h = h + OneHot()({self.op}(axis=1){shard}(h), 8, 1.0, 0.0)"
         if k == "gather":
             return f"h = h + Gather(){shard}(E, idx, 0)"
         if k == "onehot":
@@ -180,6 +191,10 @@ class Block:
         if k == "l2norm":
             return f"h = L2Normalize(axis={a}){shard}(h)"
         return k
+
+
+def _shard_code(strategy):
+    return f".shard({strategy})" if strategy is not None else ""
 
 
 @dataclass(frozen=True)
@@ -255,6 +270,18 @@ def _apply_block(blk, h, h0, params, idx):
         return prim("AddN")((h, h0, h * h0))
     if k == "prelu":
         return prim("PReLU")(h, b)
+    if k == "slice_tile":
+        tile = ops.Tile() if blk.arg is None else ops.Tile().shard(blk.arg)
+        return tile(ops.tanh(prim("StridedSlice")(h, (0, 0), (B, F // 2), (1, 1))), (1, 2))
+    if k == "expand_squeeze":
+        sq = ops.Squeeze(1) if blk.arg is None else ops.Squeeze(1).shard(blk.arg)
+        return sq(ops.tanh(prim("ExpandDims")(h, 1)))
+    if k == "arg" and blk.op.endswith("WithValue"):
+        arg = getattr(ops, blk.op)(axis=blk.arg, keep_dims=True)
+        return h * (arg.shard(s) if s is not None else arg)(h)[1]
+    if k == "arg":
+        arg = getattr(ops, blk.op)(axis=1)
+        return h + ops.one_hot((arg.shard(s) if s is not None else arg)(h), F, 1.0, 0.0)
     if k == "gather":
         return h + prim("Gather")(E, idx, 0)
     if k == "onehot":
@@ -297,7 +324,8 @@ def _split(draw, shape, total=8):
 @st.composite
 def _block(draw, with_strategy):
     kinds = ["unary", "binary_param", "binary_skip", "matmul", "bias_add", "reduce",
-             "softmax", "reshape", "transpose", "gather", "onehot", "layernorm", "l2norm"]
+             "softmax", "reshape", "transpose", "gather", "onehot",
+             "slice_tile", "expand_squeeze", "arg", "layernorm", "l2norm"]
     k = draw(st.sampled_from(kinds + _ELEMENTWISE_MORE))
     sharded = with_strategy and draw(st.booleans())
     if k in _ELEMENTWISE_MORE:
@@ -337,6 +365,20 @@ def _block(draw, with_strategy):
         return Block(k, "Reshape", s, shape)
     if k == "transpose":
         return Block(k, "Transpose", (draw(_split((F, B))),) if sharded else None)
+    if k == "slice_tile":      # the sliced dim 1 whole; Tile's entry 1 splits its multiple 2
+        if not sharded:
+            return Block(k, "StridedSlice")
+        return Block(k, "StridedSlice", ((draw(_F), 1),), (draw(_split((B, 2))),))
+    if k == "expand_squeeze":
+        if not sharded:
+            return Block(k, "ExpandDims")
+        fb, ff = draw(_split((B, F)))
+        gb, gf = draw(_split((B, F)))
+        return Block(k, "ExpandDims", ((fb, ff),), ((gb, 1, gf),))
+    if k == "arg":                 # a split reduced axis is gathered
+        op = draw(st.sampled_from(["ArgMaxWithValue", "ArgMinWithValue", "Argmax", "Argmin"]))
+        return Block(k, op, (draw(_split((B, F))),) if sharded else None,
+                     draw(st.sampled_from([0, 1])))
     if k == "gather":
         if not sharded:
             return Block(k, "Gather")
@@ -588,7 +630,8 @@ def test_invalid_strategies_are_refused_by_name():
 
 def test_every_registered_op_is_fuzzed_or_excused():
     blocks = {"MatMul", "BiasAdd", "ReduceSum", "ReduceMean", "Softmax", "LogSoftmax",
-              "Reshape", "Transpose", "Gather", "OneHot",
+              "Reshape", "Transpose", "Gather", "OneHot", "Tile", "ArgMaxWithValue",
+              "ArgMinWithValue", "Argmax", "Argmin",
               "SparseSoftmaxCrossEntropyWithLogits", "LayerNorm", "L2Normalize"}
     blocks |= {"Select", "LogicalAnd", "LogicalOr", "LogicalNot", "AddN", "PReLU"}
     elementwise = set(UNARY) | set(BINARY)

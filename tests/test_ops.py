@@ -198,6 +198,19 @@ case("reshape-int", lambda x: F.reshape(x, 24), lambda x: x.reshape(24), [(2, 3,
 case("reshape-scalar", lambda x: F.reshape(x, ()), lambda x: x.reshape(()), [(1, 1)])
 case("Reshape-prim", lambda x: ops.Reshape()(x, (4, -1)), lambda x: x.reshape(4, -1),
      [(2, 3, 4)])
+# array and reduce ops for MindSpore scripts (every mode: tests/test_array_ops_more.py)
+case("tile", lambda x: F.tile(x, (2, 1, 3)), lambda x: np.tile(x, (2, 1, 3)), [(2, 3)],
+     ["tile"], expect_ops=["Tile"])
+case("argmax", lambda x: F.argmax(x, 1), lambda x: x.argmax(1).astype(np.int32), [(3, 4)],
+     ["argmax"])
+case("argmin", lambda x: F.argmin(x), lambda x: x.argmin(-1).astype(np.int32), [(3, 4)],
+     ["argmin"])
+case("arg_max_with_value", lambda x: F.arg_max_with_value(x, 1),
+     lambda x: (x.argmax(1).astype(np.int32), x.max(1)), [(3, 4)], ["arg_max_with_value"],
+     expect_ops=["ArgMaxWithValue"])
+case("arg_min_with_value", lambda x: F.arg_min_with_value(x, 0, True),
+     lambda x: (x.argmin(0)[None].astype(np.int32), x.min(0, keepdims=True)), [(3, 4)],
+     ["arg_min_with_value"], expect_ops=["ArgMinWithValue"])
 case("flatten", F.flatten, lambda x: x.reshape(2, -1), [(2, 3, 4)], ["flatten"])
 case("flatten-1d", F.flatten, lambda x: x.reshape(-1, 1), [(5,)])
 case("Flatten-prim", ops.Flatten(), lambda x: x.reshape(3, -1), [(3, 2, 2, 2)])
@@ -814,6 +827,21 @@ INFER_TABLE = {
     "SoftmaxCrossEntropyWithLogits": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
     "SoftmaxCrossEntropyGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1),
                                                  _arr((2,), d, 2))),
+    # array and reduce ops for MindSpore scripts (tests/test_array_ops_more.py)
+    "Tile": ({"multiples": (2, 1, 2)}, lambda d: (_arr((2, 3), d),)),
+    "Assign": (None, lambda d: (_arr((2, 3), d), _arr((3,), d, 1))),
+    "ArgMaxWithValue": ({"name": "ArgMaxWithValue", "kind": "max", "axis": (1,),
+                         "keep_dims": False, "with_value": True,
+                         "index_dtype": np.dtype(np.int32)}, lambda d: (_arr((2, 3), d),)),
+    "ArgMinWithValue": ({"name": "ArgMinWithValue", "kind": "min", "axis": (0,),
+                         "keep_dims": True, "with_value": True,
+                         "index_dtype": np.dtype(np.int32)}, lambda d: (_arr((2, 3), d),)),
+    "Argmax": ({"name": "Argmax", "kind": "max", "axis": (1,), "keep_dims": False,
+                "with_value": False, "index_dtype": np.dtype(np.int64)},
+               lambda d: (_arr((2, 3), d),)),
+    "Argmin": ({"name": "Argmin", "kind": "min", "axis": (0,), "keep_dims": False,
+                "with_value": False, "index_dtype": np.dtype(np.int32)},
+               lambda d: (_arr((2, 3), d),)),
     "Dropout": ({"keep_prob": 0.5}, lambda d: (_arr((2, 3), d),)),
     "ReluGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
     "TanhGrad": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),

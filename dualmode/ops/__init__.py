@@ -20,6 +20,10 @@ from .primitives import (Abs, Add, BatchMatMul, BiasAdd, Cast, Concat, Div, Drop
 # normalisations
 from .primitives import L2Normalize, LayerNorm  # noqa: E402
 
+# array and reduce ops for MindSpore scripts
+from .primitives import (Argmax, ArgMaxWithValue, Argmin, ArgMinWithValue,  # noqa: E402
+                         Assign, AssignAdd, AssignSub, Tile)
+
 # more elementwise ops
 from .primitives import (AddN, Erf, FastGeLU, FloorDiv, FloorMod, GeLU,  # noqa: E402
                          LogicalAnd, LogicalNot, LogicalOr, Mod, PReLU, Reciprocal, Rsqrt,
@@ -39,6 +43,8 @@ __all__ = list(_functional_names) + ["shard",
     "Conv2D", "MaxPool", "AvgPool", "BatchNorm",
 ]
 __all__ += ["LayerNorm", "L2Normalize"]
+__all__ += ["Tile", "Argmax", "Argmin", "ArgMaxWithValue", "ArgMinWithValue", "Assign",
+            "AssignAdd", "AssignSub"]
 __all__ += ["AddN", "Erf", "FastGeLU", "FloorDiv", "FloorMod", "GeLU", "LogicalAnd",
             "LogicalNot", "LogicalOr", "Mod", "PReLU", "Reciprocal", "Rsqrt", "Select",
             "SquaredDifference", "TruncateDiv"]

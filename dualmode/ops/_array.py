@@ -1,14 +1,18 @@
 """Shape and indexing ops: Reshape, Transpose, ExpandDims, Squeeze, Flatten, Concat,
-Split, StridedSlice, indexing, Gather, OneHot, and their gradient ops."""
+Split, StridedSlice, indexing, Gather, OneHot, Tile, and their gradient ops; the index
+reductions (ArgMaxWithValue, ArgMinWithValue, Argmax, Argmin); writing a Parameter in
+place (Assign, AssignAdd, AssignSub)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from .._core._tensor import TensorBase
 from ..common.dtype import as_dtype
-from ._registry import apply, check_int_dtype, check_same_dtype, const, \
+from . import interpreter
+from ._registry import apply, binary, check_int_dtype, check_same_dtype, const, get_op, \
     norm_axis, register, same_as_input, wrap
 
 
@@ -247,6 +251,15 @@ def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mas
                   new_axis_mask=0, shrink_axis_mask=0):
     """x[begin:end:strides] per dim, with MindSpore's begin/end/shrink_axis masks."""
     x = const(x, "StridedSlice")
+    index = strided_slice_index(tuple(x.shape), begin, end, strides, begin_mask, end_mask,
+                                ellipsis_mask, new_axis_mask, shrink_axis_mask)
+    return apply(GET_ITEM, {"index": index}, (x,))
+
+
+def strided_slice_index(shape, begin, end, strides, begin_mask=0, end_mask=0,
+                        ellipsis_mask=0, new_axis_mask=0, shrink_axis_mask=0):
+    """The basic index (ints and slices, one per dim of `shape` it names) StridedSlice
+    takes from a tensor of `shape`; every argument checked by name."""
     begin, end, strides = (_int_tuple("StridedSlice", k, v) for k, v in
                            (("begin", begin), ("end", end), ("strides", strides)))
     for key, mask in (("begin_mask", begin_mask), ("end_mask", end_mask),
@@ -258,9 +271,9 @@ def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mas
     if not len(begin) == len(end) == len(strides):
         raise ValueError(f"StridedSlice: begin {begin}, end {end} and strides {strides} must "
                          f"have the same length")
-    if len(begin) > x.ndim:
+    if len(begin) > len(shape):
         raise ValueError(f"StridedSlice: begin has {len(begin)} entries but input 0 has rank "
-                         f"{x.ndim}")
+                         f"{len(shape)}")
     if ellipsis_mask or new_axis_mask:
         raise ValueError("StridedSlice: ellipsis_mask and new_axis_mask are not supported; "
                          "use Tensor indexing (x[..., None]) instead")
@@ -272,7 +285,7 @@ def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mas
     index = []
     for i in range(n):
         if sm[i]:
-            d = x.shape[i]
+            d = shape[i]
             if not -d <= begin[i] < d:
                 raise ValueError(f"StridedSlice: begin[{i}]={begin[i]} is out of range for dim "
                                  f"{i} (size {d}) of input 0, which shrink_axis_mask removes; "
@@ -281,7 +294,7 @@ def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mas
         else:
             index.append(slice(None if bm[i] else int(begin[i]),
                                None if em[i] else int(end[i]), int(strides[i])))
-    return apply(GET_ITEM, {"index": tuple(index)}, (x,))
+    return tuple(index)
 
 
 # ---------------------------------------------------------------------------
@@ -532,3 +545,221 @@ def stop_gradient(x):
         # gather it); a traced one must stay a graph value, with the cut recorded
         return apply(STOP_GRADIENT, None, (x,))
     return wrap(x._value() if isinstance(x, TensorBase) else x)   # a new tensor, no tape
+
+
+# ---------------------------------------------------------------------------
+# Tile
+# ---------------------------------------------------------------------------
+def check_multiples(multiples, ndim):
+    """`multiples` as a tuple of ints >= 1, one per dim of the output (at least one per
+    input dim: extra leading entries tile new leading dims, as MindSpore's Tile)."""
+    if not isinstance(multiples, (tuple, list)) or not multiples or any(
+            isinstance(m, bool) or not isinstance(m, (int, np.integer)) for m in multiples):
+        raise TypeError(f"Tile: multiples={multiples!r} must be a non-empty tuple of ints")
+    multiples = tuple(int(m) for m in multiples)
+    if any(m < 1 for m in multiples):
+        raise ValueError(f"Tile: multiples={multiples} must be ints >= 1")
+    if len(multiples) < ndim:
+        raise ValueError(f"Tile: multiples={multiples} has {len(multiples)} entries but input "
+                         f"0 has rank {ndim}; give at least one entry per dim")
+    return multiples
+
+
+def _tile_padded(shape, multiples):
+    """`shape` with leading 1s up to the length of `multiples`."""
+    return (1,) * (len(multiples) - len(shape)) + tuple(shape)
+
+
+def _infer_tile(attrs, x):
+    mult = attrs["multiples"]
+    return ((tuple(s * m for s, m in zip(_tile_padded(x.shape, mult), mult)), x.dtype),)
+
+
+def _tile_kernel(attrs, x):
+    mult = attrs["multiples"]
+    return np.tile(np.reshape(x, _tile_padded(np.shape(x), mult)), mult)
+
+
+def _bw_tile(node, g):
+    """The sum of the copies: g viewed as (m0, s0, m1, s1, ...), summed over the m's."""
+    x = node.inputs[0]
+    mult = node.attrs["multiples"]
+    padded = _tile_padded(_shape_of(x), mult)
+    split = tuple(v for m, s in zip(mult, padded) for v in (m, s))
+    g = apply(RESHAPE, {"shape": split}, (g,))
+    axes = tuple(2 * d for d, m in enumerate(mult) if m > 1)
+    if axes:
+        g = apply(get_op("ReduceSum"), {"axis": axes, "keep_dims": False}, (g,))
+    return (reshape(g, _shape_of(x)),)
+
+
+TILE = register("Tile", linear=(0,), infer=_infer_tile, kernel=_tile_kernel,
+                backward=_bw_tile, reads_inputs=False)
+
+
+def tile(input_x, multiples):
+    """`input_x` repeated `multiples[d]` times along each dim d (more entries than dims
+    tile new leading dims), as MindSpore's Tile."""
+    x = const(input_x, "Tile")
+    mult = check_multiples(multiples, x.ndim)
+    return apply(TILE, {"multiples": mult}, (x,))
+
+
+# ---------------------------------------------------------------------------
+# ArgMaxWithValue / ArgMinWithValue (index, value) and Argmax / Argmin (index): the
+# reduce family; the value's gradient goes to the position of the index
+# ---------------------------------------------------------------------------
+def _infer_arg(attrs, x):
+    name = attrs["name"]
+    if x.dtype.kind not in "fiu":
+        raise TypeError(f"{name}: input 0 has dtype {x.dtype}; expected a float or integer "
+                        f"dtype")
+    (ax,) = attrs["axis"]
+    if ax >= x.ndim:
+        raise ValueError(f"{name}: axis={ax} is out of range for an input of rank {x.ndim}")
+    shape = tuple(x.shape)
+    if shape[ax] == 0:
+        raise ValueError(f"{name}: cannot reduce the empty dim {ax} (shape {shape})")
+    out = tuple(1 if d == ax else s for d, s in enumerate(shape)) if attrs["keep_dims"] \
+        else shape[:ax] + shape[ax + 1:]
+    idx = (out, np.dtype(attrs["index_dtype"]))
+    return (idx, (out, x.dtype)) if attrs["with_value"] else (idx,)
+
+
+def _arg_kernel(attrs, x):
+    (ax,) = attrs["axis"]
+    pick = np.argmax if attrs["kind"] == "max" else np.argmin
+    idx = pick(x, axis=ax, keepdims=True)
+    val = np.take_along_axis(x, idx, axis=ax) if attrs["with_value"] else None
+    if not attrs["keep_dims"]:
+        idx = np.squeeze(idx, ax)
+        val = np.squeeze(val, ax) if val is not None else None
+    idx = idx.astype(attrs["index_dtype"], copy=False)
+    return (idx, val) if attrs["with_value"] else idx
+
+
+def _bw_arg_with_value(node, g_idx, g_val):
+    """d value / d x: one at the index's position along the axis (ties: the first)."""
+    x = node.inputs[0]
+    if g_val is None or x.dtype.kind != "f":
+        return (None,)
+    (ax,) = node.attrs["axis"]
+    shape = _shape_of(x)
+    kept = tuple(1 if d == ax else s for d, s in enumerate(shape))
+    idx = reshape(node.outputs[0], shape[:ax] + shape[ax + 1:])
+    hot = apply(ONE_HOT, {"depth": shape[ax], "axis": ax},
+                (idx, np.ones((), x.dtype), np.zeros((), x.dtype)))
+    return (binary(get_op("Mul"), hot, reshape(g_val, kept), False),)
+
+
+def _register_arg(name, kind, with_value):
+    return register(name, family=("reduce", "arg"), infer=_infer_arg, kernel=_arg_kernel,
+                    backward=_bw_arg_with_value if with_value else None,
+                    save_outputs=with_value, multi_output=with_value)
+
+
+ARG_MAX_WITH_VALUE = _register_arg("ArgMaxWithValue", "max", True)
+ARG_MIN_WITH_VALUE = _register_arg("ArgMinWithValue", "min", True)
+ARG_MAX = _register_arg("Argmax", "max", False)
+ARG_MIN = _register_arg("Argmin", "min", False)
+_ARG_OPS = {"ArgMaxWithValue": (ARG_MAX_WITH_VALUE, "max"),
+            "ArgMinWithValue": (ARG_MIN_WITH_VALUE, "min"),
+            "Argmax": (ARG_MAX, "max"), "Argmin": (ARG_MIN, "min")}
+
+
+def arg_reduce(name, x, axis, keep_dims=False, output_type=np.int32):
+    """`name`'s op (ArgMaxWithValue, ArgMinWithValue, Argmax, Argmin) along one `axis`:
+    the index of the first largest (smallest) element, as `output_type`, and for the
+    *WithValue ops that element too, as ``(index, value)``."""
+    op, kind = _ARG_OPS[name]
+    x = const(x, name)
+    if not isinstance(keep_dims, (bool, np.bool_)):
+        raise TypeError(f"{name}: keep_dims must be a bool, got {keep_dims!r}")
+    ax = norm_axis(name, axis, x.ndim) if x.ndim else None
+    if ax is None:
+        raise ValueError(f"{name}: input 0 is 0-d; expected rank >= 1")
+    dt = as_dtype(output_type, name)
+    if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"{name}: output_type={output_type!r} is not supported; expected "
+                        f"int32 or int64")
+    attrs = {"name": name, "kind": kind, "axis": (ax,), "keep_dims": bool(keep_dims),
+             "with_value": op.multi_output, "index_dtype": dt}
+    return apply(op, attrs, (x,))
+
+
+def argmax(x, axis=-1, output_type=np.int32):
+    """The index of the largest element along `axis` (the first of ties)."""
+    return arg_reduce("Argmax", x, axis, False, output_type)
+
+
+def argmin(x, axis=-1, output_type=np.int32):
+    """The index of the smallest element along `axis` (the first of ties)."""
+    return arg_reduce("Argmin", x, axis, False, output_type)
+
+
+def arg_max_with_value(x, axis=0, keep_dims=False):
+    """``(index, value)`` of the largest element along `axis`, as MindSpore's
+    ArgMaxWithValue (index int32)."""
+    return arg_reduce("ArgMaxWithValue", x, axis, keep_dims)
+
+
+def arg_min_with_value(x, axis=0, keep_dims=False):
+    """``(index, value)`` of the smallest element along `axis` (index int32)."""
+    return arg_reduce("ArgMinWithValue", x, axis, keep_dims)
+
+
+# ---------------------------------------------------------------------------
+# writing a Parameter in place (Assign / AssignAdd / AssignSub)
+# ---------------------------------------------------------------------------
+#: the function writing a value into a Parameter stored in a layout (its own shards,
+#: the layout kept), installed by the parallel layer; without one, the global value
+PARAMETER_WRITERS: list = []
+
+
+def write_parameters(label, params, *values):
+    """Set each Parameter of `params` to its value in `values` (converted to the
+    parameter's dtype); a sharded Parameter keeps its layout. Inside a graph being traced
+    (an interpreter that records opaque calls) this is recorded as one call named
+    `label`, which writes them each time the graph runs."""
+    record = getattr(interpreter.current(), "call_opaque", None)
+    if record is not None:
+        record(functools.partial(write_parameters, label, params), label, values)
+        for p, v in zip(params, values):
+            # later reads in the traced graph read the written value (the trace keeps
+            # the parameter's own value and restores it when it ends)
+            if isinstance(v, TensorBase) and v._layout is not None and \
+                    tuple(v.shape) == tuple(p.shape) and v.dtype == p.dtype:
+                p._layout = v._layout
+        return
+    for p, v in zip(params, values):
+        if PARAMETER_WRITERS and p._layout is not None:
+            PARAMETER_WRITERS[0](p, v, label)
+        else:
+            p.set_data(np.asarray(v._value() if isinstance(v, TensorBase) else v,
+                                  dtype=p.dtype))
+
+
+def _infer_assign(attrs, variable, value):
+    return ((tuple(variable.shape), variable.dtype),)
+
+
+def _assign_kernel(attrs, variable, value):
+    """The new value of `variable`: `value` (broadcast to it) in its dtype."""
+    shape = np.broadcast_shapes(np.shape(variable), np.shape(value))
+    return np.array(np.broadcast_to(value, shape), dtype=np.asarray(variable).dtype)
+
+
+#: Assign's new value: `value` in the shape and dtype of `variable` (the write itself is
+#: :func:`write_parameters`); elementwise, so a strategy over both inputs places it
+ASSIGN = register("Assign", family=("elementwise",), infer=_infer_assign,
+                  kernel=_assign_kernel, reads_inputs=False)
+
+
+def assigned_value(variable, value):
+    """The value Assign writes into `variable` (a recorded op over both inputs)."""
+    return apply(ASSIGN, None, (variable, value))
+
+
+def is_traced():
+    """Is a graph being traced (ops are recorded, not run)?"""
+    return getattr(interpreter.current(), "call_opaque", None) is not None

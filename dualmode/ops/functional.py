@@ -39,6 +39,12 @@ def scalar_to_array(x, dtype=None):
 
 scalar_to_tensor = scalar_to_array
 
+# array and reduce ops for MindSpore scripts: Tile, ArgMax / ArgMaxWithValue /
+# ArgMinWithValue, Assign / AssignAdd / AssignSub
+from ._array import arg_max_with_value, arg_min_with_value, argmax, argmin, tile  # noqa: E402
+
+__all__ += ["tile", "argmax", "argmin", "arg_max_with_value", "arg_min_with_value"]
+
 # normalisations: LayerNorm, L2Normalize
 from ._norm import l2_normalize, layer_norm  # noqa: E402
 

@@ -10,7 +10,10 @@ from ._conv import (AVG_POOL, MAX_POOL, assign_parameters, batch_norm_op, bn_cou
 from ._math import mat_mul
 from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entropy_grad,
                   sparse_softmax_cross_entropy_mean)
-from ._registry import apply, const
+from . import interpreter
+from ._array import (arg_reduce, assigned_value, check_multiples, is_traced, tile,
+                     write_parameters)
+from ._registry import apply, const, remember
 from .primitive import Primitive
 from ._norm import l2_normalize, l2_normalize_axes, layer_norm_axes, layer_norm_op
 
@@ -391,6 +394,62 @@ class BatchNorm(Primitive):
 
 
 # ---------------------------------------------------------------------------
+# Tile, and the strategy form MindSpore gives it
+# ---------------------------------------------------------------------------
+class Tile(Primitive):
+    """Tile()(input_x, multiples): `input_x` repeated `multiples[d]` times along dim d
+    (extra leading entries tile new leading dims), as MindSpore's primitive. Its strategy
+    has one entry per dim of the output, as MindSpore's: a dim with multiple 1 is split
+    as the input's dim; a tiled dim's entry splits its multiple (it must divide it): that
+    input dim stays whole, and so does the output's (each device makes every copy: no
+    communication, where cutting the copies to MindSpore's output layout could move
+    data between devices); e.g. ``Tile().shard(((2, 4),))`` with multiples (2, 1) on a
+    (3, 8) input splits dim 1 four ways. An ``out_strategy`` moves the output."""
+    name = "Tile"
+
+    def __call__(self, input_x, multiples):
+        if self.in_strategy is None or interpreter.base().ignores_strategies():
+            return super().__call__(input_x, multiples)
+        x = const(input_x, self.name)
+        return Primitive.__call__(self._on_input(x, multiples), x, multiples)
+
+    def _on_input(self, x, multiples):
+        """A Tile whose in_strategy is the input's part of this one's (checked)."""
+        st, mult = self.in_strategy, check_multiples(multiples, x.ndim)
+        key = (st, self.out_strategy, tuple(x.shape), mult)
+        cache = self.__dict__.setdefault("_on_inputs", {})
+        inner = cache.get(key)
+        if inner is not None:
+            return inner
+        if len(st) != 1 or not isinstance(st[0], tuple):
+            raise ValueError(f"Tile: in_strategy={st} must have one tuple entry, for "
+                             f"input_x, with one entry per dim of the output, e.g. "
+                             f"{((1,) * len(mult),)}")
+        s = st[0]
+        if len(s) != len(mult):
+            raise ValueError(f"Tile: in_strategy[0]={s} has {len(s)} entries but "
+                             f"multiples={mult} has {len(mult)}; give one entry per dim of "
+                             f"the output")
+        off = len(mult) - x.ndim
+        for j, (k, m) in enumerate(zip(s, mult)):
+            if m > 1 and m % k:
+                raise ValueError(f"Tile: in_strategy[0][{j}]={k} does not divide "
+                                 f"multiples[{j}]={m}; a tiled dim's entry splits its "
+                                 f"multiple (each device makes multiples[{j}] / parts of "
+                                 f"the copies)")
+            if m == 1 and j < off and k != 1:
+                raise ValueError(f"Tile: in_strategy[0][{j}]={k} splits a new dim of size "
+                                 f"1 (multiples[{j}]=1); valid: 1")
+        inner = Tile()
+        inner.in_strategy = (tuple(k if m == 1 else 1 for k, m in zip(s[off:], mult[off:])),)
+        inner.out_strategy = self.out_strategy
+        return remember(cache, key, inner)
+
+    def construct(self, input_x, multiples):
+        return tile(input_x, multiples)
+
+
+# ---------------------------------------------------------------------------
 # normalisations: LayerNorm, L2Normalize
 # ---------------------------------------------------------------------------
 def _parts(entry, d):
@@ -507,3 +566,113 @@ PReLU = _elementwise("PReLU", F.prelu,
                      "PReLU()(x, weight): x where x > 0, else weight * x, the 1-D weight "
                      "(size 1 or C) per channel along dim 1; its strategy splits x's "
                      "channels and the weight alike, e.g. ((2, 4, 1, 1), (4,)).")
+
+
+# ---------------------------------------------------------------------------
+# ArgMaxWithValue / ArgMinWithValue / Argmax / Argmin
+# ---------------------------------------------------------------------------
+class ArgMaxWithValue(Primitive):
+    """ArgMaxWithValue(axis=0, keep_dims=False)(x) -> (index, value), as MindSpore's
+    primitive: the index (int32) of the largest element along `axis` (the first of
+    ties) and that element. Its strategy has one entry for x; a split of `axis` is
+    gathered (every index is global, so the numbers equal one device's), other dims
+    keep their splits. The value's gradient goes to the index's position."""
+    name = "ArgMaxWithValue"
+
+    def __init__(self, axis=0, keep_dims=False):
+        super().__init__()
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"{self.name}: axis={axis!r} must be an int")
+        self.axis = axis
+        self.keep_dims = _bool(self.name, "keep_dims", keep_dims)
+
+    def construct(self, x):
+        return arg_reduce(self.name, x, self.axis, self.keep_dims)
+
+
+class ArgMinWithValue(ArgMaxWithValue):
+    """ArgMinWithValue(axis=0, keep_dims=False)(x) -> (index, value) of the smallest
+    element along `axis`, as ArgMaxWithValue."""
+    name = "ArgMinWithValue"
+
+
+class Argmax(Primitive):
+    """Argmax(axis=-1, output_type=int32)(x): the index of the largest element along
+    `axis` (the first of ties), as MindSpore's primitive; a split of `axis` is
+    gathered."""
+    name = "Argmax"
+
+    def __init__(self, axis=-1, output_type=np.int32):
+        super().__init__()
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"{self.name}: axis={axis!r} must be an int")
+        self.axis = axis
+        self.output_type = output_type
+
+    def construct(self, x):
+        return arg_reduce(self.name, x, self.axis, False, self.output_type)
+
+
+class Argmin(Argmax):
+    """Argmin(axis=-1, output_type=int32)(x): the index of the smallest element."""
+    name = "Argmin"
+
+
+# ---------------------------------------------------------------------------
+# Assign / AssignAdd / AssignSub: a Parameter updated in place
+# ---------------------------------------------------------------------------
+class Assign(Primitive):
+    """Assign()(variable, value): the Parameter `variable` set to `value` (same shape;
+    converted to its dtype) in place, as MindSpore's primitive; returns `variable`. In a
+    compiled graph (GRAPH_MODE, ops.shard) the write happens each time the graph runs
+    and the call returns the new value. A sharded `variable` keeps its layout; a
+    strategy has one entry per input, e.g. ((2, 4), (2, 4))."""
+    name = "Assign"
+    _broadcasts = False
+
+    def __call__(self, variable, value):
+        if not callable(getattr(variable, "set_data", None)):     # not a Parameter
+            raise TypeError(f"{self.name}: variable must be a Parameter (it is updated in "
+                            f"place), got {type(variable).__name__}")
+        value = const(value, self.name)
+        shape, vshape = tuple(variable.shape), tuple(np.shape(value))
+        if vshape != shape and not (self._broadcasts and _broadcasts_to(vshape, shape)):
+            valid = "one that broadcasts to it" if self._broadcasts else "the same shape"
+            raise ValueError(f"{self.name}: value has shape {vshape} but variable "
+                             f"{variable.name!r} has shape {shape}; expected {valid}")
+        new = super().__call__(variable, value)
+        write_parameters(self.name, (variable,), new)
+        return new if is_traced() else variable
+
+    def construct(self, variable, value):
+        new = self._update(variable, value)
+        return F.cast(new, variable.dtype) if new.dtype != variable.dtype else new
+
+    def _update(self, variable, value):
+        return assigned_value(variable, value)
+
+
+class AssignAdd(Assign):
+    """AssignAdd()(variable, value): ``variable += value`` in place (value the same
+    shape or broadcasting to it), as MindSpore's primitive; returns `variable` (the new
+    value in a compiled graph)."""
+    name = "AssignAdd"
+    _broadcasts = True
+
+    def _update(self, variable, value):
+        return F.add(variable, value)
+
+
+class AssignSub(AssignAdd):
+    """AssignSub()(variable, value): ``variable -= value`` in place, as AssignAdd."""
+    name = "AssignSub"
+
+    def _update(self, variable, value):
+        return F.sub(variable, value)
+
+
+def _broadcasts_to(shape, target):
+    """Does `shape` broadcast to `target` (numpy's rule, aligned from the right)?"""
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))

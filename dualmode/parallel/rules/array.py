@@ -1,5 +1,7 @@
 """Sharding rules of the array ops: Reshape, BroadcastTo, OneHot, Gather and GatherGrad,
-Concat, Split, basic indexing (GetItem, IndexAdd) and Dropout.
+Concat, Split, basic indexing (GetItem, IndexAdd; StridedSlice is written with it), Tile
+and Dropout; and how a sharded Parameter is written in place (Assign, AssignAdd,
+AssignSub).
 
 Same contract as every rule (:mod:`dualmode.parallel.rules`): a rule gets the op's attrs, the input layouts over one
 device matrix (None for scalars) and the input dtypes, and returns a
@@ -28,6 +30,12 @@ Communication each rule implies (beyond moving inputs into the required layouts)
 - ``GetItem`` (basic indexing) / ``IndexAdd`` (its gradient): dims that are sliced or
   indexed must be whole; full-slice dims keep their splits. Advanced indexing has no
   rule (gathered).
+- ``Tile``: dims with multiple 1 keep their split; a tiled dim is whole in the input
+  (an AllGather when it is split) and its output is split over the input's axes when
+  they divide the multiple (each device makes its share of the copies), else whole.
+- ``Assign`` / ``AssignAdd`` / ``AssignSub``: the new value is computed elementwise; a
+  Parameter stored in a layout is written in that layout (its shards of the value, moved
+  there when the value has another layout).
 - ``Dropout``: elementwise on any layout; the mask is drawn for the global shape from
   the context's generator, exactly as one device draws it, and each device keeps its
   block, so the numbers equal the single-device run.
@@ -37,9 +45,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...context import rng
-from ...ops._array import _is_advanced
+from ...ops._array import PARAMETER_WRITERS, _is_advanced
 from ...ops._registry import REGISTRY
 from ..devices import backend
+from ..moves import redistribute_tensor
 from ..shared_dims import concat_pairs
 from ..sharding import ShardPlan, expand_stack, layout, register_rule
 from .base import parts as _parts
@@ -476,3 +485,48 @@ def _dropout(attrs, lays, dtypes):
         return out, mask
 
     return ShardPlan((x,), (x, x), local)
+
+
+# ---------------------------------------------------------------------------
+# Tile: dims tiled once keep their split; a tiled dim is whole in the input, and its
+# output is split over the input's axes when they divide the multiple (each device
+# then makes multiples / parts copies, as MindSpore splits a tiled dim's multiple)
+# ---------------------------------------------------------------------------
+@register_rule("Tile", per_device=True)
+def _tile(attrs, lays, dtypes):
+    x = lays[0]
+    pend = pending_sums("Tile", attrs, lays)
+    if x is None or pend is None:
+        return None
+    mult = tuple(attrs["multiples"])
+    off = len(mult) - x.ndim
+    dm = x.device_matrix
+    in_map = [axes if mult[d + off] == 1 else () for d, axes in enumerate(x.tensor_map)]
+    out_map = [()] * off + [axes if mult[d + off] == 1 or not mult[d + off] % _parts(dm, axes)
+                            else () for d, axes in enumerate(x.tensor_map)]
+    local_mult = (1,) + tuple(m // _parts(dm, axes) if m > 1 else 1
+                              for m, axes in zip(mult, out_map))
+    need = layout(dm, in_map, x.shape, pend[0])
+    shape = tuple(s * m for s, m in zip((1,) * off + tuple(x.shape), mult))
+    out = layout(dm, out_map, shape, pend[0])
+
+    def local(attrs, stacks):
+        s = stacks[0]
+        s = s.reshape((s.shape[0],) + (1,) * off + s.shape[1:])
+        return np.tile(s, local_mult)
+
+    return ShardPlan((need,), (out,), local)
+
+
+# ---------------------------------------------------------------------------
+# Assign / AssignAdd / AssignSub: a sharded Parameter written in place keeps its layout
+# ---------------------------------------------------------------------------
+def _write_sharded_parameter(param, value, label):
+    """`param` (stored in a layout) set to `value`: its own shards of the value, moved
+    into the parameter's layout (no communication when the value is already there)."""
+    stack = redistribute_tensor(value, param._layout, label)
+    param._data = np.array(stack, dtype=param.dtype)      # its storage from now on
+    param._init = None
+
+
+PARAMETER_WRITERS[:] = [_write_sharded_parameter]

@@ -1,6 +1,8 @@
-"""Reductions (``family=("reduce", "sum"|"mean"|"max"|"min")``): a sum or mean over a
-split dim stays a pending sum (resolved by the next op that needs the value); max and
-min finish with an AllReduce of that kind over the reduced dims' device axes."""
+"""Reductions (``family=("reduce", "sum"|"mean"|"max"|"min"|"arg")``): a sum or mean
+over a split dim stays a pending sum (resolved by the next op that needs the value); max
+and min finish with an AllReduce of that kind over the reduced dims' device axes; the
+index ops ("arg": ArgMaxWithValue, ArgMinWithValue, Argmax, Argmin) take the reduced
+axis whole (gathered when split), so every index is global."""
 from __future__ import annotations
 
 import math
@@ -30,6 +32,8 @@ def _make_reduce(op):
             tuple(s for d, s in enumerate(x.shape) if d not in axes)
         stack_axes = tuple(d + 1 for d in axes)
         count = math.prod(x.shape[d] for d in axes)
+        if combine == "arg":
+            return _arg_plan(op, x, axes, tmap, shape, stack_axes)
         if combine in ("sum", "mean"):
             out = layout(dm, tmap, shape, set(red_axes) | set(pend[0]))
 
@@ -50,6 +54,22 @@ def _make_reduce(op):
         post = ((combine, red_axes),) if red_axes else ()
         return ShardPlan((x,), (out,), local, post)
     return rule
+
+
+def _arg_plan(op, x, axes, tmap, shape, stack_axes):
+    """ArgMaxWithValue / ArgMinWithValue / Argmax / Argmin: the reduced axis whole (an
+    AllGather of that dim when it is split), so each device finds the global index; the
+    other dims keep their splits and the outputs (index, value) have them."""
+    dm = x.device_matrix
+    need = layout(dm, [() if d in axes else m for d, m in enumerate(x.tensor_map)], x.shape)
+    out = layout(dm, tmap, shape)
+
+    def local(attrs, stacks):
+        at = dict(attrs)
+        at["axis"] = stack_axes
+        return op.kernel(at, stacks[0])
+
+    return ShardPlan((need,), (out, out) if op.multi_output else (out,), local)
 
 
 def rule(op):
