@@ -502,3 +502,46 @@ def test_prelu_channel_split_must_match():
                                              r"in_strategy\[1\]\[0\]=2 split the channel dim "
                                              r"differently"):
             ops.PReLU().shard(((2, 4, 1), (2,)))(x, w)
+
+
+class _PReLUNet(nn.Cell):
+    def __init__(self, strategy):
+        super().__init__()
+        self.act = nn.PReLU(8, Tensor(np.linspace(-0.5, 0.5, 8).astype(np.float32)))
+        if strategy is not None:
+            self.act.prelu.shard(strategy)
+        self.w = Tensor(_f32((16, 8, 4), seed=31))
+
+    def construct(self, x):
+        return ops.reduce_sum(ops.mul(self.act(x), self.w))
+
+
+@pytest.mark.parametrize("mode", ["single", "eager", "graph"])
+def test_nn_prelu_cell_trains_like_numpy(mode):
+    """nn.PReLU(channel, w): the slopes are a Parameter; its gradient (and x's) equal
+    numpy's, stand-alone and with the cell's primitive sharded (channels over 4 devices,
+    batch over 2) in PyNative and GRAPH_MODE."""
+    x = _away((16, 8, 4), 30)
+    net_w = np.linspace(-0.5, 0.5, 8).astype(np.float32)
+    w_out = _f32((16, 8, 4), seed=31)
+    with devices(None if mode == "single" else 8):
+        if mode == "graph":
+            dm.set_context(mode=dm.GRAPH_MODE)
+        net = _PReLUNet(None if mode == "single" else ((2, 4, 1), (4,)))
+        assert [tuple(p.shape) for p in net.trainable_params()] == [(8,)]
+        loss, (gx, (gw,)) = dm.value_and_grad(net, 0, net.trainable_params())(Tensor(x))
+    wide = net_w[:, None]
+    np.testing.assert_allclose(loss.asnumpy(), np.sum(np.where(x > 0, x, x * wide) * w_out),
+                               rtol=1e-5)
+    np.testing.assert_allclose(gx.asnumpy(), np.where(x > 0, 1, wide) * w_out, rtol=1e-5)
+    np.testing.assert_allclose(gw.asnumpy(), np.sum(np.where(x > 0, 0, x) * w_out,
+                                                    axis=(0, 2)), rtol=1e-4, atol=1e-5)
+
+
+def test_nn_prelu_errors():
+    with pytest.raises(ValueError, match=r"PReLU: channel=0 must be an int >= 1"):
+        nn.PReLU(0)
+    with pytest.raises(ValueError, match=r"PReLU: w has shape \(2,\); expected \(3,\)"):
+        nn.PReLU(3, Tensor(np.ones(2, np.float32)))
+    with pytest.raises(TypeError, match=r"PReLU: w must be a float or a Tensor"):
+        nn.PReLU(3, "0.25")

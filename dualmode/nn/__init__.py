@@ -1,6 +1,7 @@
 """dualmode.nn: Cell, layers, losses, optimizers and training wrappers (MindSpore's nn)."""
 from . import utils
-from .activation import GELU, FastGelu, ReLU, Sigmoid, Softmax, Tanh, get_activation
+from .activation import (GELU, FastGelu, PReLU, ReLU, Sigmoid, Softmax, Tanh,
+                         get_activation)
 from .basic import Dense, Dropout, Flatten
 from .cell import Cell
 from .container import CellList, SequentialCell
@@ -19,5 +20,5 @@ __all__ = [
     "MSELoss", "L1Loss", "CrossEntropyLoss", "SoftmaxCrossEntropyWithLogits", "Optimizer",
     "SGD", "Momentum", "Adam", "WithLossCell", "TrainOneStepCell", "utils",
     "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
-    "GELU", "FastGelu",
+    "GELU", "FastGelu", "PReLU",
 ]

@@ -1,11 +1,16 @@
-"""Activation cells: ReLU, Tanh, Sigmoid, Softmax, GELU, FastGelu, and
+"""Activation cells: ReLU, Tanh, Sigmoid, Softmax, GELU, FastGelu, PReLU, and
 ``get_activation(name)``."""
 from __future__ import annotations
 
+import numpy as np
+
 from .. import ops
+from .._core._tensor import TensorBase
+from ..tensor import Parameter, Tensor
 from .cell import Cell
 
-__all__ = ["ReLU", "Tanh", "Sigmoid", "Softmax", "GELU", "FastGelu", "get_activation"]
+__all__ = ["ReLU", "Tanh", "Sigmoid", "Softmax", "GELU", "FastGelu", "PReLU",
+           "get_activation"]
 
 
 class ReLU(Cell):
@@ -84,6 +89,33 @@ class FastGelu(Cell):
 
     def construct(self, x):
         return self.fast_gelu(x)
+
+
+class PReLU(Cell):
+    """x where x > 0, else w * x, as MindSpore's ``nn.PReLU(channel=1, w=0.25)``: the
+    trainable Parameter ``w`` (float32, shape (channel,)) holds one slope per channel
+    (dim 1 of x), all `w` (a float) or the given 1-D Tensor; the PReLU primitive is
+    ``self.prelu`` (a strategy: ``cell.prelu.shard(((1, 4, 1, 1), (4,)))``)."""
+
+    def __init__(self, channel: int = 1, w=0.25):
+        super().__init__()
+        if isinstance(channel, bool) or not isinstance(channel, int) or channel < 1:
+            raise ValueError(f"PReLU: channel={channel!r} must be an int >= 1")
+        if isinstance(w, TensorBase):
+            value = np.asarray(w.asnumpy(), np.float32)
+            if value.shape != (channel,):
+                raise ValueError(f"PReLU: w has shape {value.shape}; expected ({channel},) "
+                                 f"(one slope per channel)")
+        elif isinstance(w, (int, float)) and not isinstance(w, bool):
+            value = np.full((channel,), w, np.float32)
+        else:
+            raise TypeError(f"PReLU: w must be a float or a Tensor of shape ({channel},), "
+                            f"got {type(w).__name__}")
+        self.w = Parameter(Tensor(value), name="a")
+        self.prelu = ops.PReLU()
+
+    def construct(self, x):
+        return self.prelu(x, self.w)
 
 
 _ACTIVATIONS = {"relu": ReLU, "tanh": Tanh, "sigmoid": Sigmoid, "softmax": Softmax,
