@@ -435,3 +435,179 @@ def test_layout_strategies_are_checked_too():
         assert y._layout.tensor_map == ((0, 1), ())
         np.testing.assert_allclose(y.asnumpy(), np_layer_norm(x.asnumpy(), 1, 0, 1, 1)[0],
                                    rtol=RTOL, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# nn.BatchNorm1d / nn.BatchNorm2d on the BatchNorm op: bn_train / bn_infer
+# ---------------------------------------------------------------------------
+def np_bn_train(x, gamma, beta, eps=1e-5):
+    axes = (0,) + tuple(range(2, x.ndim))
+    b = (1, -1) + (1,) * (x.ndim - 2)
+    x64 = x.astype(np.float64)
+    m, v = x64.mean(axes), x64.var(axes)
+    return (x64 - m.reshape(b)) / np.sqrt(v.reshape(b) + eps) * gamma.reshape(b) + \
+        beta.reshape(b), m, v
+
+
+@pytest.mark.parametrize("shape", [(16, 6), (8, 6, 5)], ids=["NC", "NCL"])
+def test_batchnorm1d_equals_numpy(shape):
+    """Training: batch statistics, moving ones updated (momentum 0.9 keeps 90% of the
+    old, the variance unbiased); inference: the moving statistics."""
+    x = _rand(*shape, seed=3)
+    bn = nn.BatchNorm1d(6, momentum=0.8, gamma_init="normal", beta_init="normal")
+    gamma, beta = bn.gamma.asnumpy(), bn.beta.asnumpy()
+    bn.set_train()
+    y = bn(Tensor(x))
+    want, m, v = np_bn_train(x, gamma, beta)
+    np.testing.assert_allclose(y.asnumpy(), want, rtol=1e-4, atol=1e-5)
+    count = x.size // 6
+    np.testing.assert_allclose(bn.moving_mean.asnumpy(), 0.2 * m, rtol=RTOL, atol=1e-7)
+    np.testing.assert_allclose(bn.moving_variance.asnumpy(),
+                               0.8 + 0.2 * v * count / (count - 1), rtol=RTOL)
+    bn.set_train(False)
+    mm, mv = bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy()
+    b = (1, -1) + (1,) * (x.ndim - 2)
+    np.testing.assert_allclose(bn(Tensor(x)).asnumpy(),
+                               (x - mm.reshape(b)) / np.sqrt(mv.reshape(b) + 1e-5) *
+                               gamma.reshape(b) + beta.reshape(b), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(bn.moving_mean.asnumpy(), mm)      # not updated
+
+
+def test_batchnorm_cells_hold_mindspores_ops():
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d):
+        bn = cls(4, eps=1e-4, momentum=0.7)
+        assert isinstance(bn.bn_train, ops.BatchNorm) and isinstance(bn.bn_infer, ops.BatchNorm)
+        assert bn.bn_train.is_training and not bn.bn_infer.is_training
+        assert bn.bn_train.epsilon == bn.bn_infer.epsilon == 1e-4
+        assert bn.bn_train.momentum == pytest.approx(0.3)      # the batch's weight
+        assert [n for n, _ in bn.parameters_and_names()] == [
+            "gamma", "beta", "moving_mean", "moving_variance"]
+    with pytest.raises(ValueError, match=r"BatchNorm1d: input has shape \(2, 4, 3, 3\); "
+                                         r"expected \(N, 4\) or \(N, 4, L\)"):
+        nn.BatchNorm1d(4)(Tensor(_rand(2, 4, 3, 3)))
+    with pytest.raises(ValueError, match=r"BatchNorm2d: input has shape \(2, 4\); expected "
+                                         r"\(N, 4, H, W\)"):
+        nn.BatchNorm2d(4)(Tensor(_rand(2, 4)))
+    with pytest.raises(ValueError, match=r"BatchNorm1d: input has shape \(2, 3\); expected "
+                                         r"\(N, 4\) or \(N, 4, L\)"):
+        nn.BatchNorm1d(4)(Tensor(_rand(2, 3)))
+
+
+class _BNNet(nn.Cell):
+    """Dense -> BatchNorm1d (its bn_train / bn_infer strategy) -> ReLU -> square mean,
+    or Conv-free NCHW input -> BatchNorm2d."""
+
+    def __init__(self, two_d, strategy=None, infer_strategy=None):
+        super().__init__()
+        self.two_d = two_d
+        self.fc = nn.Dense(8, 8)
+        self.bn = nn.BatchNorm2d(8) if two_d else nn.BatchNorm1d(8)
+        if strategy is not None:
+            self.bn.bn_train.shard(strategy)
+        if infer_strategy is not None:
+            self.bn.bn_infer.shard(infer_strategy)
+
+    def construct(self, x):
+        h = self.fc(x)
+        if self.two_d:
+            h = ops.reshape(h, (8, 2, 2, 8))
+            h = ops.transpose(h, (0, 3, 1, 2))          # (8, 8 channels, 2, 2)
+        return ops.reduce_mean(ops.square(ops.relu(self.bn(h)) - 0.3))
+
+
+def _run_bn(n, mode, two_d, strategy=None, outer=None, infer_strategy=None, steps=2):
+    x = _rand(32, 8, seed=6)
+    with devices(n, full_batch=True):
+        if mode == "graph":
+            dm.set_context(mode=dm.GRAPH_MODE)
+        dm.set_seed(2)
+        net = _BNNet(two_d, strategy, infer_strategy)
+        net.set_train()
+        f = net
+        if n and mode == "ops.shard":
+            f = ops.shard(lambda t: net(t), in_strategy=(outer,))
+        elif n and mode == "Cell.shard":
+            net.shard(in_strategy=(outer,))
+        opt = nn.SGD(net.trainable_params(), 0.1)
+        g = dm.value_and_grad(f, 0, opt.parameters)
+        losses, dxs = [], []
+        with CommReport() as rep:
+            for _ in range(steps):
+                loss, (dx, grads) = g(Tensor(x))
+                opt(grads)
+                losses.append(float(loss.asnumpy()))
+                dxs.append(dx.asnumpy())
+            net.set_train(False)                       # inference: bn_infer
+            losses.append(float(f(Tensor(x)).asnumpy()))
+        return losses, dxs, {p.name: p.asnumpy() for p in net.get_parameters()}, rep
+
+
+BN_CASES = {
+    # cell, bn_train strategy, forward AllReduces of the op per training step
+    "1d-batch8": (False, ((8, 1), (1,), (1,), (1,), (1,)), 1),
+    "1d-channels8": (False, ((1, 8), (8,), (8,), (8,), (8,)), 0),
+    "1d-batch2-channels4": (False, ((2, 4), (4,), (4,), (4,), (4,)), 1),
+    "2d-batch8": (True, ((8, 1, 1, 1), (1,), (1,), (1,), (1,)), 1),
+    "2d-channels2-HW": (True, ((1, 2, 2, 2), (2,), (2,), (2,), (2,)), 1),
+    "2d-channels8": (True, ((1, 8, 1, 1), (8,), (8,), (8,), (8,)), 0),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("case", list(BN_CASES))
+def test_batchnorm_cell_strategy_as_mindspore(case, mode):
+    """``net.bn.bn_train.shard(...)``: trained weights, moving statistics, losses (the
+    last one in inference) and dx equal the stand-alone run; the strategy takes effect
+    (the batch split: one AllReduce of the statistics per step inside the op; the
+    channels split: none)."""
+    two_d, strategy, n_ar = BN_CASES[case]
+    ref = _run_bn(None, "eager", two_d)
+    got = _run_bn(8, mode, two_d, strategy)
+    _assert_same(got, ref)
+    fwd = [r for r in got[3].records if r.op == "BatchNorm" and r.kind == "AllReduce"]
+    assert len(fwd) == 2 * n_ar and all(r.reason == "forward" for r in fwd)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_batchnorm_infer_strategy(mode):
+    """bn_infer's strategy applies in inference (the parameters placed as bn_train
+    placed them: both split the channels in 2)."""
+    two_d = False
+    ref = _run_bn(None, "eager", two_d)
+    got = _run_bn(8, mode, two_d, ((4, 2), (2,), (2,), (2,), (2,)),
+                  infer_strategy=((1, 2), (2,), (2,), (2,), (2,)))
+    _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("mode", ["ops.shard", "Cell.shard", "data_parallel"])
+@pytest.mark.parametrize("two_d", [False, True], ids=["1d", "2d"])
+def test_batchnorm_cells_compiled_and_data_parallel(mode, two_d):
+    """No strategy on the op: a compiled block whose input arrives split on the batch,
+    and data parallel (each device 4 of the 32 rows): global-batch statistics, as one
+    device."""
+    ref = _run_bn(None, "eager", two_d)
+    if mode == "data_parallel":
+        x = _rand(32, 8, seed=6)
+        with devices(8, "data_parallel", gradients_mean=True):
+            dm.set_seed(2)
+            net = _BNNet(two_d)
+            net.set_train()
+            opt = nn.SGD(net.trainable_params(), 0.1)
+            g = dm.value_and_grad(net, None, opt.parameters)
+            losses = []
+            with CommReport() as rep:
+                for _ in range(2):
+                    loss, grads = g(Tensor(x))
+                    opt(grads)
+                    losses.append(float(loss.asnumpy()))
+                net.set_train(False)
+                losses.append(float(net(Tensor(x)).asnumpy()))
+            params = {p.name: p.asnumpy() for p in net.get_parameters()}
+        np.testing.assert_allclose(losses, ref[0], rtol=TRAIN_RTOL)
+        for name, want in ref[2].items():
+            np.testing.assert_allclose(params[name], want, rtol=TRAIN_RTOL, atol=1e-6,
+                                       err_msg=name)
+        fwd = [r for r in rep.records if r.op == "BatchNorm" and r.kind == "AllReduce"]
+        assert len(fwd) == 2 and all(r.reason == "forward" for r in fwd)
+        return
+    _assert_same(_run_bn(8, mode, two_d, outer=(8, 1)), ref)

@@ -9,7 +9,7 @@ from .embedding import Embedding, EmbeddingLookup
 from .loss import (CrossEntropyLoss, L1Loss, LossBase, MSELoss,
                    SoftmaxCrossEntropyWithLogits)
 from .conv import Conv2d
-from .normalization import BatchNorm2d, LayerNorm
+from .normalization import BatchNorm1d, BatchNorm2d, LayerNorm
 from .pooling import AvgPool2d, MaxPool2d
 from .optim import SGD, Adam, Momentum, Optimizer
 from .wrap import TrainOneStepCell, WithLossCell
@@ -19,6 +19,6 @@ __all__ = [
     "Sigmoid", "Softmax", "get_activation", "Embedding", "EmbeddingLookup", "LayerNorm", "LossBase",
     "MSELoss", "L1Loss", "CrossEntropyLoss", "SoftmaxCrossEntropyWithLogits", "Optimizer",
     "SGD", "Momentum", "Adam", "WithLossCell", "TrainOneStepCell", "utils",
-    "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
+    "Conv2d", "BatchNorm1d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
     "GELU", "FastGelu", "PReLU",
 ]

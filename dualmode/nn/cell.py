@@ -16,6 +16,7 @@ from collections import OrderedDict
 from .. import context
 from ..parallel.devices import parallel_active
 from ..parallel.inputs import distribute_inputs
+from ..parallel.graph import api as _graph_api
 from ..parallel.graph.api import ShardFunction, graph_call
 from ..tensor import Parameter
 
@@ -341,7 +342,9 @@ class Cell:
         if not isinstance(mode, bool):
             raise TypeError(f"{self.cls_name}: set_train(mode) needs a bool, got {mode!r}")
         for _, cell in self.cells_and_names():
-            cell.__dict__["training"] = mode
+            if cell.__dict__.get("training") != mode:
+                cell.__dict__["training"] = mode
+                _graph_api.TRAIN_EPOCH[0] += 1      # compiled graphs traced before: re-trace
         return self
 
     def set_grad(self, requires_grad: bool = True) -> "Cell":

@@ -1,17 +1,14 @@
-"""LayerNorm and BatchNorm2d, written with dualmode ops so autograd differentiates them."""
+"""LayerNorm (on ``ops.LayerNorm``), BatchNorm1d and BatchNorm2d (on ``ops.BatchNorm``):
+the cells hold their ops as MindSpore's do, so scripts set their strategies the same way."""
 from __future__ import annotations
 
-import numpy as np
-
 from .. import ops
-from ..ops._conv import batch_norm_apply, batch_norm_train, bn_count, running_update
-from ..parallel.graph.trace import current_trace
 from ..common import dtype as _dt
 from ._checks import check_float, check_float_tensor, check_int
 from .basic import make_parameter
 from .cell import Cell
 
-__all__ = ["LayerNorm", "BatchNorm2d"]
+__all__ = ["LayerNorm", "BatchNorm1d", "BatchNorm2d"]
 
 
 def _axis(owner, name, axis, ndim):
@@ -89,17 +86,79 @@ class LayerNorm(Cell):
                 f"begin_params_axis={self.begin_params_axis}")
 
 
-class BatchNorm2d(Cell):
-    """Batch normalisation over the channels (dim 1) of NCHW input (MindSpore's
-    ``nn.BatchNorm2d``).
+class _BatchNorm(Cell):
+    """What BatchNorm1d and BatchNorm2d share: the parameters and the two ops, as
+    MindSpore's cells hold them: ``self.bn_train = ops.BatchNorm(is_training=True, ...)``
+    (batch statistics, running statistics updated) and ``self.bn_infer =
+    ops.BatchNorm(is_training=False, ...)`` (running statistics), so
+    ``cell.bn_train.shard(((8, 1, 1, 1), (1,), (1,), (1,), (1,)))`` sets the strategy of
+    the training op."""
+
+    _owner = "BatchNorm"
+    _ranks = ()              # accepted input ranks
+    _expect = ""             # the expected input shape, for messages
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.9, affine=True, gamma_init="ones",
+                 beta_init="zeros", moving_mean_init="zeros", moving_var_init="ones",
+                 use_batch_statistics=None, data_format="NCHW", dtype=_dt.float32):
+        super().__init__()
+        owner = self._owner
+        self.num_features = check_int(owner, "num_features", num_features, 1)
+        self.eps = check_float(owner, "eps", eps, 0.0, lo_open=True)
+        self.momentum = check_float(owner, "momentum", momentum, 0.0, 1.0)
+        if use_batch_statistics not in (None, True, False):
+            raise TypeError(f"{owner}: use_batch_statistics must be None or a bool, got "
+                            f"{use_batch_statistics!r}")
+        if data_format != "NCHW":
+            raise ValueError(f"{owner}: data_format={data_format!r} is not supported; "
+                             f"only 'NCHW'")
+        self.use_batch_statistics = use_batch_statistics
+        dtype = _dt.as_dtype(dtype, owner)
+        shape = (self.num_features,)
+        self.gamma = make_parameter(owner, "gamma_init", gamma_init, shape, dtype, "gamma")
+        self.beta = make_parameter(owner, "beta_init", beta_init, shape, dtype, "beta")
+        self.gamma.requires_grad = self.beta.requires_grad = bool(affine)
+        self.moving_mean = make_parameter(owner, "moving_mean_init", moving_mean_init,
+                                          shape, dtype, "moving_mean")
+        self.moving_variance = make_parameter(owner, "moving_var_init",
+                                              moving_var_init, shape, dtype,
+                                              "moving_variance")
+        self.moving_mean.requires_grad = self.moving_variance.requires_grad = False
+        # the op's momentum weighs the batch (MindSpore passes 1 - momentum too)
+        self.bn_train = ops.BatchNorm(is_training=True, epsilon=self.eps,
+                                      momentum=1.0 - self.momentum)
+        self.bn_infer = ops.BatchNorm(is_training=False, epsilon=self.eps)
+
+    def construct(self, x):
+        check_float_tensor(self._owner, "input", x)
+        if x.ndim not in self._ranks or x.shape[1] != self.num_features:
+            raise ValueError(f"{self._owner}: input has shape {tuple(x.shape)}; expected "
+                             f"{self._expect.format(c=self.num_features)}")
+        in_dtype = x.dtype
+        if in_dtype != self.gamma.dtype:            # float16 compute: statistics in float32
+            x = ops.cast(x, self.gamma.dtype)
+        use_batch = self.training if self.use_batch_statistics is None \
+            else self.use_batch_statistics
+        bn = self.bn_train if use_batch else self.bn_infer
+        y = bn(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)[0]
+        return y if y.dtype == in_dtype else ops.cast(y, in_dtype)
+
+    def extend_repr(self):
+        return (f"num_features={self.num_features}, eps={self.eps}, "
+                f"momentum={self.momentum}")
+
+
+_BN_DOC = """
 
     Training (``set_train()``, or ``use_batch_statistics=True``): each channel is
-    normalised with the batch's mean and biased variance — under data parallel or an
-    N/H/W split those of the whole global batch (one AllReduce of per-channel sums and
-    sums of squares), so results equal one device — and the moving statistics become
-    ``momentum * moving + (1 - momentum) * batch`` (the variance unbiased). Inference:
-    the moving statistics are used. Statistics are float32 even when x is float16
-    (``amp_level="O2"``); y has x's dtype.
+    normalised with the batch's mean and biased variance — under data parallel or a
+    strategy splitting the batch those of the whole global batch (one AllReduce of
+    per-channel sums and sums of squares inside the op), so results equal one device —
+    and the moving statistics become ``momentum * moving + (1 - momentum) * batch`` (the
+    variance unbiased). Inference: the moving statistics are used. Statistics are
+    float32 even when x is float16 (``amp_level="O2"``); y has x's dtype. The ops are
+    ``self.bn_train`` and ``self.bn_infer`` (``ops.BatchNorm``), as in MindSpore: their
+    ``shard`` sets the strategy (x, gamma, beta, moving mean, moving variance).
 
     Parameters
     ----------
@@ -117,64 +176,18 @@ class BatchNorm2d(Cell):
         None (default): batch statistics while training, moving ones otherwise.
     """
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.9, affine=True, gamma_init="ones",
-                 beta_init="zeros", moving_mean_init="zeros", moving_var_init="ones",
-                 use_batch_statistics=None, data_format="NCHW", dtype=_dt.float32):
-        super().__init__()
-        self.num_features = check_int("BatchNorm2d", "num_features", num_features, 1)
-        self.eps = check_float("BatchNorm2d", "eps", eps, 0.0, lo_open=True)
-        self.momentum = check_float("BatchNorm2d", "momentum", momentum, 0.0, 1.0)
-        if use_batch_statistics not in (None, True, False):
-            raise TypeError(f"BatchNorm2d: use_batch_statistics must be None or a bool, got "
-                            f"{use_batch_statistics!r}")
-        if data_format != "NCHW":
-            raise ValueError(f"BatchNorm2d: data_format={data_format!r} is not supported; "
-                             f"only 'NCHW'")
-        self.use_batch_statistics = use_batch_statistics
-        dtype = _dt.as_dtype(dtype, "BatchNorm2d")
-        shape = (self.num_features,)
-        self.gamma = make_parameter("BatchNorm2d", "gamma_init", gamma_init, shape, dtype,
-                                    "gamma")
-        self.beta = make_parameter("BatchNorm2d", "beta_init", beta_init, shape, dtype, "beta")
-        self.gamma.requires_grad = self.beta.requires_grad = bool(affine)
-        self.moving_mean = make_parameter("BatchNorm2d", "moving_mean_init", moving_mean_init,
-                                          shape, dtype, "moving_mean")
-        self.moving_variance = make_parameter("BatchNorm2d", "moving_var_init",
-                                              moving_var_init, shape, dtype,
-                                              "moving_variance")
-        self.moving_mean.requires_grad = self.moving_variance.requires_grad = False
 
-    def construct(self, x):
-        check_float_tensor("BatchNorm2d", "input", x)
-        if x.ndim != 4 or x.shape[1] != self.num_features:
-            raise ValueError(f"BatchNorm2d: input has shape {tuple(x.shape)}; expected "
-                             f"(N, {self.num_features}, H, W)")
-        in_dtype = x.dtype
-        if in_dtype != self.gamma.dtype:            # float16 compute: statistics in float32
-            x = ops.cast(x, self.gamma.dtype)
-        use_batch = self.training if self.use_batch_statistics is None \
-            else self.use_batch_statistics
-        if use_batch:
-            y, mean, var = batch_norm_train(x, self.gamma, self.beta, self.eps)
-            self._update_moving(mean, var, bn_count(tuple(x.shape)))
-        else:
-            y = batch_norm_apply(x, self.moving_mean, self.moving_variance, self.gamma,
-                                 self.beta, self.eps)
-        return y if y.dtype == in_dtype else ops.cast(y, in_dtype)
+class BatchNorm1d(_BatchNorm):
+    __doc__ = """Batch normalisation over the features (dim 1) of (N, C) or (N, C, L) input
+    (MindSpore's ``nn.BatchNorm1d``).""" + _BN_DOC
+    _owner = "BatchNorm1d"
+    _ranks = (2, 3)
+    _expect = "(N, {c}) or (N, {c}, L)"
 
-    def _update_moving(self, mean, var, count):
-        new_mean, new_var = running_update(self.moving_mean, self.moving_variance, mean, var,
-                                           count, self.momentum)
-        self._assign_moving(new_mean, new_var)
 
-    def _assign_moving(self, new_mean, new_var):
-        tr = current_trace()
-        if tr is not None:      # graph mode (or its replay): one opaque node, run eagerly
-            tr.call_opaque(self._assign_moving, "BatchNorm2d.update", (new_mean, new_var))
-            return
-        self.moving_mean.set_data(np.asarray(new_mean))
-        self.moving_variance.set_data(np.asarray(new_var))
-
-    def extend_repr(self):
-        return (f"num_features={self.num_features}, eps={self.eps}, "
-                f"momentum={self.momentum}")
+class BatchNorm2d(_BatchNorm):
+    __doc__ = """Batch normalisation over the channels (dim 1) of NCHW input (MindSpore's
+    ``nn.BatchNorm2d``).""" + _BN_DOC
+    _owner = "BatchNorm2d"
+    _ranks = (4,)
+    _expect = "(N, {c}, H, W)"

@@ -81,6 +81,11 @@ def _arg_key(a):
         return ("I", id(a))
 
 
+#: bumped whenever ``Cell.set_train`` changes a cell's mode: part of the cache key, as
+#: a compiled graph holds the branches (batch or moving statistics, dropout) it traced
+TRAIN_EPOCH = [0]
+
+
 def _context_key():
     st = context._STATE
     ap = st.auto_parallel
@@ -88,7 +93,8 @@ def _context_key():
     # a train step (grad_reduce.replica_gradient_scale, fuse.py)
     return (ap.parallel_mode, device_num(), ap.search_mode, ap.dataset_strategy,
             st.algo.fully_use_devices, st.run.mode, _primitive.STRATEGY_EPOCH[0],
-            ap.gradients_mean, repr(ap.comm_fusion), repr(ap.all_reduce_fusion_config))
+            ap.gradients_mean, repr(ap.comm_fusion), repr(ap.all_reduce_fusion_config),
+            TRAIN_EPOCH[0])
 
 
 class _ModeOverride:

@@ -40,6 +40,11 @@ def _elementwise_plan(op, attrs, lays, dtypes):
         need2 = _elementwise_needs(lays, dm, ref2, out_shape, pending, carriers)
         if ref2 != ref and _moved_bytes(lays, need2) <= _moved_bytes(lays, need):
             ref, need = ref2, need2
+    if carriers and _moved_bytes(lays, need) > _resolve_bytes(lays, carriers):
+        # keeping the sum pending would gather a factor whole along its axes (a
+        # per-channel sum times a batch-split activation): finishing the sum first moves
+        # fewer bytes, so the rule declines and the caller resolves it
+        return None
     out = layout(dm, ref, out_shape, pending)
 
     def local(attrs, stacks):
@@ -81,6 +86,13 @@ def _moved_bytes(lays, needs) -> float:
     """Bytes per device (4-byte items) that moving `lays` into `needs` communicates."""
     return sum(plan_redistribution(have, want, 4).bytes
                for have, want in zip(lays, needs) if have is not None and have != want)
+
+
+def _resolve_bytes(lays, carriers) -> float:
+    """Bytes per device (4-byte items) that finishing the pending sums of the inputs at
+    `carriers` communicates (their AllReduces)."""
+    return sum(plan_redistribution(lays[i], lays[i].without_partial(), 4).bytes
+               for i in carriers)
 
 
 def rule(op):

@@ -109,7 +109,12 @@ def _batch_norm(attrs, lays, dtypes):
         return C.batch_norm_stack(attrs, *stacks,
                                   all_reduce=all_reduce if members is not None else None)
 
-    return ShardPlan((x,) + (per_channel,) * 4, (x, per_channel, per_channel), local)
+    # `post` of Nones when the op communicates: no output is finished by a collective,
+    # but the plan is not collective-free, so the data-parallel shortcuts that run the
+    # kernel once on the global values (which would skip, and not report, the AllReduce
+    # every device makes under MPI) take the rule instead
+    post = (None, None, None) if members is not None else ()
+    return ShardPlan((x,) + (per_channel,) * 4, (x, per_channel, per_channel), local, post)
 
 
 # ---------------------------------------------------------------------------
