@@ -507,3 +507,99 @@ def test_a_read_after_the_write_sees_the_new_value(mode):
         for k, out in enumerate(outs, 1):
             np.testing.assert_array_equal(out, 2 * (1 + k * x))
         np.testing.assert_array_equal(net.p.asnumpy(), 1 + 3 * x)
+
+
+# ---------------------------------------------------------------------------
+# OneHot: the strategy over the output's dims, as MindSpore writes it
+# ---------------------------------------------------------------------------
+_IDX = np.random.default_rng(11).integers(0, 8, 16).astype(np.int32)
+
+
+def _onehot_body(axis):
+    def body(p, h):                       # h (16, 8); the indices: each row's argmax
+        hot = p[0](ops.argmax(h, -1), 8, 1.0, 0.0)
+        t = ops.tanh(h) if axis == -1 else ops.transpose(ops.tanh(h), (1, 0))
+        return _sq(ops.mul(hot, t))
+    return body
+
+
+@pytest.mark.parametrize("axis,strategy,outer", [
+    (-1, ((1, 8), (), ()), (1, 8)),        # model-parallel one-hot: the classes split
+    (-1, ((2, 4), (), ()), (2, 4)),
+    (-1, ((8, 1), (), ()), (8, 1)),        # the output form, batch only
+    (-1, ((4,), (), ()), (4, 1)),          # one entry per indices dim (unchanged)
+    (-1, ((4,),), (4, 1)),
+    (0, ((4, 2), (), ()), (2, 4)),         # axis 0: the depth is the output's dim 0
+], ids=["classes8", "rows2-classes4", "rows8", "indices-form", "indices-only", "axis0"])
+def test_onehot_output_form_every_mode(axis, strategy, outer):
+    check_every_mode((16, 8), _onehot_body(axis), lambda: [ops.OneHot(axis)], [strategy],
+                     outer)
+
+
+def test_onehot_output_form_values_and_layout():
+    """((1, 8), (), ()) for 16 indices: the output (16, 8) split along the classes, each
+    device holding one class column, equal to numpy's one-hot; 2-d indices too."""
+    with devices(8, full_batch=True):
+        with CommReport() as rep:          # whole indices: each device cuts its classes
+            out = ops.OneHot().shard(((1, 8), (), ()))(Tensor(_IDX), 8, 1.0, 0.0)
+        assert not rep.records
+        np.testing.assert_array_equal(out.asnumpy(), np.eye(8, dtype=np.float32)[_IDX])
+        assert out._layout.local_shape == (16, 1)
+        idx2 = _IDX.reshape(4, 4)
+        out = ops.OneHot().shard(((2, 1, 4), (), ()))(Tensor(idx2), 8, 2.0, -1.0)
+        want = np.where(np.eye(8, dtype=bool)[idx2], 2.0, -1.0).astype(np.float32)
+        np.testing.assert_array_equal(out.asnumpy(), want)
+        assert out._layout.local_shape == (2, 4, 2)
+        with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]\[1\]=8 splits the "
+                                             r"depth dim \(dim 1 of the output\) but does not "
+                                             r"divide depth=12"):
+            ops.OneHot().shard(((1, 8), (), ()))(Tensor(_IDX), 12, 1.0, 0.0)
+        with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]=\(1, 2, 4\) has 3 "
+                                             r"entries but input 0 has rank 1"):
+            ops.OneHot().shard(((1, 2, 4), (), ()))(Tensor(_IDX), 8, 1.0, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# a batch smaller than the device count under dataset_strategy="data_parallel"
+# ---------------------------------------------------------------------------
+class _Lookup(nn.Cell):
+    """MindSpore's Gather test network: an embedding table looked up by a batch of
+    indices, then a sum."""
+
+    def __init__(self, strategy=None):
+        super().__init__()
+        rng = np.random.default_rng(12)
+        self.table = Parameter(Tensor(rng.normal(size=(16, 8)).astype(np.float32)),
+                               name="table")
+        self.gather = ops.Gather()
+        if strategy is not None:
+            self.gather.shard(strategy)
+
+    def construct(self, idx):
+        return ops.reduce_sum(self.gather(self.table, idx, 0))
+
+
+def test_batch_smaller_than_the_device_count_names_what_to_change():
+    """A batch of 2 on 8 devices cannot be split in 8: the error names the batch size,
+    the device count and the three ways out; each of them then runs and equals the
+    stand-alone result."""
+    idx = np.array([[1, 5, 7], [2, 2, 15]], np.int32)              # batch 2
+    with devices(None):
+        want = float(_Lookup()(Tensor(idx)).asnumpy())
+    with devices(8):
+        with pytest.raises(ValueError, match=r"dataset_strategy='data_parallel': input 0 has "
+                                             r"batch size 2 \(shape \(2, 3\)\), which does not "
+                                             r"divide over 8 devices; use a batch size that is "
+                                             r"a multiple of 8 .*full_batch=True.*fewer "
+                                             r"devices \(device_num=2 divides it\)"):
+            _Lookup(((1, 1), (1, 1)))(Tensor(idx))
+    with devices(8, full_batch=True):
+        got = _Lookup(((1, 1), (1, 1)))(Tensor(idx))
+        np.testing.assert_allclose(float(got.asnumpy()), want, rtol=RTOL)
+    with devices(2):
+        got = _Lookup(((1, 1), (2, 1)))(Tensor(idx))
+        np.testing.assert_allclose(float(got.asnumpy()), want, rtol=RTOL)
+    with devices(8):                                                # a batch of 8: fine
+        idx8 = np.tile(idx, (4, 1))
+        got = _Lookup(((1, 1), (8, 1)))(Tensor(idx8))
+        np.testing.assert_allclose(float(got.asnumpy()), 4 * want, rtol=RTOL)

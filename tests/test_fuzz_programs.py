@@ -399,9 +399,11 @@ def _block(draw, with_strategy):
         return Block(k, "L2Normalize", ((1, f),) if axis == 0 else ((f, 1),), axis)
     if not sharded:
         return Block(k, "OneHot")
-    spell = draw(st.booleans())
+    spell = draw(st.sampled_from(["indices", "indices+scalars", "output"]))
+    if spell == "output":          # MindSpore's form: (batch, depth), the classes split too
+        return Block(k, "OneHot", (draw(_split((B, F))), (), ()))
     s = (draw(_F),)
-    return Block(k, "OneHot", (s, (), ()) if spell else (s,))
+    return Block(k, "OneHot", (s, (), ()) if spell == "indices+scalars" else (s,))
 
 
 #: blocks of Select (after a logical op), AddN and PReLU

@@ -138,7 +138,10 @@ class LogSoftmax(Softmax):
 
 
 class OneHot(Primitive):
-    """OneHot(axis)(indices, depth, on_value, off_value)."""
+    """OneHot(axis)(indices, depth, on_value, off_value). Its strategy's first entry
+    splits the indices (one entry per dim), or, as MindSpore writes it, the output (one
+    entry more, the depth dim included: ``((1, 8), (), ())`` for rank-1 indices, the
+    classes split 8 ways, each device holding its block of them)."""
     name = "OneHot"
 
     def __init__(self, axis=-1):
@@ -146,6 +149,37 @@ class OneHot(Primitive):
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(f"OneHot: axis={axis!r} must be an int (-1: a new last dim)")
         self.axis = axis
+
+    def __call__(self, indices, depth, on_value, off_value):
+        st = self.in_strategy
+        if st is not None and isinstance(st[0], tuple) and \
+                len(st[0]) == np.ndim(indices) + 1 and \
+                not interpreter.base().ignores_strategies():
+            return Primitive.__call__(self._over_output(np.ndim(indices), depth), indices,
+                                      depth, on_value, off_value)
+        return super().__call__(indices, depth, on_value, off_value)
+
+    def _over_output(self, ndim, depth):
+        """For a strategy over the output's dims: a OneHot whose strategy splits the
+        indices alike and whose out_strategy (unless one is given) is that one."""
+        st = self.in_strategy
+        key = (st, self.out_strategy, ndim, depth)
+        cache = self.__dict__.setdefault("_over_outputs", {})
+        inner = cache.get(key)
+        if inner is not None:
+            return inner
+        s = st[0]
+        pos = self.axis if self.axis >= 0 else ndim + 1 + self.axis
+        if not 0 <= pos <= ndim:
+            return self                         # F.one_hot names the bad axis
+        if isinstance(depth, (int, np.integer)) and not isinstance(depth, bool) and \
+                depth > 0 and depth % s[pos]:
+            raise ValueError(f"OneHot: in_strategy[0][{pos}]={s[pos]} splits the depth dim "
+                             f"(dim {pos} of the output) but does not divide depth={depth}")
+        inner = OneHot(self.axis)
+        inner.in_strategy = (s[:pos] + s[pos + 1:],) + tuple(st[1:])
+        inner.out_strategy = self.out_strategy if self.out_strategy is not None else (s,)
+        return remember(cache, key, inner)
 
     def construct(self, indices, depth, on_value, off_value):
         return F.one_hot(indices, depth, on_value, off_value, self.axis)

@@ -57,10 +57,13 @@ def distribute_inputs(args):
             continue
         if strategy == "data_parallel":
             if shape[0] % n:
+                fewer = [d for d in range(n - 1, 0, -1) if shape[0] % d == 0][0]
                 raise ValueError(
                     f"dataset_strategy='data_parallel': input {i} has batch size {shape[0]} "
                     f"(shape {shape}), which does not divide over {n} devices; use a batch "
-                    f"size that is a multiple of {n} (or drop_remainder=True)")
+                    f"size that is a multiple of {n} (or drop_remainder=True), or "
+                    f"set_auto_parallel_context(full_batch=True) (every device takes the "
+                    f"whole batch), or fewer devices (device_num={fewer} divides it)")
             layout = TensorLayout.batch_split(shape, n)
         else:
             if k >= len(strategy):

@@ -14,7 +14,8 @@ Communication each rule implies (beyond moving inputs into the required layouts)
 - ``Reshape``: a split survives when it is on the first dim of a merged or split group
   of dims (and still divides); other splits are gathered first.
 - ``BroadcastTo``: splits of the broadcast input carry over; new dims are whole.
-- ``OneHot``: the indices' splits carry over; the depth dim is whole.
+- ``OneHot``: the indices' splits carry over; the depth dim is whole (a strategy over
+  the output's dims, MindSpore's form, then cuts each device's block of the classes).
 - ``Gather``: a table split on the gathered axis (vocabulary parallel) looks up, on
   each device, only the indices falling in its rows (index minus the device's row
   offset, other indices masked to zero); the output is a pending partial sum over the
