@@ -1143,3 +1143,261 @@ def test_reshape_net(variant, strategy):
     _net2_1, _net2_2, _net3_1, _net3_2, _net5_1, _net5_2, _net6_1, _net6_2 (16 devices)"""
     _semi(16)
     _same(_ReshapeMatMul(variant, strategy), _normal(32, 8, 2, 2) * 0.01, device_num=16)
+
+
+# ------------------------------------------------------- test_strategy_checkpoint.py
+class _SixMatMul(nn.Cell):
+    """test_strategy_checkpoint.py's Net: a chain of MatMuls with weights; `names` are
+    the MatMuls it has (the load variant drops matmul2 and adds matmul7)."""
+
+    SHAPES = {1: (32, 64), 2: (64, 64), 3: (64, 128), 4: (128, 64), 5: (64, 128)}
+
+    def __init__(self, strategies, names=(1, 2, 3, 4, 5, 6)):
+        super().__init__()
+        self.names = names
+        for n in names:
+            setattr(self, f"matmul{n}", P.MatMul().shard(strategies.get(n)))
+            if n in self.SHAPES:
+                setattr(self, f"weight{n}",
+                        Parameter(_normal(*self.SHAPES[n]) * 0.2, name=f"weight{n}"))
+        self.weight6 = Parameter(_normal(32, 128), name="weight6")
+
+    def construct(self, x1, x6, x7=None):
+        out = x1
+        for n in self.names:
+            if n == 6:
+                out = self.matmul6(out + self.weight6, x6)
+            elif n == 7:
+                out = self.matmul7(out, x7)
+            else:
+                out = getattr(self, f"matmul{n}")(out, getattr(self, f"weight{n}"))
+        return out
+
+
+SIX_SAVE = {1: ((8, 1), (1, 1)), 2: ((1, 8), (8, 1)), 3: ((2, 2), (2, 2)),
+            4: ((1, 1), (1, 8)), 5: ((4, 2), (2, 1)), 6: ((4, 1), (1, 2))}
+
+
+def test_six_matmul_save_and_load(tmp_path):
+    """from tests/ut/python/parallel/test_strategy_checkpoint.py::test_six_matmul_save and
+    its six_matmul_load (the strategy file named by strategy_ckpt_save_file /
+    strategy_ckpt_load_file, MindSpore's keys before strategy_ckpt_config): saving, and
+    a network without matmul2 and with matmul7 loading the file"""
+    path = str(tmp_path / "strategy_stage1.ckpt")
+    _semi(strategy_ckpt_save_file=path, dataset_strategy="full_batch")
+    _same(_SixMatMul(SIX_SAVE), _normal(32, 32), _normal(128, 32))
+    assert (tmp_path / "strategy_stage1.ckpt").stat().st_size > 0
+    dm.reset_auto_parallel_context()
+    _semi(strategy_ckpt_load_file=path, dataset_strategy="full_batch")
+    loaded = _SixMatMul({n: ((8, 1), (1, 1)) for n in (1, 3, 4, 5, 6, 7)},
+                        names=(1, 3, 4, 5, 6, 7))
+    _same(loaded, _normal(32, 32), _normal(128, 32), _normal(32, 32))
+
+
+# -------------------------------------------------------------------- test_addn.py
+class _AddN(nn.Cell):
+    def __init__(self, strategy=None):
+        super().__init__()
+        self.addn = P.AddN().shard(strategy)
+
+    def construct(self, x0, x1, x2):
+        return self.addn((x0, x1, x2))
+
+
+def test_addn_model_parallel():
+    """from tests/ut/python/parallel/test_addn.py::test_addn_model_parallel (the tuple of
+    three inputs passed as three arguments)"""
+    _semi(dataset_strategy="full_batch")
+    _same(_AddN(((2, 2, 2), (2, 2, 2), (2, 2, 2))), *[_normal(8, 8, 8) for _ in range(3)])
+
+
+def test_addn_auto_parallel():
+    """from tests/ut/python/parallel/test_addn.py::test_addn_auto_parallel"""
+    dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8, global_rank=0,
+                                 dataset_strategy="full_batch")
+    _same(_AddN(), *[_normal(8, 8, 8) for _ in range(3)], split=False)
+
+
+def test_addn_strategy_error():
+    """from tests/ut/python/parallel/test_addn.py::test_addn_strategy_error (refused: the
+    inputs split differently)"""
+    _semi(dataset_strategy="full_batch")
+    with pytest.raises((ValueError, RuntimeError), match="AddN"):
+        _AddN(((2, 2, 2), (2, 2, 2), (2, 2, 1)))(*[_normal(8, 8, 8) for _ in range(3)])
+
+
+# -------------------------------------------------------------- test_l2normalize.py
+class _L2NormMul(nn.Cell):
+    def __init__(self, axis=0, s1=None, s2=None, s3=None):
+        super().__init__()
+        self.norm1 = P.L2Normalize(axis=axis).shard(s1)
+        self.norm2 = P.L2Normalize(axis=axis).shard(s1)
+        self.mul1 = P.Mul().shard(s2)
+        self.mul2 = P.Mul().shard(s3)
+
+    def construct(self, x, y, b):
+        return self.mul2(self.mul1(self.norm2(x), self.norm1(y)), b)
+
+
+def test_l2normalize_matmul():
+    """from tests/ut/python/parallel/test_l2normalize.py::test_l2normalize_matmul"""
+    _semi()
+    _same(_L2NormMul(0, ((1, 1, 4),), ((1, 1, 4), (1, 1, 4)), ((1, 1, 8), (1, 1, 8))),
+          _normal(16, 8, 16), _normal(16, 8, 16), _normal(16, 8, 16))
+
+
+def test_auto_parallel_l2normalize():
+    """from tests/ut/python/parallel/test_auto_parallel_l2normalize.py::
+    test_auto_parallel_l2normalize (L2Normalize's default axis)"""
+    dm.set_auto_parallel_context(device_num=8, global_rank=0, parallel_mode="auto_parallel")
+    _same(_L2NormMul(axis=0), _normal(16, 8, 16), _normal(16, 8, 16), _normal(16, 8, 16))
+
+
+# ------------------------------------------------------------- test_expand_dims.py
+class _MulExpandDims(nn.Cell):
+    def __init__(self, s1=None, s2=None, s3=None):
+        super().__init__()
+        self.mul = P.Mul().shard(s1)
+        self.expand_dims = P.ExpandDims().shard(s2)
+        self.mul2 = P.Mul().shard(s3)
+        self.mul_weight = Parameter(_normal(16, 8, 16), "w1")
+
+    def construct(self, x, b):
+        return self.mul2(self.expand_dims(self.mul(x, self.mul_weight), -1), b)
+
+
+class _ExpandDimsWeight(nn.Cell):
+    def __init__(self, s1=None, s2=None):
+        super().__init__()
+        self.expand_dims = P.ExpandDims().shard(s1)
+        self.mul = P.Mul().shard(s2)
+        self.mul_weight = Parameter(_normal(16, 8, 16), "w1")
+
+    def construct(self, x, b):
+        return self.mul(self.expand_dims(self.mul_weight, -1), b)
+
+
+@pytest.mark.parametrize("case,s1,s2,s3", [
+    ("test_expand_dims_data_parallel", ((16, 1, 1), (16, 1, 1)), ((16, 1, 1),),
+     ((16, 1, 1, 1), (16, 1, 1, 1))),
+    ("test_expand_dims_model_parallel", ((1, 1, 16), (1, 1, 16)), ((1, 1, 16),),
+     ((1, 1, 16, 1), (1, 1, 16, 1))),
+    ("test_expand_dims_hybrid_parallel", ((2, 2, 4), (2, 2, 4)), ((2, 2, 4),),
+     ((2, 2, 4, 1), (2, 2, 4, 1))),
+    ("test_expand_dims_repeat_calc", ((2, 2, 4), (2, 2, 4)), ((1, 2, 2),),
+     ((2, 2, 4, 1), (2, 2, 4, 1)))])
+def test_expand_dims(case, s1, s2, s3):
+    """from tests/ut/python/parallel/test_expand_dims.py (the case named by `case`)"""
+    _semi(16)
+    _same(_MulExpandDims(s1, s2, s3), _normal(16, 8, 16), _normal(16, 8, 16, 1),
+          device_num=16)
+
+
+def test_expand_dims_parameter():
+    """from tests/ut/python/parallel/test_expand_dims.py::test_expand_dims_parameter"""
+    _semi(16)
+    _same(_ExpandDimsWeight(((1, 2, 2),), ((2, 2, 4, 1), (2, 2, 4, 1))), _normal(16, 8, 16),
+          _normal(16, 8, 16, 1), device_num=16)
+
+
+def test_expand_dims_auto_parallel():
+    """from tests/ut/python/parallel/test_expand_dims.py::test_expand_dims_auto_parallel"""
+    dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=16, global_rank=0)
+    _same(_MulExpandDims(), _normal(16, 8, 16), _normal(16, 8, 16, 1), device_num=16)
+
+
+# ------------------------------------------------------------ test_squeeze_info.py
+class _SqueezeMul(nn.Cell):
+    def __init__(self, s1=None, s2=None, axis=()):
+        super().__init__()
+        self.squeeze = P.Squeeze(axis=axis).shard(s1)
+        self.mul = P.Mul().shard(s2)
+
+    def construct(self, x, b):
+        return self.mul(self.squeeze(x), b)
+
+
+@pytest.mark.parametrize("case,s1,s2,axis", [
+    ("test_squeeze_data_parallel", ((16, 1, 1, 1),), ((16, 1), (16, 1)), ()),
+    ("test_squeeze_model_parallel", ((1, 1, 16, 1),), ((1, 16), (1, 16)), ()),
+    ("test_squeeze_specified_axis", ((4, 1, 4, 1),), ((8, 2), (8, 2)), (1, 3)),
+    ("test_squeeze_repeat_calc", ((1, 1, 8, 1),), ((2, 8), (2, 8)), ())])
+def test_squeeze(case, s1, s2, axis):
+    """from tests/ut/python/parallel/test_squeeze_info.py (the case named by `case`)"""
+    _semi(16)
+    _same(_SqueezeMul(s1, s2, axis), _normal(16, 1, 16, 1), _normal(16, 16), device_num=16)
+
+
+def test_squeeze_auto_parallel():
+    """from tests/ut/python/parallel/test_squeeze_info.py::test_squeeze_auto_parallel"""
+    dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=16, global_rank=0)
+    _same(_SqueezeMul(), _normal(16, 1, 16, 1), _normal(16, 16), device_num=16)
+
+
+# ------------------------------------------------------------------ test_concat.py
+class _ConcatWeightsMul(nn.Cell):
+    """test_concat.py's Net (two weights) and Net3 (three)."""
+
+    def __init__(self, shapes, s1=None, s2=None, is_parameter=True):
+        super().__init__()
+        self.concat = P.Concat(axis=0).shard(s1)
+        ws = [_normal(*shape) for shape in shapes]
+        if is_parameter:
+            ws[0] = Parameter(ws[0], "w1")
+        for i in range(1, len(ws)):
+            ws[i] = Parameter(ws[i], f"w{i + 1}")
+        self.weights = ws
+        for i, w in enumerate(ws):
+            setattr(self, f"weight{i + 1}", w)
+        self.mul = P.Mul().shard(s2)
+
+    def construct(self, x, b):
+        return self.mul(x, self.concat(tuple(self.weights)))
+
+
+class _MulConcat(nn.Cell):
+    def __init__(self, w_shape, s1=None, s2=None, axis=0):
+        super().__init__()
+        self.mul = P.Mul().shard(s1)
+        self.concat = P.Concat(axis=axis).shard(s2)
+        self.weight = Parameter(_normal(*w_shape), "w")
+
+    def construct(self, x, b):
+        return self.concat((self.mul(x, b), self.weight))
+
+
+@pytest.mark.parametrize("case,is_parameter,s1", [
+    ("test_concat_parameter", True, ((1, 4, 2), (1, 4, 2))),
+    ("test_concat_parameter_no_full_split", True, ((1, 2, 2), (1, 2, 2))),
+    ("test_concat_tensor_and_parameter", False, ((1, 2, 2), (1, 2, 2)))])
+def test_concat_weights(case, is_parameter, s1):
+    """from tests/ut/python/parallel/test_concat.py (the case named by `case`)"""
+    _semi()
+    net = _ConcatWeightsMul([(12, 8, 8), (4, 8, 8)], s1, ((1, 4, 2), (1, 4, 2)), is_parameter)
+    _same(net, _normal(16, 8, 8), _normal(16, 8, 8))
+
+
+@pytest.mark.parametrize("case,w_shape,s2,axis", [
+    ("test_concat_output", (12, 8, 8), ((1, 4, 2), (1, 4, 2)), 0),
+    ("test_concat_output_no_full_split", (12, 8, 8), ((1, 2, 2), (1, 2, 2)), 0),
+    ("test_concat_no_strategy", (16, 4, 8), None, 1)])
+def test_concat_output(case, w_shape, s2, axis):
+    """from tests/ut/python/parallel/test_concat.py (the case named by `case`)"""
+    _semi()
+    _same(_MulConcat(w_shape, S222, s2, axis), _normal(16, 8, 8), _normal(16, 8, 8))
+
+
+@pytest.mark.parametrize("case,w_shape,axis", [
+    ("test_concat_auto_parallel", (4, 8, 8), 0),
+    ("test_concat_auto_parallel2", (16, 4, 8), 1)])
+def test_concat_auto_parallel(case, w_shape, axis):
+    """from tests/ut/python/parallel/test_concat.py (the case named by `case`)"""
+    dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8, global_rank=0)
+    _same(_MulConcat(w_shape, axis=axis), _normal(16, 8, 8), _normal(16, 8, 8))
+
+
+def test_concat_auto_parallel_3_tensor():
+    """from tests/ut/python/parallel/test_concat.py::test_concat_auto_parallel_3_tensor"""
+    dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8, global_rank=0)
+    _same(_ConcatWeightsMul([(6, 8, 8), (2, 8, 8), (8, 8, 8)]), _normal(16, 8, 8),
+          _normal(16, 8, 8))
