@@ -879,12 +879,6 @@ INFER_TABLE = {
     "MaxPoolGrad": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((2, 3, 3, 3), d, 1))),
     "AvgPoolGrad": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((2, 3, 3, 3), d, 1))),
     "MaxPoolSelect": ({"kernel_size": (3, 3), "strides": (2, 2), "pads": (0, 1, 0, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((2, 3, 5, 5), d, 1))),
-    "BatchNormStats": (None, lambda d: (_arr((2, 3, 4, 4), d),)),
-    "BatchNormStatsGrad": (None, lambda d: (_arr((2, 3, 4, 4), d), _arr((2, 3), d, 1))),
-    "BatchNormFold": ({"count": 8, "dtype": np.dtype(np.float32)},
-                      lambda d: (_arr((2, 3), d),)),
-    "BatchNormFoldGrad": ({"count": 8, "dtype": np.dtype(np.float32)},
-                          lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
     "BatchNorm": ({"is_training": True, "epsilon": 1e-5, "count": 32},
                   lambda d: (_arr((2, 3, 4, 4), d),) + tuple(_arr((3,), d, k) for k in range(4))),
     # normalisations (tests/test_norm_ops.py checks them against numpy)

@@ -1,6 +1,6 @@
 """Image ops (NCHW): Conv2D and its two backward ops, MaxPool/AvgPool and their backward
-ops, and the pieces of BatchNorm (per-channel sums, their folding into mean and
-variance, and the backward of both).
+ops, and BatchNorm (one op: per-channel sums, their folding into mean and variance, the
+scale-and-shift; its backward written with ops).
 
 Every kernel here is written over a *stack*: a leading device axis ``D`` in front of the
 NCHW dims (one device: ``D = 1``), so the sharding rules in
@@ -33,16 +33,14 @@ from . import _math as M
 from ._nn import unused_grad
 from ._registry import apply, check_float, check_same_dtype, checked_once, const, register
 
-__all__ = ["conv2d", "max_pool", "avg_pool", "batch_norm_stats", "batch_norm_fold",
-           "batch_norm", "batch_norm_train",
-           "batch_norm_apply", "batch_norm_op", "assign_parameters", "batch_norm_stack",
+__all__ = ["conv2d", "max_pool", "avg_pool",
+           "batch_norm", "batch_norm_op", "assign_parameters", "batch_norm_stack",
            "fold_sums", "running_update", "bn_count", "conv_out_size", "pool_op", "pair",
            "check_pad", "check_pad_mode", "resolve_pads", "conv_stack", "conv_input_grad_stack",
            "conv_filter_grad_stack", "pool_stack", "pool_grad_stack", "window_view",
            "bn_sums_stack", "bn_affine_stack",
            "CONV2D", "CONV2D_INPUT_GRAD", "CONV2D_FILTER_GRAD", "MAX_POOL", "MAX_POOL_GRAD",
-           "AVG_POOL", "AVG_POOL_GRAD", "BN_STATS", "BN_STATS_GRAD", "BN_FOLD", "BN_FOLD_GRAD",
-           "BATCH_NORM"]
+           "AVG_POOL", "AVG_POOL_GRAD", "BATCH_NORM"]
 
 
 # ---------------------------------------------------------------------------
@@ -617,15 +615,9 @@ def avg_pool(x, kernel_size=1, strides=1, pad_mode="valid"):
 
 
 # ---------------------------------------------------------------------------
-# BatchNorm pieces: per-channel (sum, sum of squares) -> (mean, variance)
+# BatchNorm kernels over stacks: per-channel (sum, sum of squares), their folding into
+# mean and variance, and the per-channel scale-and-shift
 # ---------------------------------------------------------------------------
-def _infer_bn_stats(attrs, x):
-    check_float("BatchNormStats", x)
-    if x.ndim < 2:
-        raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
-    return (((2, x.shape[1]), np.dtype(np.float64)),)
-
-
 def channel_sums_numpy(x):
     """Reference of ``_core._conv.channel_sums``: x (D, B, C, L) -> (D, 2, C) float64 sums
     and sums of squares over B and L."""
@@ -659,83 +651,11 @@ def bn_affine_stack(xs, shift, scale):
     return out.reshape(xs.shape)
 
 
-def _bn_stats_kernel(attrs, x):
-    """Rows: per-channel sum and sum of squares over every dim but 1, in float64 (the
-    variance is E[x^2] - E[x]^2: float32 sums would lose it to cancellation, and the
-    devices' partial sums would round differently from one device's)."""
-    return bn_sums_stack(x[None])[0]
-
-
-def _bw_bn_stats(node, g):
-    return (apply(BN_STATS_GRAD, None, (node.inputs[0], g)),)
-
-
-def _infer_bn_stats_grad(attrs, x, g):
-    check_float("BatchNormStatsGrad", x)
-    return ((tuple(x.shape), x.dtype),)
-
-
-def _bn_stats_grad_kernel(attrs, x, g):
-    """d(sum)/dx * g[0] + d(sum of squares)/dx * g[1], per channel, in x's dtype."""
-    g = g.astype(x.dtype)
-    return bn_affine_stack(x[None], g[None, 0], 2 * g[None, 1])[0]
-
-
-def _infer_bn_fold(attrs, s):
-    check_float("BatchNormFold", s)
-    return ((tuple(s.shape), np.dtype(attrs["dtype"])),)
-
-
-def _infer_bn_fold_grad(attrs, s, g):
-    check_float("BatchNormFoldGrad", s)
-    return ((tuple(s.shape), s.dtype),)
-
-
 def fold_sums(total, total_sq, count):
     """(mean, biased variance) of `count` values from their sum and sum of squares (in
     the sums' dtype, float64)."""
     mean = total / count
     return mean, np.maximum(total_sq / count - mean * mean, 0)
-
-
-def _bn_fold_kernel(attrs, s):
-    """(sums, sums of squares) over `count` values -> (mean, biased variance), computed
-    in the sums' dtype (float64) and given in attrs["dtype"] (x's)."""
-    return np.stack(fold_sums(s[0], s[1], attrs["count"])).astype(attrs["dtype"])
-
-
-def _bw_bn_fold(node, g):
-    return (apply(BN_FOLD_GRAD, node.attrs, (node.inputs[0], g)),)
-
-
-def _bn_fold_grad_kernel(attrs, s, g):
-    n = attrs["count"]
-    mean = s[0] / n
-    g = g.astype(s.dtype)
-    return np.stack([g[0] / n - 2 * mean * g[1] / n, g[1] / n])
-
-
-BN_STATS_GRAD = register("BatchNormStatsGrad", infer=_infer_bn_stats_grad,
-                         kernel=_bn_stats_grad_kernel)
-BN_STATS = register("BatchNormStats", infer=_infer_bn_stats, kernel=_bn_stats_kernel,
-                    backward=_bw_bn_stats)
-BN_FOLD_GRAD = register("BatchNormFoldGrad", infer=_infer_bn_fold_grad,
-                        kernel=_bn_fold_grad_kernel)
-BN_FOLD = register("BatchNormFold", infer=_infer_bn_fold, kernel=_bn_fold_kernel,
-                   backward=_bw_bn_fold)
-
-
-def batch_norm_stats(x):
-    """(2, C) float64: per-channel sum and sum of squares of x (N, C, ...) over all other
-    dims. Sharded on N/H/W it is a pending sum: one AllReduce of both rows finishes it."""
-    return apply(BN_STATS, None, (const(x, "BatchNorm"),))
-
-
-def batch_norm_fold(stats, count, dtype):
-    """(2, C) in `dtype`: mean and biased variance from batch_norm_stats (float64 sums)
-    over `count` values."""
-    return apply(BN_FOLD, {"count": int(count), "dtype": np.dtype(dtype)},
-                 (const(stats, "BatchNorm"),))
 
 
 def bn_count(shape):
@@ -745,27 +665,6 @@ def bn_count(shape):
 
 def _channel_shape(c, ndim):
     return (1, c) + (1,) * (ndim - 2)
-
-
-def batch_norm_apply(x, mean, var, gamma, beta, eps):
-    """``(x - mean) / sqrt(var + eps) * gamma + beta`` per channel (dim 1), as one scale
-    and one shift over x."""
-    shape = _channel_shape(x.shape[1], x.ndim)
-    scale = M.div(gamma, M.sqrt(M.add(var, float(eps))))
-    shift = M.sub(beta, M.mul(mean, scale))
-    return M.add(M.mul(x, A.reshape(scale, shape)), A.reshape(shift, shape))
-
-
-def batch_norm_train(x, gamma, beta, eps=1e-5):
-    """Training-mode batch normalisation over every dim but 1: ``(y, mean, var)`` with
-    the batch's mean and biased variance. Sharded on N/H/W the statistics are those of
-    the global batch (one AllReduce of the (2, C) sums)."""
-    x = const(x, "BatchNorm")
-    if x.ndim < 2:
-        raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
-    mv = batch_norm_fold(batch_norm_stats(x), bn_count(tuple(x.shape)), x.dtype)
-    mean, var = A.getitem(mv, 0), A.getitem(mv, 1)
-    return batch_norm_apply(x, mean, var, gamma, beta, eps), mean, var
 
 
 def _check_bn_args(x, params):
@@ -778,10 +677,10 @@ def _check_bn_args(x, params):
 
 def batch_norm(x, running_mean, running_var, weight, bias, training=False, momentum=0.1,
                eps=1e-5):
-    """Batch normalisation (as ``mindspore.ops.batch_norm``): with ``training`` the
-    batch's statistics normalise x and the running ones become ``(1 - momentum) *
-    running + momentum * batch`` (running_var takes the unbiased batch variance), set in
-    place; otherwise the running statistics normalise x."""
+    """Batch normalisation (as ``mindspore.ops.batch_norm``), the BatchNorm op: with
+    ``training`` the batch's statistics normalise x and the running ones become ``(1 -
+    momentum) * running + momentum * batch`` (running_var takes the unbiased batch
+    variance), set in place; otherwise the running statistics normalise x."""
     x = const(x, "BatchNorm")
     if x.ndim < 2:
         raise ValueError(f"BatchNorm: x has shape {tuple(x.shape)}; expected (N, C, ...)")
@@ -790,13 +689,11 @@ def batch_norm(x, running_mean, running_var, weight, bias, training=False, momen
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or \
             not 0.0 <= momentum <= 1.0:
         raise ValueError(f"BatchNorm: momentum={momentum!r} must be a float in [0, 1]")
-    if not training:
-        return batch_norm_apply(x, running_mean, running_var, weight, bias, eps)
-    y, mean, var = batch_norm_train(x, weight, bias, eps)
-    n = bn_count(tuple(x.shape))
-    new_mean, new_var = running_update(running_mean, running_var, mean, var, n,
-                                       1.0 - momentum)
-    assign_parameters("BatchNorm.update", (running_mean, running_var), new_mean, new_var)
+    y, mean, var = batch_norm_op(x, weight, bias, running_mean, running_var, training, eps)
+    if training:
+        new_mean, new_var = running_update(running_mean, running_var, mean, var,
+                                           bn_count(tuple(x.shape)), 1.0 - momentum)
+        assign_parameters("BatchNorm.update", (running_mean, running_var), new_mean, new_var)
     return y
 
 

@@ -10,13 +10,14 @@ and binary ops are elementwise by their kind), and gets that family's rule from 
 
 * :mod:`.elementwise` — unary and binary ops, with numpy broadcasting;
 * :mod:`.reduce` — ReduceSum / Mean / Max / Min;
-* :mod:`.along_axis` — ops computed along one axis (Softmax, LogSoftmax);
+* :mod:`.along_axis` — ops computed along one axis or a few (Softmax, LogSoftmax,
+  L2Normalize);
 * :mod:`.contract` — einsum-style contractions (MatMul, BatchMatMul, BiasAdd, Transpose);
 * :mod:`.rowwise` — row-independent ops (the losses).
 
 Ops with a rule of their own register it in their family's file: :mod:`.array`
 (Reshape, BroadcastTo, OneHot, Gather, Concat, Split, indexing, Dropout), :mod:`.conv`
-(Conv2D, pooling) and :mod:`.norm` (BatchNorm).
+(Conv2D, pooling) and :mod:`.norm` (BatchNorm, LayerNorm).
 """
 from __future__ import annotations
 

@@ -1,19 +1,16 @@
 """Sharding rules of the normalisations. LayerNorm: the dims before begin_norm_axis (the
 rows) keep their split, the normalised dims are whole on each device, gamma and beta
 follow x's split of their dims and the statistics x's rows; nothing is communicated.
-BatchNorm: the per-channel (sum, sum of
-squares) over N/H/W splits is a pending sum; folding it into mean and variance is not
-linear, so the dispatcher resolves it first with one AllReduce of the (2, C) buffer:
-global-batch statistics, as one device. The BatchNorm op (the primitive, one op with one
-strategy) runs that AllReduce inside its rule, between the sums and the
-normalisation."""
+BatchNorm (one op): x keeps its splits, the per-channel inputs and statistics follow its
+channel split; in training the per-channel float64 (sum, sum of squares) over the N/H/W
+splits are totalled by one AllReduce of the (2, C) buffer inside the op (folding them
+into mean and variance is not linear): global-batch statistics, as one device."""
 from __future__ import annotations
 
 import numpy as np
 
 from ...ops import _conv as C
 from ...ops import _norm as N
-from ...ops._registry import REGISTRY
 from ..devices import backend as _backend
 from ..devices import op_cause
 from ..sharding import ShardPlan, layout, register_rule
@@ -21,61 +18,8 @@ from ..sharding import ShardPlan, layout, register_rule
 __all__ = ["bn_pairs", "layer_norm_pairs"]
 
 
-@register_rule("BatchNormStats", per_device=True)
-def _bn_stats(attrs, lays, dtypes):
-    x = lays[0]
-    if x is None or x.partial:
-        return None
-    dm = x.device_matrix
-    ch = x.tensor_map[1]
-    summed = {a for d, axes in enumerate(x.tensor_map) if d != 1 for a in axes}
-    out = layout(dm, ((), ch), (2, x.shape[1]), summed)
-
-    def local(attrs, stacks):
-        return C.bn_sums_stack(stacks[0])         # float64 sums, as the op's kernel
-
-    return ShardPlan((x,), (out,), local)
-
-
-@register_rule("BatchNormStatsGrad", per_device=True)
-def _bn_stats_grad(attrs, lays, dtypes):
-    x, g = lays
-    if x is None or g is None or x.partial or g.partial:
-        return None
-    need_g = layout(x.device_matrix, ((), x.tensor_map[1]), g.shape)
-
-    def local(attrs, stacks):
-        xs, gs = stacks
-        gs = gs.astype(xs.dtype)
-        return C.bn_affine_stack(xs, gs[:, 0], 2 * gs[:, 1])
-
-    return ShardPlan((x, need_g), (x,), local)
-
-
-def _channel_wise(name):
-    op = REGISTRY[name]
-
-    def rule(attrs, lays, dtypes):
-        if any(lay is None or lay.partial for lay in lays):
-            return None
-        s = lays[0]
-        need = layout(s.device_matrix, ((), s.tensor_map[1]), s.shape)
-
-        def local(attrs, stacks):
-            # the kernels index rows 0/1 of (2, C): move the device axis behind them
-            outs = op.kernel(attrs, *[np.moveaxis(t, 0, 1) for t in stacks])
-            return np.moveaxis(outs, 1, 0)
-
-        return ShardPlan(tuple(need for _ in lays), (need,), local)
-    return rule
-
-
-register_rule("BatchNormFold", per_device=True)(_channel_wise("BatchNormFold"))
-register_rule("BatchNormFoldGrad", per_device=True)(_channel_wise("BatchNormFoldGrad"))
-
-
 # ---------------------------------------------------------------------------
-# BatchNorm as one op (the primitive)
+# BatchNorm (x, scale, bias, mean, variance) -> (y, mean, variance)
 # ---------------------------------------------------------------------------
 def bn_pairs(prim, xs):
     """BatchNorm's shared dims: x's channels and each per-channel input's one dim."""
