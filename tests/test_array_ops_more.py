@@ -603,3 +603,21 @@ def test_batch_smaller_than_the_device_count_names_what_to_change():
         idx8 = np.tile(idx, (4, 1))
         got = _Lookup(((1, 1), (8, 1)))(Tensor(idx8))
         np.testing.assert_allclose(float(got.asnumpy()), 4 * want, rtol=RTOL)
+
+
+def test_tile_rule_splits_the_copies_of_a_split_tiled_dim():
+    """A Tile without a strategy on rows split 4 ways: multiples (4, 1) -- the rows are
+    gathered and each device makes one of the 4 copies (the output stays split 4 ways);
+    multiples (2, 1) -- 2 copies do not split 4 ways: the output's rows are whole."""
+    x = np.random.default_rng(13).normal(size=(8, 4)).astype(np.float32)
+    with devices(8, full_batch=True):
+        t = ops.Tile().shard(((4, 1),))(Tensor(x), (1, 1))        # rows split 4 ways
+        assert t._layout.local_shape == (2, 4)
+        with CommReport() as rep:
+            y = ops.tile(t, (4, 1))
+        np.testing.assert_array_equal(y.asnumpy(), np.tile(x, (4, 1)))
+        assert y._layout.local_shape == (8, 4)
+        assert {r.kind for r in rep.records} == {"AllGather"}
+        z = ops.tile(t, (2, 3))
+        np.testing.assert_array_equal(z.asnumpy(), np.tile(x, (2, 3)))
+        assert z._layout is None or z._layout.local_shape == (16, 12)

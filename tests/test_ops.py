@@ -211,6 +211,15 @@ case("arg_max_with_value", lambda x: F.arg_max_with_value(x, 1),
 case("arg_min_with_value", lambda x: F.arg_min_with_value(x, 0, True),
      lambda x: (x.argmin(0)[None].astype(np.int32), x.min(0, keepdims=True)), [(3, 4)],
      ["arg_min_with_value"], expect_ops=["ArgMinWithValue"])
+case("assign", lambda x: F.assign(dm.Parameter(dm.Tensor(np.zeros((2, 3), np.float32)),
+                                                name="p"), x),
+     lambda x: x, [(2, 3)], ["assign"], grad=False)
+case("assign_add", lambda x: F.assign_add(dm.Parameter(dm.Tensor(np.ones((2, 3), np.float32)),
+                                                        name="p"), x),
+     lambda x: np.broadcast_to(1 + x, (2, 3)), [(3,)], ["assign_add"], grad=False)
+case("assign_sub", lambda x: F.assign_sub(dm.Parameter(dm.Tensor(np.ones((2, 3), np.float32)),
+                                                        name="p"), x),
+     lambda x: 1 - np.broadcast_to(x, (2, 3)), [(2, 1)], ["assign_sub"], grad=False)
 case("flatten", F.flatten, lambda x: x.reshape(2, -1), [(2, 3, 4)], ["flatten"])
 case("flatten-1d", F.flatten, lambda x: x.reshape(-1, 1), [(5,)])
 case("Flatten-prim", ops.Flatten(), lambda x: x.reshape(3, -1), [(3, 2, 2, 2)])

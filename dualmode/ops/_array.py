@@ -755,9 +755,61 @@ ASSIGN = register("Assign", family=("elementwise",), infer=_infer_assign,
                   kernel=_assign_kernel, reads_inputs=False)
 
 
-def assigned_value(variable, value):
-    """The value Assign writes into `variable` (a recorded op over both inputs)."""
-    return apply(ASSIGN, None, (variable, value))
+#: what each of the in-place ops computes: the Assign op, or the binary op it applies
+_ASSIGN_OPS = {"Assign": None, "AssignAdd": "Add", "AssignSub": "Sub"}
+
+
+def assign_operand(name, variable, value):
+    """`value` as the operand of `name` (Assign, AssignAdd, AssignSub) on `variable`,
+    checked: `variable` is a Parameter; `value` has its shape (Assign) or broadcasts to
+    it (AssignAdd, AssignSub)."""
+    if not callable(getattr(variable, "set_data", None)):     # not a Parameter
+        raise TypeError(f"{name}: variable must be a Parameter (it is updated in place), "
+                        f"got {type(variable).__name__}")
+    value = const(value, name)
+    shape, vshape = tuple(variable.shape), tuple(np.shape(value))
+    broadcasts = _ASSIGN_OPS[name] is not None
+    if vshape != shape and not (broadcasts and len(vshape) <= len(shape) and all(
+            v in (1, s) for v, s in zip(vshape[::-1], shape[::-1]))):
+        valid = "one that broadcasts to it" if broadcasts else "the same shape"
+        raise ValueError(f"{name}: value has shape {vshape} but variable {variable.name!r} "
+                         f"has shape {shape}; expected {valid}")
+    return value
+
+
+def assigned_value(name, variable, value):
+    """The value `name` writes into `variable`, in its dtype (recorded ops over both
+    inputs, so a strategy places them)."""
+    op = _ASSIGN_OPS[name]
+    new = apply(ASSIGN, None, (variable, value)) if op is None else \
+        binary(get_op(op), variable, value, False)
+    if new.dtype != variable.dtype:
+        new = apply(get_op("Cast"), {"dtype": np.dtype(variable.dtype)}, (new,))
+    return new
+
+
+def assign_in_place(name, variable, value):
+    """`name` (Assign, AssignAdd, AssignSub) on the Parameter `variable`: `variable`
+    written in place and returned (the new value in a compiled graph)."""
+    value = assign_operand(name, variable, value)
+    new = assigned_value(name, variable, value)
+    write_parameters(name, (variable,), new)
+    return new if is_traced() else variable
+
+
+def assign(variable, value):
+    """The Parameter `variable` set to `value` (same shape) in place; returns it."""
+    return assign_in_place("Assign", variable, value)
+
+
+def assign_add(variable, value):
+    """``variable += value`` in place (value broadcasting to it); returns `variable`."""
+    return assign_in_place("AssignAdd", variable, value)
+
+
+def assign_sub(variable, value):
+    """``variable -= value`` in place (value broadcasting to it); returns `variable`."""
+    return assign_in_place("AssignSub", variable, value)
 
 
 def is_traced():

@@ -41,9 +41,11 @@ scalar_to_tensor = scalar_to_array
 
 # array and reduce ops for MindSpore scripts: Tile, ArgMax / ArgMaxWithValue /
 # ArgMinWithValue, Assign / AssignAdd / AssignSub
-from ._array import arg_max_with_value, arg_min_with_value, argmax, argmin, tile  # noqa: E402
+from ._array import (arg_max_with_value, arg_min_with_value, argmax, argmin,  # noqa: E402
+                     assign, assign_add, assign_sub, tile)
 
-__all__ += ["tile", "argmax", "argmin", "arg_max_with_value", "arg_min_with_value"]
+__all__ += ["tile", "argmax", "argmin", "arg_max_with_value", "arg_min_with_value", "assign",
+            "assign_add", "assign_sub"]
 
 # normalisations: LayerNorm, L2Normalize
 from ._norm import l2_normalize, layer_norm  # noqa: E402

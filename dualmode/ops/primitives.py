@@ -11,8 +11,8 @@ from ._math import mat_mul
 from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entropy_grad,
                   sparse_softmax_cross_entropy_mean)
 from . import interpreter
-from ._array import (arg_reduce, assigned_value, check_multiples, is_traced, tile,
-                     write_parameters)
+from ._array import (arg_reduce, assign_operand, assigned_value, check_multiples, is_traced,
+                     tile, write_parameters)
 from ._registry import apply, const, remember
 from .primitive import Primitive
 from ._norm import l2_normalize, l2_normalize_axes, layer_norm_axes, layer_norm_op
@@ -662,28 +662,15 @@ class Assign(Primitive):
     and the call returns the new value. A sharded `variable` keeps its layout; a
     strategy has one entry per input, e.g. ((2, 4), (2, 4))."""
     name = "Assign"
-    _broadcasts = False
 
     def __call__(self, variable, value):
-        if not callable(getattr(variable, "set_data", None)):     # not a Parameter
-            raise TypeError(f"{self.name}: variable must be a Parameter (it is updated in "
-                            f"place), got {type(variable).__name__}")
-        value = const(value, self.name)
-        shape, vshape = tuple(variable.shape), tuple(np.shape(value))
-        if vshape != shape and not (self._broadcasts and _broadcasts_to(vshape, shape)):
-            valid = "one that broadcasts to it" if self._broadcasts else "the same shape"
-            raise ValueError(f"{self.name}: value has shape {vshape} but variable "
-                             f"{variable.name!r} has shape {shape}; expected {valid}")
+        value = assign_operand(self.name, variable, value)
         new = super().__call__(variable, value)
         write_parameters(self.name, (variable,), new)
         return new if is_traced() else variable
 
     def construct(self, variable, value):
-        new = self._update(variable, value)
-        return F.cast(new, variable.dtype) if new.dtype != variable.dtype else new
-
-    def _update(self, variable, value):
-        return assigned_value(variable, value)
+        return assigned_value(self.name, variable, value)
 
 
 class AssignAdd(Assign):
@@ -691,22 +678,8 @@ class AssignAdd(Assign):
     shape or broadcasting to it), as MindSpore's primitive; returns `variable` (the new
     value in a compiled graph)."""
     name = "AssignAdd"
-    _broadcasts = True
-
-    def _update(self, variable, value):
-        return F.add(variable, value)
 
 
-class AssignSub(AssignAdd):
+class AssignSub(Assign):
     """AssignSub()(variable, value): ``variable -= value`` in place, as AssignAdd."""
     name = "AssignSub"
-
-    def _update(self, variable, value):
-        return F.sub(variable, value)
-
-
-def _broadcasts_to(shape, target):
-    """Does `shape` broadcast to `target` (numpy's rule, aligned from the right)?"""
-    if len(shape) > len(target):
-        return False
-    return all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
