@@ -11,14 +11,14 @@ from .loss import (CrossEntropyLoss, L1Loss, LossBase, MSELoss,
 from .conv import Conv2d
 from .normalization import BatchNorm1d, BatchNorm2d, LayerNorm
 from .pooling import AvgPool2d, MaxPool2d
-from .optim import SGD, Adam, Momentum, Optimizer
+from .optim import LARS, SGD, Adam, Momentum, Optimizer
 from .wrap import TrainOneStepCell, WithLossCell
 
 __all__ = [
     "Cell", "SequentialCell", "CellList", "Dense", "Flatten", "Dropout", "ReLU", "Tanh",
     "Sigmoid", "Softmax", "get_activation", "Embedding", "EmbeddingLookup", "LayerNorm", "LossBase",
     "MSELoss", "L1Loss", "CrossEntropyLoss", "SoftmaxCrossEntropyWithLogits", "Optimizer",
-    "SGD", "Momentum", "Adam", "WithLossCell", "TrainOneStepCell", "utils",
+    "SGD", "Momentum", "Adam", "LARS", "WithLossCell", "TrainOneStepCell", "utils",
     "Conv2d", "BatchNorm1d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
     "GELU", "FastGelu", "PReLU",
 ]
