@@ -178,12 +178,26 @@ def test_strided_slice_numpy_and_masks():
     np.testing.assert_array_equal(got.asnumpy(), x[2, :1, 1::2])
     # fewer entries than dims: the rest whole; negative strides
     np.testing.assert_array_equal(ss(Tensor(x), (2,), (0,), (-1,)).asnumpy(), x[2:0:-1])
-    with pytest.raises(ValueError, match=r"StridedSlice: ellipsis_mask and new_axis_mask are "
-                                         r"not supported"):
-        ops.StridedSlice(new_axis_mask=1)(Tensor(x), (0,), (1,), (1,))
-    with pytest.raises(ValueError, match=r"StridedSlice: ellipsis_mask and new_axis_mask are "
-                                         r"not supported"):
-        ops.StridedSlice(ellipsis_mask=1)(Tensor(x), (0,), (1,), (1,))
+    # ellipsis_mask: that entry stands for the dims the others leave; new_axis_mask: a
+    # new dim of size 1 (their begin/end/strides are not read)
+    got = ops.StridedSlice(ellipsis_mask=0b001)(Tensor(x), (0, 1), (0, 4), (1, 2))
+    np.testing.assert_array_equal(got.asnumpy(), x[..., 1:4:2])
+    got = ops.StridedSlice(new_axis_mask=0b010, shrink_axis_mask=0b100)(
+        Tensor(x), (1, 0, 2), (3, 0, 3), (1, 1, 1))
+    np.testing.assert_array_equal(got.asnumpy(), x[1:3, None, 2])
+    got = ops.StridedSlice(new_axis_mask=0b001, ellipsis_mask=0b100, end_mask=0b010)(
+        Tensor(x), (0, 1, 0), (0, 0, 0), (1, 1, 1))
+    np.testing.assert_array_equal(got.asnumpy(), x[None, 1:, ...])
+    with pytest.raises(ValueError, match=r"StridedSlice: ellipsis_mask=3 sets 2 bits; at most "
+                                         r"one entry can be the ellipsis"):
+        ops.StridedSlice(ellipsis_mask=3)(Tensor(x), (0, 0), (1, 1), (1, 1))
+    with pytest.raises(ValueError, match=r"StridedSlice: begin has 5 entries \(4 of them name "
+                                         r"input dims\) but input 0 has rank 3"):
+        ops.StridedSlice(new_axis_mask=1)(Tensor(x), (0,) * 5, (1,) * 5, (1,) * 5)
+    with pytest.raises(ValueError, match=r"StridedSlice: begin\[2\]=5 is out of range for dim 1 "
+                                         r"\(size 4\)"):
+        ops.StridedSlice(new_axis_mask=1, shrink_axis_mask=4)(Tensor(x), (0, 0, 5), (1, 1, 6),
+                                                              (1, 1, 1))
 
 
 def _ss_body(begin, end, strides, masks=(0, 0, 0, 0, 0)):
@@ -198,6 +212,14 @@ def _ss_body(begin, end, strides, masks=(0, 0, 0, 0, 0)):
 def test_strided_slice_every_mode(args, strategy, outer):
     check_every_mode((8, 4), _ss_body(*args), lambda: [ops.StridedSlice()], [strategy],
                      outer)
+
+
+def test_strided_slice_new_axis_and_ellipsis_every_mode():
+    """x[None, ..., 1:3] on (8, 4): the new dim and the kept rows, cols sliced."""
+    body = lambda p, h: _sq(p[0](ops.tanh(h), (0, 0, 1), (0, 0, 3), (1, 1, 1)))  # noqa
+    check_every_mode((8, 4), body,
+                     lambda: [ops.StridedSlice(new_axis_mask=0b001, ellipsis_mask=0b010)],
+                     [((8, 1),)], (4, 2))
 
 
 def test_strided_slice_shrink_every_mode():
@@ -621,3 +643,44 @@ def test_tile_rule_splits_the_copies_of_a_split_tiled_dim():
         z = ops.tile(t, (2, 3))
         np.testing.assert_array_equal(z.asnumpy(), np.tile(x, (2, 3)))
         assert z._layout is None or z._layout.local_shape == (16, 12)
+
+
+class _OneHotXent(nn.Cell):
+    """MindSpore's semi-auto OneHot test network: logits = MatMul(x, w); labels one-hot
+    with on/off values as 0-d Tensors and the strategy over the output ((1, 8), (), ());
+    the loss is SoftmaxCrossEntropyWithLogits' mean."""
+
+    def __init__(self, sharded):
+        super().__init__()
+        rng = np.random.default_rng(14)
+        self.w = Parameter(Tensor(rng.normal(size=(12, 8)).astype(np.float32)), name="w")
+        self.matmul = ops.MatMul()
+        self.onehot = ops.OneHot()
+        self.xent = ops.SoftmaxCrossEntropyWithLogits()
+        self.on, self.off = Tensor(np.float32(1.0)), Tensor(np.float32(0.0))
+        if sharded:
+            self.matmul.shard(((2, 4), (4, 1)))
+            self.onehot.shard(((1, 8), (), ()))
+            self.xent.shard(((8, 1), (8, 1)))
+
+    def construct(self, x, labels):
+        hot = self.onehot(labels, 8, self.on, self.off)
+        return ops.reduce_mean(self.xent(self.matmul(x, self.w), hot)[0])
+
+
+@pytest.mark.parametrize("mode", [dm.PYNATIVE_MODE, dm.GRAPH_MODE], ids=["eager", "graph"])
+def test_onehot_mindspore_network_with_tensor_on_off_values(mode):
+    rng = np.random.default_rng(15)
+    x = rng.normal(size=(16, 12)).astype(np.float32)
+    labels = rng.integers(0, 8, 16).astype(np.int32)
+    with devices(None):
+        net = _OneHotXent(False)
+        ref = dm.value_and_grad(net, 0, [net.w])(Tensor(x), Tensor(labels))
+    with devices(8, full_batch=True):
+        dm.set_context(mode=mode)
+        net = _OneHotXent(True)
+        got = dm.value_and_grad(net, 0, [net.w])(Tensor(x), Tensor(labels))
+    np.testing.assert_allclose(got[0].asnumpy(), ref[0].asnumpy(), rtol=RTOL)
+    np.testing.assert_allclose(got[1][0].asnumpy(), ref[1][0].asnumpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got[1][1][0].asnumpy(), ref[1][1][0].asnumpy(), rtol=RTOL,
+                               atol=ATOL)

@@ -249,7 +249,8 @@ def _mask_bits(mask, n):
 
 def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mask=0,
                   new_axis_mask=0, shrink_axis_mask=0):
-    """x[begin:end:strides] per dim, with MindSpore's begin/end/shrink_axis masks."""
+    """x[begin:end:strides] per dim, with MindSpore's begin, end, ellipsis, new axis and
+    shrink axis masks."""
     x = const(x, "StridedSlice")
     index = strided_slice_index(tuple(x.shape), begin, end, strides, begin_mask, end_mask,
                                 ellipsis_mask, new_axis_mask, shrink_axis_mask)
@@ -258,8 +259,9 @@ def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mas
 
 def strided_slice_index(shape, begin, end, strides, begin_mask=0, end_mask=0,
                         ellipsis_mask=0, new_axis_mask=0, shrink_axis_mask=0):
-    """The basic index (ints and slices, one per dim of `shape` it names) StridedSlice
-    takes from a tensor of `shape`; every argument checked by name."""
+    """The basic index (ints, slices, None for a new axis, an Ellipsis) StridedSlice
+    takes from a tensor of `shape`, with MindSpore's masks (bit i of a mask is about
+    entry i); every argument checked by name."""
     begin, end, strides = (_int_tuple("StridedSlice", k, v) for k, v in
                            (("begin", begin), ("end", end), ("strides", strides)))
     for key, mask in (("begin_mask", begin_mask), ("end_mask", end_mask),
@@ -271,29 +273,40 @@ def strided_slice_index(shape, begin, end, strides, begin_mask=0, end_mask=0,
     if not len(begin) == len(end) == len(strides):
         raise ValueError(f"StridedSlice: begin {begin}, end {end} and strides {strides} must "
                          f"have the same length")
-    if len(begin) > len(shape):
-        raise ValueError(f"StridedSlice: begin has {len(begin)} entries but input 0 has rank "
-                         f"{len(shape)}")
-    if ellipsis_mask or new_axis_mask:
-        raise ValueError("StridedSlice: ellipsis_mask and new_axis_mask are not supported; "
-                         "use Tensor indexing (x[..., None]) instead")
-    if any(s == 0 for s in strides):
-        raise ValueError(f"StridedSlice: strides {strides} contain 0; strides must be non-zero")
     n = len(begin)
-    bm, em, sm = _mask_bits(begin_mask, n), _mask_bits(end_mask, n), _mask_bits(
-        shrink_axis_mask, n)
-    index = []
+    bm, em, el, na, sm = (_mask_bits(m, n) for m in (begin_mask, end_mask, ellipsis_mask,
+                                                     new_axis_mask, shrink_axis_mask))
+    if sum(el) > 1:
+        raise ValueError(f"StridedSlice: ellipsis_mask={ellipsis_mask} sets {sum(el)} bits; "
+                         f"at most one entry can be the ellipsis")
+    # an ellipsis entry stands for the dims the other entries leave; a new axis entry
+    # inserts a dim of size 1; their begin, end and strides are not read
+    named = [i for i in range(n) if not el[i] and not na[i]]
+    if len(named) > len(shape):
+        extra = f" ({len(named)} of them name input dims)" if len(named) != n else ""
+        raise ValueError(f"StridedSlice: begin has {n} entries{extra} but input 0 has rank "
+                         f"{len(shape)}")
+    if any(strides[i] == 0 for i in named):
+        raise ValueError(f"StridedSlice: strides {strides} contain 0; strides must be non-zero")
+    index, d = [], 0
     for i in range(n):
-        if sm[i]:
-            d = shape[i]
-            if not -d <= begin[i] < d:
+        if el[i]:
+            index.append(Ellipsis)
+            d += len(shape) - len(named)
+        elif na[i]:
+            index.append(None)
+        elif sm[i]:
+            size = shape[d]
+            if not -size <= begin[i] < size:
                 raise ValueError(f"StridedSlice: begin[{i}]={begin[i]} is out of range for dim "
-                                 f"{i} (size {d}) of input 0, which shrink_axis_mask removes; "
-                                 f"expected {-d} <= begin[{i}] < {d}")
+                                 f"{d} (size {size}) of input 0, which shrink_axis_mask "
+                                 f"removes; expected {-size} <= begin[{i}] < {size}")
             index.append(int(begin[i]))
+            d += 1
         else:
             index.append(slice(None if bm[i] else int(begin[i]),
                                None if em[i] else int(end[i]), int(strides[i])))
+            d += 1
     return tuple(index)
 
 

@@ -246,7 +246,10 @@ class Split(Primitive):
 
 
 class StridedSlice(Primitive):
-    """StridedSlice(begin_mask, end_mask, ...)(x, begin, end, strides)."""
+    """StridedSlice(begin_mask, end_mask, ellipsis_mask, new_axis_mask,
+    shrink_axis_mask)(x, begin, end, strides), as MindSpore's primitive. Its strategy has
+    one entry per dim of x: a dim taken whole with stride 1 keeps its split, a sliced dim
+    is gathered first (so the numbers equal one device's)."""
     name = "StridedSlice"
 
     def __init__(self, begin_mask=0, end_mask=0, ellipsis_mask=0, new_axis_mask=0,
