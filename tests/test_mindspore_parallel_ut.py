@@ -1033,13 +1033,6 @@ def _slice_case(begin, end, strides, s1=SL1, s2=SL2, **masks):
           _normal(16, 8, 8))
 
 
-def _slice_refused(begin, end, strides, s1, s2, **masks):
-    _semi(dataset_strategy="full_batch")
-    net = _SliceMul(begin, end, strides, s1, s2, **masks)
-    with pytest.raises((ValueError, RuntimeError), match="StridedSlice"):
-        net(_normal(16, 8, 1), _normal(16, 8, 8))
-
-
 def _slice_beyond(begin, end, strides, s1, s2):
     """A StridedSlice strategy MindSpore refuses: dualmode computes it (the slice of a
     split dim is moved as needed), equal to the stand-alone run (the first Mul without
@@ -1090,9 +1083,9 @@ def test_stridedslice_strides_no_1_split_error():
 
 def test_stridedslice_ellipsis_mask_no_0_parameter():
     """from tests/ut/python/parallel/test_stridedslice.py::
-    test_stridedslice_ellipsis_mask_no_0_parameter (refused)"""
-    _slice_refused((15, 0, 0), (16, 8, 8), (1, 1, 1), SL1, SL2, begin_mask=1, end_mask=2,
-                   ellipsis_mask=4)
+    test_stridedslice_ellipsis_mask_no_0_parameter (MindSpore refuses an ellipsis_mask
+    under this strategy; dualmode computes it)"""
+    _slice_case((15, 0, 0), (16, 8, 8), (1, 1, 1), begin_mask=1, end_mask=2, ellipsis_mask=4)
 
 
 # ------------------------------------------------------------------ test_select.py
@@ -1423,3 +1416,96 @@ def test_concat_auto_parallel_3_tensor():
     dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8, global_rank=0)
     _same(_ConcatWeightsMul([(6, 8, 8), (2, 8, 8), (8, 8, 8)]), _normal(16, 8, 8),
           _normal(16, 8, 8))
+
+
+# ---------------------------------------------- more of test_gather_v2.py, test_select.py
+def test_gatherv2_semi_auto7():
+    """from tests/ut/python/parallel/test_gather_v2.py::test_gatherv2_semi_auto7
+    (no Gather strategy, axis 1)"""
+    _gather_case(1, None, G2, (16, 8), (8, 8))
+
+
+@pytest.mark.parametrize("case,s1,out_strategy", [
+    ("test_gatherv2_out_strategy_allreduce_repeat_calc", ((4, 1), (1, 1)), ((1, 1, 1),)),
+    ("test_gatherv2_out_strategy_reducescatter_repeat_calc", ((4, 1), (1, 1)), ((4, 1, 1),)),
+    ("test_gatherv2_shard_batch_and_axis_out_strategy_allreduce", ((4, 1), (2, 1)),
+     ((2, 1, 1),)),
+    ("test_gatherv2_shard_batch_and_axis_out_strategy_reducescatter", ((4, 1), (2, 1)),
+     ((8, 1, 1),))])
+def test_gatherv2_out_strategy_more(case, s1, out_strategy):
+    """from tests/ut/python/parallel/test_gather_v2.py (the case named by `case`)"""
+    _gather_case(0, s1, ((2, 4, 1), (2, 4, 1)), (16, 16), (8, 8), out_strategy=out_strategy)
+
+
+def test_gatherv2_target_cpu_reducescatter():
+    """from tests/ut/python/parallel/test_gather_v2.py::test_gatherv2_target_cpu_reducescatter"""
+    _gather_case(0, ((8, 1), (1, 1)), ((2, 4, 1), (2, 4, 1)), (16, 16), (8, 8),
+                 out_strategy=((8, 1, 1),), target="CPU")
+
+
+# ------------------------------------- the auto_parallel cases of the files above
+def _auto(device_num=8, **kw):
+    dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=device_num,
+                                 global_rank=0, **kw)
+
+
+@pytest.mark.parametrize("axis,x_shape", [(0, (16, 8)), (1, (16, 8))])
+def test_gatherv2_auto(axis, x_shape):
+    """from tests/ut/python/parallel/test_gather_v2.py::test_gatherv2_auto0, _auto1"""
+    _auto()
+    index = Tensor(RNG.integers(0, x_shape[axis], (8, 8)).astype(np.int32))
+    out_shape = x_shape[:axis] + (8, 8) + x_shape[axis + 1:]
+    _same(_GatherNet(axis, None, None, index), _normal(*x_shape), _normal(*out_shape))
+
+
+def test_conv2d_auto_parallel():
+    """from tests/ut/python/parallel/test_conv2d.py::test_conv2d_auto_parallel"""
+    _auto()
+    _same(_ConvNeg(W2, 3, "same", 1), _normal(8, 16, 8, 8), _normal(8, 16, 8, 8))
+
+
+def test_dropout_auto_parallel():
+    """from tests/ut/python/parallel/test_dropout.py::test_dropout_auto_parallel"""
+    _auto(16, dataset_strategy="full_batch")
+    _same(_MulDropoutReLU(), _normal(32, 16), _normal(32, 16), device_num=16, split=False)
+
+
+def test_layer_norm_auto_parallel():
+    """from tests/ut/python/parallel/test_layer_norm.py::test_layer_norm_auto_parallel"""
+    _auto(16)
+    _same(_LayerNormNet(), _normal(16, 16, 8, 4), _normal(16, 16, 8, 4), device_num=16)
+
+
+def test_tile_auto_parallel():
+    """from tests/ut/python/parallel/test_tile.py::test_tile_auto_parallel"""
+    _auto()
+    _same(_MulTile(), _normal(8, 4, 4), _normal(8, 4, 4))
+
+
+def test_select_auto_parallel():
+    """from tests/ut/python/parallel/test_select.py::test_select_auto_parallel"""
+    _auto()
+    _same(_LessSelect(), _normal(16, 8, 8), _normal(16, 8, 8))
+
+
+@pytest.mark.parametrize("op", ["ArgMaxWithValue", "ArgMinWithValue"])
+def test_arg_with_value_mul_auto(op):
+    """from tests/ut/python/parallel/test_reduce_method_info.py::
+    test_arg_max_with_value_mul_auto, test_arg_min_with_value_mul_auto"""
+    _auto()
+    _same(_ArgWithValueNet(getattr(P, op), None, None, None), _normal(16, 8, 16),
+          _normal(16, 8, 16), _normal(16, 8))
+
+
+def test_softmax_cross_entropy_loss_auto_batch_parallel():
+    """from tests/ut/python/parallel/test_softmax_cross_entropy_loss.py::
+    test_softmax_cross_entropy_loss_auto_batch_parallel (semi-auto, no strategies)"""
+    _semi()
+    _same(_MatMulGeLULoss(None, None, None), _normal(16, 8), _normal(16, 8), _labels(16, 16))
+
+
+def test_softmax_cross_entropy_loss_auto_parallel():
+    """from tests/ut/python/parallel/test_auto_parallel_softmax_loss.py::
+    test_softmax_cross_entropy_loss_auto_parallel"""
+    _auto()
+    _same(_MatMulGeLULoss(None, None, None), _normal(16, 8), _normal(16, 8), _labels(16, 16))
