@@ -469,6 +469,50 @@ def test_softmax_cross_entropy_loss_repeated_calculation():
           _normal(16, 8), _normal(16, 8), _labels(16, 16))
 
 
+# ------------------------------------------------------------------ test_onehot.py
+class _OneHotLoss(nn.Cell):
+    def __init__(self, s1, s2, s3, s4, axis=-1, depth=32):
+        super().__init__()
+        self.matmul = P.MatMul().shard(s1)
+        self.gelu = P.GeLU().shard(s2)
+        self.one_hot = P.OneHot(axis=axis).shard(s3)
+        self.on_value, self.off_value = Tensor(2.0, dm.float32), Tensor(1.0, dm.float32)
+        self.loss = P.SoftmaxCrossEntropyWithLogits().shard(s4)
+        self.depth = depth
+
+    def construct(self, x, y, b):
+        predict = self.gelu(self.matmul(x, y))
+        label = self.one_hot(b, self.depth, self.on_value, self.off_value)
+        return self.loss(predict, label)[0]
+
+
+def _onehot_case(s3, axis=-1):
+    _semi(16)
+    net = _OneHotLoss(((2, 4), (4, 2)), ((2, 8),), s3, ((16, 1), (16, 1)), axis=axis)
+    b = Tensor(RNG.integers(0, 32, 32).astype(np.int32))
+    _same(net, _normal(32, 16), _normal(16, 32), b, device_num=16)
+
+
+def test_onehot_model_parallel():
+    """from tests/ut/python/parallel/test_onehot.py::test_onehot_model_parallel"""
+    _onehot_case(((1, 16), (), ()))
+
+
+def test_onehot_batch_parallel():
+    """from tests/ut/python/parallel/test_onehot.py::test_onehot_batch_parallel"""
+    _onehot_case(((16, 1), (), ()))
+
+
+def test_onehot_repeated_calculation():
+    """from tests/ut/python/parallel/test_onehot.py::test_onehot_repeated_calculation"""
+    _onehot_case(((4, 1), (), ()))
+
+
+def test_onehot_batch_parallel_axis0():
+    """from tests/ut/python/parallel/test_onehot.py::test_onehot_batch_parallel_axis0"""
+    _onehot_case(((16, 1), (), ()), axis=0)
+
+
 # --------------------------------------------------------------- test_layer_norm.py
 class _LayerNormNet(nn.Cell):
     def __init__(self, s1=None, s2=None, s3=None):
