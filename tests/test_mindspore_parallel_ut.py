@@ -1553,3 +1553,32 @@ def test_softmax_cross_entropy_loss_auto_parallel():
     test_softmax_cross_entropy_loss_auto_parallel"""
     _auto()
     _same(_MatMulGeLULoss(None, None, None), _normal(16, 8), _normal(16, 8), _labels(16, 16))
+
+
+# ---------------------------------------------- test_auto_parallel_shard_propagation.py
+class _MulSigmoidReLU(nn.Cell):
+    def __init__(self, s1=None, s2=None, s3=None):
+        super().__init__()
+        self.mul = P.Mul().shard(s1)
+        self.sigmoid = P.Sigmoid().shard(s2)
+        self.relu = P.ReLU().shard(s3)
+        self.mul_weight = Parameter(_normal(64, 32), "w1")
+
+    def construct(self, x, b):
+        return self.relu(self.sigmoid(self.mul(x, self.mul_weight)))
+
+
+@pytest.mark.parametrize("case,s1,s2,s3", [
+    ("test_auto_parallel_activation1", ((4, 4), (4, 4)), None, None),
+    ("test_auto_parallel_activation2", None, ((4, 4),), None),
+    ("test_auto_parallel_activation4", ((4, 4), (4, 4)), None, ((8, 2),))])
+def test_auto_parallel_activation(case, s1, s2, s3):
+    """from tests/ut/python/parallel/test_auto_parallel_shard_propagation.py (the case
+    named by `case`; sharding propagation asked for by search_mode, MindSpore's later
+    spelling of sharding_propagation=True). MindSpore refuses activation4's ReLU strategy
+    after the propagated one; dualmode moves the tensor and computes it."""
+    _auto(16, search_mode="sharding_propagation")
+    report = _same(_MulSigmoidReLU(s1, s2, s3), _normal(64, 32), _normal(64, 32),
+                   device_num=16)
+    if dm.get_context("mode") == dm.PYNATIVE_MODE and s1 is not None:
+        assert [op.strategy for op in report.ops if op.name == "Sigmoid"] == [((4, 4),)]
