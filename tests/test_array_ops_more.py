@@ -8,6 +8,11 @@ simulated devices -- PyNative semi-auto, GRAPH_MODE, ``ops.shard`` and ``Cell.sh
 (strategies chosen by propagation) -- against the stand-alone run: loss, the input's
 gradient and every parameter's gradient (rtol 1e-5). Strategies MindSpore refuses are
 refused by name."""
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -385,19 +390,46 @@ def test_argmax_every_mode(strategy, outer):
     check_every_mode((8, 16), _argmax_body, lambda: [ops.Argmax()], [strategy], outer)
 
 
-def test_arg_axis_split_gathers_and_equals_numpy():
-    """On 8 devices with the reduced axis split 8 ways, every device's index is global:
-    the values equal numpy's, and the op's own communication is the AllGather of x."""
-    x = np.random.default_rng(6).normal(size=(4, 32)).astype(np.float32)
+def test_arg_axis_split_one_allreduce_of_packed_pairs():
+    """The reduced axis split 8 ways: each device's best (value, global index) pair,
+    packed in an 8-byte key, and one AllReduce(max) of the keys -- not an AllGather of
+    the input; every index is global and equals numpy's, ties across devices (and -0.0
+    against 0.0) go to the first index, NaN wins as in numpy; float16 and int inputs
+    too. float64 values cannot be packed: the axis is gathered."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(4, 32)).astype(np.float32)
+    x[1, :] = 2.0                                    # a row of ties: index 0
+    x[2, 5], x[2, 21] = 9.0, 9.0                     # ties on devices 1 and 5: index 5
+    x[3, 3], x[3, 30] = -0.0, 0.0                    # -0.0 and 0.0 are equal
+    x[3] = np.where(x[3] > 0, -1.0, x[3])            # so they are the row's maxima
     with devices(8, full_batch=True):
         with CommReport() as rep:
             i, v = ops.ArgMaxWithValue(axis=1).shard(((1, 8),))(Tensor(x))
-            j = ops.Argmin(axis=1).shard(((1, 8),))(Tensor(x))
         np.testing.assert_array_equal(i.asnumpy(), x.argmax(1))
         np.testing.assert_array_equal(v.asnumpy(), x.max(1))
-        np.testing.assert_array_equal(j.asnumpy(), x.argmin(1))
-    kinds = {r.kind for r in rep.records if r.op in ("ArgMaxWithValue", "Argmin")}
-    assert kinds == {"AllGather"}, rep.records
+        recs = [r for r in rep.records if r.op == "ArgMaxWithValue"]
+        assert [r.kind for r in recs] == ["AllReduce"] and recs[0].buffer_bytes == 4 * 8
+        for name in ("ArgMinWithValue", "Argmax", "Argmin"):
+            pick = np.argmin if "min" in name.lower() else np.argmax
+            for data in (x, -x, x.astype(np.float16), (10 * x).astype(np.int32),
+                         (10 * x).astype(np.int8)):
+                out = getattr(ops, name)(axis=1).shard(((2, 4),))(Tensor(data))
+                got = out[0] if name.endswith("WithValue") else out
+                np.testing.assert_array_equal(got.asnumpy(), pick(data, 1), err_msg=name)
+                if name.endswith("WithValue"):
+                    want = np.take_along_axis(data, pick(data, 1)[:, None], 1)[:, 0]
+                    assert out[1].dtype == data.dtype
+                    np.testing.assert_array_equal(out[1].asnumpy(), want)
+        nan = x.copy()
+        nan[0, 17], nan[0, 25] = np.nan, np.nan
+        for name, pick in (("ArgMaxWithValue", np.argmax), ("ArgMinWithValue", np.argmin)):
+            i, v = getattr(ops, name)(axis=1).shard(((1, 8),))(Tensor(nan))
+            np.testing.assert_array_equal(i.asnumpy(), pick(nan, 1))
+            assert np.isnan(v.asnumpy()[0])
+        with CommReport() as rep64:
+            i = ops.Argmax(axis=1).shard(((1, 8),))(Tensor(x.astype(np.float64)))
+        np.testing.assert_array_equal(i.asnumpy(), x.argmax(1))
+    assert {r.kind for r in rep64.records if r.op == "Argmax"} == {"AllGather"}
 
 
 # ---------------------------------------------------------------------------
@@ -684,3 +716,26 @@ def test_onehot_mindspore_network_with_tensor_on_off_values(mode):
     np.testing.assert_allclose(got[1][0].asnumpy(), ref[1][0].asnumpy(), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(got[1][1][0].asnumpy(), ref[1][1][0].asnumpy(), rtol=RTOL,
                                atol=ATOL)
+
+
+# ---------------------------------------------------------------------------
+# under backend "mpi": 4 real processes, one device each
+# ---------------------------------------------------------------------------
+def test_array_ops_under_mpi_equal_numpy(tmp_path):
+    """ArgMaxWithValue / Argmin over an axis split across ranks (the packed AllReduce
+    between processes), the value's gradient, Tile, OneHot's output form and AssignAdd
+    on a sharded Parameter, on 4 MPI ranks against numpy (tests/mpi_scripts/
+    array_ops_more.py)."""
+    pytest.importorskip("mpi4py", reason="backend 'mpi' needs mpi4py")
+    if shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tests", "mpi_scripts", "array_ops_more.py")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "RANK_", "DEVICE_ID"))}
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                else "")
+    proc = subprocess.run(["mpiexec", "-n", "4", sys.executable, script], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "array ops ok: 7 checks" in proc.stdout
