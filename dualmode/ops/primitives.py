@@ -611,9 +611,11 @@ PReLU = _elementwise("PReLU", F.prelu,
 class ArgMaxWithValue(Primitive):
     """ArgMaxWithValue(axis=0, keep_dims=False)(x) -> (index, value), as MindSpore's
     primitive: the index (int32) of the largest element along `axis` (the first of
-    ties) and that element. Its strategy has one entry for x; a split of `axis` is
-    gathered (every index is global, so the numbers equal one device's), other dims
-    keep their splits. The value's gradient goes to the index's position."""
+    ties) and that element. Its strategy has one entry for x; with `axis` split, each
+    device's best element and its global index are combined by one AllReduce of 8-byte
+    keys (so the numbers equal one device's; values wider than 32 bits gather the axis
+    instead), other dims keep their splits. The value's gradient goes to the index's
+    position."""
     name = "ArgMaxWithValue"
 
     def __init__(self, axis=0, keep_dims=False):
@@ -635,8 +637,8 @@ class ArgMinWithValue(ArgMaxWithValue):
 
 class Argmax(Primitive):
     """Argmax(axis=-1, output_type=int32)(x): the index of the largest element along
-    `axis` (the first of ties), as MindSpore's primitive; a split of `axis` is
-    gathered."""
+    `axis` (the first of ties), as MindSpore's primitive; a split `axis` is combined
+    as ArgMaxWithValue's."""
     name = "Argmax"
 
     def __init__(self, axis=-1, output_type=np.int32):
