@@ -15,6 +15,7 @@ import dualmode as dm
 from dualmode import Parameter, Tensor, nn
 from dualmode.ops import operations as P
 from dualmode.parallel import CommReport
+from dualmode.parallel.shard import Layout
 
 RNG = np.random.default_rng(29)
 
@@ -1582,3 +1583,89 @@ def test_auto_parallel_activation(case, s1, s2, s3):
                    device_num=16)
     if dm.get_context("mode") == dm.PYNATIVE_MODE and s1 is not None:
         assert [op.strategy for op in report.ops if op.name == "Sigmoid"] == [((4, 4),)]
+
+
+# ------------------------------------------------------------- test_layout_extend.py
+class _LayoutMatMulReLU(nn.Cell):
+    """test_layout_extend.py's Net (MatMul, ReLU, add) and Net2 (add, MatMul, ReLU)."""
+
+    def __init__(self, in_layout, out_layout=None, add_first=False):
+        super().__init__()
+        self.add = P.Add()
+        self.matmul1 = P.MatMul().shard(in_strategy=in_layout, out_strategy=out_layout)
+        self.relu = P.ReLU()
+        self.w = Parameter(_normal(32, 32), "w1")
+        self.add_first = add_first
+
+    def construct(self, y):
+        if self.add_first:
+            return self.relu(self.matmul1(self.add(y, y), self.w))
+        out1 = self.matmul1(y, self.w)
+        return out1 + self.relu(out1)
+
+
+def _layout_case(device_num, mesh, names, x_dims, w_dims, out_dims=None, w_parts=None,
+                 add_first=False):
+    _semi(device_num, dataset_strategy="full_batch")
+    layout = Layout(mesh, names)
+    in_layout = (layout(*x_dims), layout(*w_dims))
+    out_layout = None if out_dims is None else (layout(*out_dims),)
+    report = _same(_LayoutMatMulReLU(in_layout, out_layout, add_first), _normal(32, 32),
+                   device_num=device_num)
+    if w_parts is not None and dm.get_context("mode") == dm.PYNATIVE_MODE:
+        # the weight's slice, as MindSpore's check_parameter_shape
+        assert [op.strategy[1] for op in report.ops if op.name == "MatMul"] == [w_parts]
+
+
+M3, N3 = (2, 2, 2), ("dp", "sp", "mp")
+M4, N4 = (2, 2, 2, 2), ("dp", "sp", "vp", "mp")
+
+
+@pytest.mark.parametrize("case,device_num,mesh,names,x_dims,w_dims,out_dims,w_parts", [
+    ("test_layout_extend_base", 8, M3, N3, ("dp", "sp"), ("sp", "mp"), None, (2, 2)),
+    ("test_layout_extend_base_reduce_scatter", 8, M3, N3, ("dp", "sp"), ("sp", "mp"),
+     (("dp", "sp"), "mp"), (2, 2)),
+    ("test_layout_extend_batch_multi_shard", 16, M4, N4, (("dp", "mp"), "sp"), ("sp", "vp"),
+     None, (2, 2)),
+    ("test_layout_extend_batch_multi_shard_reduce_scatter", 16, M4, N4, (("dp", "mp"), "sp"),
+     ("sp", "vp"), (("dp", "mp", "sp"), "vp"), (2, 2)),
+    ("test_layout_extend_reduce_axis_multi_shard", 16, M4, N4, ("dp", ("sp", "mp")),
+     (("sp", "mp"), "vp"), None, (4, 2)),
+    ("test_layout_extend_reduce_axis_multi_shard_reduce_scatter", 16, M4, N4,
+     ("dp", ("sp", "mp")), (("sp", "mp"), "vp"), (("dp", "sp", "mp"), "vp"), (4, 2)),
+    ("test_layout_extend_reduce_axis_multi_shard_reduce_scatter_including_dev1", 8,
+     (2, 2, 2, 1), N4, ("dp", ("sp", "mp")), (("sp", "mp"), "vp"), (("dp", "sp", "mp"), "vp"),
+     (2, 2)),
+    ("test_layout_extend_reduce_axis_multi_shard_reduce_scatter_including_axis_none", 8, M3,
+     N3, ("dp", ("sp", "mp")), (("sp", "mp"), "None"), (("dp", "sp", "mp"), "None"), (4, 1))])
+def test_layout_extend(case, device_num, mesh, names, x_dims, w_dims, out_dims, w_parts):
+    """from tests/ut/python/parallel/test_layout_extend.py (the case named by `case`; the
+    weight's slice checked as there, x and w 32 x 32 in place of 1024 x 1024)"""
+    _layout_case(device_num, mesh, names, x_dims, w_dims, out_dims, w_parts)
+
+
+def test_layout_extend_only_reshape_redis():
+    """from tests/ut/python/parallel/test_layout_extend.py::
+    test_layout_extend_only_reshape_redis"""
+    _layout_case(8, (4, 1, 2), N3, (("dp", "mp"), "sp"), ("sp", "None"), w_parts=(1, 1),
+                 add_first=True)
+
+
+def test_layout_extend_error_case1():
+    """from tests/ut/python/parallel/test_layout_extend.py::test_layout_extend_error_case1
+    (MindSpore refuses w's dim 1 on dp, which x's dim 0 uses; dualmode moves w off dp and
+    computes it)"""
+    _semi(dataset_strategy="full_batch")
+    layout = Layout(M3, N3)
+    net = _LayoutMatMulReLU((layout("dp", ("sp", "mp")), layout(("sp", "mp"), "dp")))
+    _same(net, _normal(32, 32))
+
+
+def test_layout_extend_error_case2():
+    """from tests/ut/python/parallel/test_layout_extend.py::test_layout_extend_error_case2
+    (refused: mp used twice in one tensor's layout)"""
+    _semi(dataset_strategy="full_batch")
+    layout = Layout(M3, N3)
+    with pytest.raises(ValueError, match="mp"):
+        net = _LayoutMatMulReLU((layout("dp", ("sp", "mp")), layout(("sp", "mp"), "mp")))
+        net(_normal(32, 32))
