@@ -154,6 +154,18 @@ class Tensor(TensorBase):
     def __rmatmul__(self, other):
         return _F.matmul(other, self)
 
+    def __floordiv__(self, other):
+        return _F.floor_div(self, other)
+
+    def __rfloordiv__(self, other):
+        return _F.floor_div(other, self)
+
+    def __mod__(self, other):
+        return _F.floor_mod(self, other)
+
+    def __rmod__(self, other):
+        return _F.floor_mod(other, self)
+
     def __eq__(self, other):
         if other is None:
             return False

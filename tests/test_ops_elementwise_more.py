@@ -545,3 +545,21 @@ def test_nn_prelu_errors():
         nn.PReLU(3, Tensor(np.ones(2, np.float32)))
     with pytest.raises(TypeError, match=r"PReLU: w must be a float or a Tensor"):
         nn.PReLU(3, "0.25")
+
+
+def test_tensor_floor_division_and_remainder_operators():
+    """``//`` and ``%`` as Python's (and MindSpore's Tensor): FloorDiv and FloorMod."""
+    a = np.array([-7.5, -5.0, 5.0, 7.5], np.float32)
+    b = np.array([2.0, -3.0, 3.0, -2.0], np.float32)
+    np.testing.assert_array_equal((Tensor(a) // Tensor(b)).asnumpy(), a // b)
+    np.testing.assert_array_equal((Tensor(a) % Tensor(b)).asnumpy(), a % b)
+    np.testing.assert_array_equal((Tensor(a) % 2.0).asnumpy(), a % np.float32(2))
+    np.testing.assert_array_equal((10.0 // Tensor(b)).asnumpy(), np.float32(10) // b)
+    np.testing.assert_array_equal((10.0 % Tensor(b)).asnumpy(), np.float32(10) % b)
+    i = Tensor(np.array([-7, 7], np.int32))
+    out = i // 2
+    assert out.dtype == dm.int32
+    np.testing.assert_array_equal(out.asnumpy(), [-4, 3])
+    np.testing.assert_array_equal((i % 3).asnumpy(), [2, 1])
+    g = dm.grad(lambda t: ops.reduce_sum(t % 2.0))(Tensor(a))        # d(x mod c)/dx = 1
+    np.testing.assert_array_equal(g.asnumpy(), np.ones(4, np.float32))
