@@ -25,9 +25,8 @@ def _mode(request, _fresh_context):
     """Every case runs eagerly and compiled (GRAPH_MODE, the mode MindSpore's tests
     compile in)."""
     if request.param == "graph":
-        params = getattr(request.node, "callspec", None)
         if request.node.originalname == "test_tile_parameter_and_tensor" \
-                and not params.params["is_parameter"]:
+                and not request.node.callspec.params["is_parameter"]:
             # a compiled graph records no op for Tile of a constant Tensor, so the strategy
             # is refused there ("has in_strategy ... but ... recorded no op")
             request.applymarker(pytest.mark.xfail(
@@ -1669,3 +1668,21 @@ def test_layout_extend_error_case2():
     with pytest.raises(ValueError, match="mp"):
         net = _LayoutMatMulReLU((layout("dp", ("sp", "mp")), layout(("sp", "mp"), "mp")))
         net(_normal(32, 32))
+
+
+# ---------------------------------------------------------------- test_comm_fusion.py
+@pytest.mark.parametrize("comm_fusion", [
+    [1, 2], {"allgather": [1, 2]}, {"allgather": {"mode": "size", "config": "30.12"}},
+    {"all": {"mode": "size", "config": 30}}, {"allgather": {"modes": "size", "config": 30}},
+    {"allgather": {"mode": "sizes", "config": 30}}, {"allgather": {"mode": "size"}},
+    {"reducescatter": [1, 2]}, {"reducescatter": {"mode": "size", "config": "30.12"}},
+    {"reducescatter": {"modes": "size", "config": 30}},
+    {"reducescatter": {"mode": "sizes", "config": 30}}, {"reducescatter": {"mode": "size"}}])
+def test_comm_fusion_invalid_value_failed(comm_fusion):
+    """from tests/ut/python/parallel/test_comm_fusion.py::
+    test_allgather_fusion_invalid_value_failed, test_reducescatter_fusion_invalid_value_failed
+    (refused naming comm_fusion; MindSpore raises TypeError or KeyError, dualmode TypeError
+    or ValueError)"""
+    with pytest.raises((TypeError, KeyError, ValueError), match="comm_fusion"):
+        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                     comm_fusion=comm_fusion)
