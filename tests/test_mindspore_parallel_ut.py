@@ -1686,3 +1686,29 @@ def test_comm_fusion_invalid_value_failed(comm_fusion):
     with pytest.raises((TypeError, KeyError, ValueError), match="comm_fusion"):
         dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
                                      comm_fusion=comm_fusion)
+
+
+# --------------------------------------------------------------- test_matmul_tensor.py
+class _MatMulScalar(nn.Cell):
+    """MatMul then a binary op with a scalar Tensor held by the Cell (strategy ())."""
+
+    def __init__(self, op, s1, s2):
+        super().__init__()
+        self.matmul = P.MatMul().shard(s1)
+        self.op = op.shard(s2)
+        self.t = Tensor(0.9, dm.float32)
+
+    def construct(self, x, y):
+        return self.op(self.matmul(x, y), self.t)
+
+
+def test_matmul_tensor_mul_broadcast2():
+    """from tests/ut/python/parallel/test_matmul_tensor.py::test_matmul_mul_broadcast2"""
+    _semi(dataset_strategy="full_batch")
+    _same(_MatMulScalar(P.Mul(), S24, ((4, 1), ())), _normal(16, 8), _normal(8, 1))
+
+
+def test_matmul_add_tensor():
+    """from tests/ut/python/parallel/test_matmul_tensor.py::test_matmul_add_tensor"""
+    _semi(dataset_strategy="full_batch")
+    _same(_MatMulScalar(P.Add(), S22, ((4, 2), ())), _normal(16, 8), _normal(8, 16))
