@@ -134,18 +134,15 @@ def _tile_body(mult):
 ], ids=["cols", "rows", "new-dim", "untiled"])
 def test_tile_every_mode(mult, strategy, outer):
     check_every_mode((8, 4), _tile_body(mult), lambda: [ops.Tile()], [strategy], outer)
-    # on an input in the strategy's layout, Tile itself moves nothing; its output keeps
-    # the input's splits, whole along the tiled dims
+    # on a whole input, Tile with a strategy moves nothing: each device makes its block
+    # of the output in the strategy's layout (a tiled dim: its share of the copies)
     x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     with devices(8, full_batch=True):
         with CommReport() as rep:
             y = ops.Tile().shard(strategy)(Tensor(x), mult)
         np.testing.assert_array_equal(y.asnumpy(), np.tile(x, mult))
-        off = len(mult) - 2
-        lay = y._layout                  # None: nothing split
-        assert (lay.local_shape if lay is not None else tuple(y.shape)) == tuple(
-            s * m // (k if m == 1 else 1) for s, m, k in
-            zip((1,) * off + x.shape, mult, strategy[0]))
+        want = tuple(d // k for d, k in zip(np.tile(x, mult).shape, strategy[0]))
+        assert y._layout.local_shape == want
     assert not rep.records
 
 
@@ -164,6 +161,9 @@ def test_tile_strategy_refused_by_name():
         with pytest.raises(ValueError, match=r"Tile: in_strategy\[0\]\[0\]=3 does not divide "
                                              r"dim 0 \(size 8\)"):
             ops.Tile().shard(((3, 1),))(x, (1, 2))
+        with pytest.raises(ValueError, match=r"Tile: in_strategy\[0\]=\(4, 4\) needs 16 "
+                                             r"devices \(its product\) but device_num is 8"):
+            ops.Tile().shard(((4, 4),))(x, (1, 4))
     # stand-alone: the strategy is ignored, as MindSpore does
     y = ops.Tile().shard(((4, 4),))(x, (1, 2))
     assert y.shape == (8, 8)

@@ -583,6 +583,12 @@ def _tile_padded(shape, multiples):
     return (1,) * (len(multiples) - len(shape)) + tuple(shape)
 
 
+#: the function giving Tile's input its layout on the op's one device matrix for a
+#: strategy over the output's dims (so the output is cut into that strategy's layout on
+#: each device, moving nothing), installed by the parallel layer
+TILE_INPUT_LAYOUTS: list = []
+
+
 def _infer_tile(attrs, x):
     mult = attrs["multiples"]
     return ((tuple(s * m for s, m in zip(_tile_padded(x.shape, mult), mult)), x.dtype),)

@@ -11,8 +11,8 @@ from ._math import mat_mul
 from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entropy_grad,
                   sparse_softmax_cross_entropy_mean)
 from . import interpreter
-from ._array import (arg_reduce, assign_operand, assigned_value, check_multiples, is_traced,
-                     tile, write_parameters)
+from ._array import (TILE_INPUT_LAYOUTS, arg_reduce, assign_operand, assigned_value,
+                     check_multiples, is_traced, tile, write_parameters)
 from ._registry import apply, const, remember
 from .primitive import Primitive
 from ._norm import l2_normalize, l2_normalize_axes, layer_norm_axes, layer_norm_op
@@ -438,10 +438,10 @@ class Tile(Primitive):
     (extra leading entries tile new leading dims), as MindSpore's primitive. Its strategy
     has one entry per dim of the output, as MindSpore's: a dim with multiple 1 is split
     as the input's dim; a tiled dim's entry splits its multiple (it must divide it): that
-    input dim stays whole, and so does the output's (each device makes every copy: no
-    communication, where cutting the copies to MindSpore's output layout could move
-    data between devices); e.g. ``Tile().shard(((2, 4),))`` with multiples (2, 1) on a
-    (3, 8) input splits dim 1 four ways. An ``out_strategy`` moves the output."""
+    input dim stays whole and each device makes its share of the copies, so the output
+    is in the strategy's layout with no communication; e.g. ``Tile().shard(((2, 4),))``
+    with multiples (2, 1) on a (3, 8) input: dim 1 split 4 ways, each device making one
+    of the two copies of dim 0. An ``out_strategy`` moves the output further."""
     name = "Tile"
 
     def __call__(self, input_x, multiples):
@@ -451,13 +451,10 @@ class Tile(Primitive):
         return Primitive.__call__(self._on_input(x, multiples), x, multiples)
 
     def _on_input(self, x, multiples):
-        """A Tile whose in_strategy is the input's part of this one's (checked)."""
+        """A Tile whose in_strategy places the input on this strategy's device matrix
+        (its tiled dims whole) and whose out_strategy is this strategy (unless one is
+        given): a local cut."""
         st, mult = self.in_strategy, check_multiples(multiples, x.ndim)
-        key = (st, self.out_strategy, tuple(x.shape), mult)
-        cache = self.__dict__.setdefault("_on_inputs", {})
-        inner = cache.get(key)
-        if inner is not None:
-            return inner
         if len(st) != 1 or not isinstance(st[0], tuple):
             raise ValueError(f"Tile: in_strategy={st} must have one tuple entry, for "
                              f"input_x, with one entry per dim of the output, e.g. "
@@ -477,10 +474,25 @@ class Tile(Primitive):
             if m == 1 and j < off and k != 1:
                 raise ValueError(f"Tile: in_strategy[0][{j}]={k} splits a new dim of size "
                                  f"1 (multiples[{j}]=1); valid: 1")
-        inner = Tile()
-        inner.in_strategy = (tuple(k if m == 1 else 1 for k, m in zip(s[off:], mult[off:])),)
-        inner.out_strategy = self.out_strategy
-        return remember(cache, key, inner)
+            if m == 1 and j >= off and x.shape[j - off] % k:
+                raise ValueError(f"Tile: in_strategy[0][{j}]={k} does not divide dim "
+                                 f"{j - off} (size {x.shape[j - off]}) of input 0")
+        lay = TILE_INPUT_LAYOUTS[0](s, mult, x.ndim) if TILE_INPUT_LAYOUTS else None
+        key = (st, self.out_strategy, tuple(x.shape), mult, lay)
+        cache = self.__dict__.setdefault("_on_inputs", {})
+        inner = cache.get(key)
+        if inner is None:
+            inner = Tile()
+            if lay is None:          # no parallel layer: the input's entries only
+                inner.in_strategy = (tuple(k if m == 1 else 1
+                                           for k, m in zip(s[off:], mult[off:])),)
+                inner.out_strategy = self.out_strategy
+            else:
+                inner.in_strategy = (lay,)
+                inner.out_strategy = self.out_strategy if self.out_strategy is not None \
+                    else (s,)
+            remember(cache, key, inner)
+        return inner
 
     def construct(self, input_x, multiples):
         return tile(input_x, multiples)

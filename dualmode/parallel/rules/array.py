@@ -33,7 +33,10 @@ Communication each rule implies (beyond moving inputs into the required layouts)
   rule (gathered).
 - ``Tile``: dims with multiple 1 keep their split; a tiled dim is whole in the input
   (an AllGather when it is split) and its output is split over the input's axes when
-  they divide the multiple (each device makes its share of the copies), else whole.
+  they divide the multiple (each device makes its share of the copies), else whole. A
+  strategy over the output's dims (MindSpore's form) places the input on that
+  strategy's device matrix, tiled dims whole, so the output is cut into the strategy's
+  layout on each device: no communication.
 - ``Assign`` / ``AssignAdd`` / ``AssignSub``: the new value is computed elementwise; a
   Parameter stored in a layout is written in that layout (its shards of the value, moved
   there when the value has another layout).
@@ -43,12 +46,16 @@ Communication each rule implies (beyond moving inputs into the required layouts)
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from ...context import rng
-from ...ops._array import PARAMETER_WRITERS, _is_advanced
+from ...ops._array import PARAMETER_WRITERS, TILE_INPUT_LAYOUTS, _is_advanced
 from ...ops._registry import REGISTRY
-from ..devices import backend
+from ..devices import backend, device_num
+from ..layout_spec import Layout
 from ..moves import redistribute_tensor
 from ..shared_dims import concat_pairs
 from ..sharding import ShardPlan, expand_stack, layout, register_rule
@@ -517,6 +524,38 @@ def _tile(attrs, lays, dtypes):
         return np.tile(s, local_mult)
 
     return ShardPlan((need,), (out,), local)
+
+
+def _tile_input_layout(s, mult, ndim):
+    """Tile's input placed on the device matrix of its strategy `s` over the output's
+    dims (the repeated factor outermost, then one axis per entry > 1, as a strategy's
+    own layout): untiled dims on their axes, tiled dims whole. The output then lies on
+    the same matrix, so cutting it into `s`'s layout moves nothing."""
+    return _tile_layout_for(tuple(s), tuple(mult), ndim, device_num())
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_layout_for(s, mult, ndim, n):
+    total = math.prod(s)
+    if n % total:
+        raise ValueError(f"Tile: in_strategy[0]={s} needs {total} devices (its product) but "
+                         f"device_num is {n}; its product must divide device_num")
+    dims, names, alias = [], [], {}
+    if n > total:
+        dims.append(n // total)
+        names.append("repeat")
+    for o, k in enumerate(s):
+        if k > 1:
+            alias[o] = f"dim{o}"
+            dims.append(k)
+            names.append(alias[o])
+    lay = Layout(tuple(dims) or (1,), tuple(names) or ("dim0",))
+    off = len(mult) - ndim
+    return lay(*[alias.get(d + off, "None") if mult[d + off] == 1 else "None"
+                 for d in range(ndim)])
+
+
+TILE_INPUT_LAYOUTS[:] = [_tile_input_layout]
 
 
 # ---------------------------------------------------------------------------
