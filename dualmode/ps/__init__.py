@@ -1,4 +1,4 @@
-"""dualmode.ps: parameter server mode (SPEC §6) over ZeroMQ.
+"""dualmode.ps: parameter server mode over ZeroMQ.
 
     import dualmode as dm
     dm.set_ps_context(enable_ps=True)            # before init()
