@@ -600,7 +600,9 @@ def test_onehot_output_form_values_and_layout():
         np.testing.assert_array_equal(out.asnumpy(), np.eye(8, dtype=np.float32)[_IDX])
         assert out._layout.local_shape == (16, 1)
         idx2 = _IDX.reshape(4, 4)
-        out = ops.OneHot().shard(((2, 1, 4), (), ()))(Tensor(idx2), 8, 2.0, -1.0)
+        with CommReport() as rep:          # the indices on the strategy's matrix: local
+            out = ops.OneHot().shard(((2, 1, 4), (), ()))(Tensor(idx2), 8, 2.0, -1.0)
+        assert not rep.records
         want = np.where(np.eye(8, dtype=bool)[idx2], 2.0, -1.0).astype(np.float32)
         np.testing.assert_array_equal(out.asnumpy(), want)
         assert out._layout.local_shape == (2, 4, 2)
@@ -608,6 +610,12 @@ def test_onehot_output_form_values_and_layout():
                                              r"depth dim \(dim 1 of the output\) but does not "
                                              r"divide depth=12"):
             ops.OneHot().shard(((1, 8), (), ()))(Tensor(_IDX), 12, 1.0, 0.0)
+        with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]\[0\]=2 does not "
+                                             r"divide dim 0 \(size 15\) of the indices"):
+            ops.OneHot().shard(((2, 4), (), ()))(Tensor(_IDX[:15]), 8, 1.0, 0.0)
+        with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]=\(16, 1\) needs 16 "
+                                             r"devices \(its product\) but device_num is 8"):
+            ops.OneHot().shard(((16, 1), (), ()))(Tensor(_IDX), 8, 1.0, 0.0)
         with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]=\(1, 2, 4\) has 3 "
                                              r"entries but input 0 has rank 1"):
             ops.OneHot().shard(((1, 2, 4), (), ()))(Tensor(_IDX), 8, 1.0, 0.0)

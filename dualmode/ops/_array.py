@@ -583,10 +583,12 @@ def _tile_padded(shape, multiples):
     return (1,) * (len(multiples) - len(shape)) + tuple(shape)
 
 
-#: the function giving Tile's input its layout on the op's one device matrix for a
-#: strategy over the output's dims (so the output is cut into that strategy's layout on
-#: each device, moving nothing), installed by the parallel layer
-TILE_INPUT_LAYOUTS: list = []
+#: for a strategy over an op's output dims (MindSpore's form for Tile and OneHot), the
+#: function giving the input its layout on that strategy's own device matrix, so cutting
+#: the output into the strategy's layout moves nothing: ``fn(opname, strategy, dims)``
+#: with `dims` the output dim of each input dim (None: the input dim is whole); installed
+#: by the parallel layer
+OUTPUT_STRATEGY_LAYOUTS: list = []
 
 
 def _infer_tile(attrs, x):

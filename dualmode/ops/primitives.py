@@ -11,7 +11,7 @@ from ._math import mat_mul
 from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entropy_grad,
                   sparse_softmax_cross_entropy_mean)
 from . import interpreter
-from ._array import (TILE_INPUT_LAYOUTS, arg_reduce, assign_operand, assigned_value,
+from ._array import (OUTPUT_STRATEGY_LAYOUTS, arg_reduce, assign_operand, assigned_value,
                      check_multiples, is_traced, tile, write_parameters)
 from ._registry import apply, const, remember
 from .primitive import Primitive
@@ -155,15 +155,16 @@ class OneHot(Primitive):
         if st is not None and isinstance(st[0], tuple) and \
                 len(st[0]) == np.ndim(indices) + 1 and \
                 not interpreter.base().ignores_strategies():
-            return Primitive.__call__(self._over_output(np.ndim(indices), depth), indices,
-                                      depth, on_value, off_value)
+            return Primitive.__call__(self._over_output(tuple(np.shape(indices)), depth),
+                                      indices, depth, on_value, off_value)
         return super().__call__(indices, depth, on_value, off_value)
 
-    def _over_output(self, ndim, depth):
+    def _over_output(self, shape, depth):
         """For a strategy over the output's dims: a OneHot whose strategy splits the
-        indices alike and whose out_strategy (unless one is given) is that one."""
-        st = self.in_strategy
-        key = (st, self.out_strategy, ndim, depth)
+        indices (of `shape`) alike and whose out_strategy (unless one is given) is that
+        one."""
+        st, ndim = self.in_strategy, len(shape)
+        key = (st, self.out_strategy, shape, depth)
         cache = self.__dict__.setdefault("_over_outputs", {})
         inner = cache.get(key)
         if inner is not None:
@@ -176,8 +177,15 @@ class OneHot(Primitive):
                 depth > 0 and depth % s[pos]:
             raise ValueError(f"OneHot: in_strategy[0][{pos}]={s[pos]} splits the depth dim "
                              f"(dim {pos} of the output) but does not divide depth={depth}")
+        dims = tuple(d if d < pos else d + 1 for d in range(ndim))
+        for d, o in enumerate(dims):
+            if shape[d] % s[o]:
+                raise ValueError(f"OneHot: in_strategy[0][{o}]={s[o]} does not divide dim "
+                                 f"{d} (size {shape[d]}) of the indices")
         inner = OneHot(self.axis)
-        inner.in_strategy = (s[:pos] + s[pos + 1:],) + tuple(st[1:])
+        lay = OUTPUT_STRATEGY_LAYOUTS[0](self.name, s, dims) if OUTPUT_STRATEGY_LAYOUTS \
+            else s[:pos] + s[pos + 1:]
+        inner.in_strategy = (lay,) + tuple(st[1:])
         inner.out_strategy = self.out_strategy if self.out_strategy is not None else (s,)
         return remember(cache, key, inner)
 
@@ -477,7 +485,9 @@ class Tile(Primitive):
             if m == 1 and j >= off and x.shape[j - off] % k:
                 raise ValueError(f"Tile: in_strategy[0][{j}]={k} does not divide dim "
                                  f"{j - off} (size {x.shape[j - off]}) of input 0")
-        lay = TILE_INPUT_LAYOUTS[0](s, mult, x.ndim) if TILE_INPUT_LAYOUTS else None
+        dims = tuple(d + off if mult[d + off] == 1 else None for d in range(x.ndim))
+        lay = OUTPUT_STRATEGY_LAYOUTS[0](self.name, s, dims) if OUTPUT_STRATEGY_LAYOUTS \
+            else None
         key = (st, self.out_strategy, tuple(x.shape), mult, lay)
         cache = self.__dict__.setdefault("_on_inputs", {})
         inner = cache.get(key)

@@ -14,8 +14,9 @@ Communication each rule implies (beyond moving inputs into the required layouts)
 - ``Reshape``: a split survives when it is on the first dim of a merged or split group
   of dims (and still divides); other splits are gathered first.
 - ``BroadcastTo``: splits of the broadcast input carry over; new dims are whole.
-- ``OneHot``: the indices' splits carry over; the depth dim is whole (a strategy over
-  the output's dims, MindSpore's form, then cuts each device's block of the classes).
+- ``OneHot``: the indices' splits carry over; the depth dim is whole. A strategy over
+  the output's dims (MindSpore's form) places the indices on that strategy's device
+  matrix, so each device's block of the classes is cut locally: no communication.
 - ``Gather``: a table split on the gathered axis (vocabulary parallel) looks up, on
   each device, only the indices falling in its rows (index minus the device's row
   offset, other indices masked to zero); the output is a pending partial sum over the
@@ -52,7 +53,7 @@ import math
 import numpy as np
 
 from ...context import rng
-from ...ops._array import PARAMETER_WRITERS, TILE_INPUT_LAYOUTS, _is_advanced
+from ...ops._array import OUTPUT_STRATEGY_LAYOUTS, PARAMETER_WRITERS, _is_advanced
 from ...ops._registry import REGISTRY
 from ..devices import backend, device_num
 from ..layout_spec import Layout
@@ -526,36 +527,37 @@ def _tile(attrs, lays, dtypes):
     return ShardPlan((need,), (out,), local)
 
 
-def _tile_input_layout(s, mult, ndim):
-    """Tile's input placed on the device matrix of its strategy `s` over the output's
-    dims (the repeated factor outermost, then one axis per entry > 1, as a strategy's
-    own layout): untiled dims on their axes, tiled dims whole. The output then lies on
-    the same matrix, so cutting it into `s`'s layout moves nothing."""
-    return _tile_layout_for(tuple(s), tuple(mult), ndim, device_num())
+# ---------------------------------------------------------------------------
+# strategies over an op's output dims (Tile, OneHot): the input on that strategy's matrix
+# ---------------------------------------------------------------------------
+def _input_on_output_matrix(opname, s, dims):
+    """The input placed on the device matrix of strategy `s` over the output's dims (the
+    repeated factor outermost, then one axis per entry > 1, as a strategy's own layout):
+    input dim d on the axis of output dim ``dims[d]`` (None: whole). The output then lies
+    on the same matrix, so cutting it into `s`'s layout moves nothing."""
+    return _on_output_matrix(opname, tuple(s), tuple(dims), device_num())
 
 
 @functools.lru_cache(maxsize=256)
-def _tile_layout_for(s, mult, ndim, n):
+def _on_output_matrix(opname, s, dims, n):
     total = math.prod(s)
     if n % total:
-        raise ValueError(f"Tile: in_strategy[0]={s} needs {total} devices (its product) but "
-                         f"device_num is {n}; its product must divide device_num")
-    dims, names, alias = [], [], {}
+        raise ValueError(f"{opname}: in_strategy[0]={s} needs {total} devices (its product) "
+                         f"but device_num is {n}; its product must divide device_num")
+    sizes, names, alias = [], [], {}
     if n > total:
-        dims.append(n // total)
+        sizes.append(n // total)
         names.append("repeat")
     for o, k in enumerate(s):
         if k > 1:
             alias[o] = f"dim{o}"
-            dims.append(k)
+            sizes.append(k)
             names.append(alias[o])
-    lay = Layout(tuple(dims) or (1,), tuple(names) or ("dim0",))
-    off = len(mult) - ndim
-    return lay(*[alias.get(d + off, "None") if mult[d + off] == 1 else "None"
-                 for d in range(ndim)])
+    lay = Layout(tuple(sizes) or (1,), tuple(names) or ("dim0",))
+    return lay(*["None" if o is None else alias.get(o, "None") for o in dims])
 
 
-TILE_INPUT_LAYOUTS[:] = [_tile_input_layout]
+OUTPUT_STRATEGY_LAYOUTS[:] = [_input_on_output_matrix]
 
 
 # ---------------------------------------------------------------------------
