@@ -1712,3 +1712,52 @@ def test_matmul_add_tensor():
     """from tests/ut/python/parallel/test_matmul_tensor.py::test_matmul_add_tensor"""
     _semi(dataset_strategy="full_batch")
     _same(_MatMulScalar(P.Add(), S22, ((4, 2), ())), _normal(16, 8), _normal(8, 16))
+
+
+# ------------------------------------ test_auto_parallel_four_matmul.py, _cast.py
+class _FourMatMul(nn.Cell):
+    """test_auto_parallel_four_matmul.py's nets: four MatMuls (separate or one shared
+    primitive), or two with subtractions between (`subtract`)."""
+
+    def __init__(self, shared=False, subtract=False):
+        super().__init__()
+        self.matmul1 = P.MatMul()
+        self.matmuls = [self.matmul1] * 4 if shared else \
+            [self.matmul1, P.MatMul(), P.MatMul(), P.MatMul()]
+        self.subtract = subtract
+
+    def construct(self, x, y, z, w, b):
+        mm = self.matmuls
+        if self.subtract:
+            return mm[0](mm[0](x, y) - z, w) - b
+        return mm[3](mm[2](mm[1](mm[0](x, y), z), w), b)
+
+
+@pytest.mark.parametrize("case,shared,subtract,shapes", [
+    ("test_four_matmul_linear", False, False, [(32, 16), (16, 32), (32, 16), (16, 16), (16, 32)]),
+    ("test_four_matmul1", True, False, [(32, 16), (16, 32), (32, 16), (16, 16), (16, 32)]),
+    ("test_four_matmul2", True, True, [(32, 16), (16, 32), (32, 32), (32, 16), (32, 16)])])
+def test_four_matmul(case, shared, subtract, shapes):
+    """from tests/ut/python/parallel/test_auto_parallel_four_matmul.py (the case named by
+    `case`; auto_parallel on 16 devices)"""
+    _auto(16)
+    _same(_FourMatMul(shared, subtract), *[_normal(*s) for s in shapes], device_num=16)
+
+
+class _DoubleStarCast(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.matmul1, self.matmul2, self.matmul3 = P.MatMul(), P.MatMul(), P.MatMul()
+        self.cast1, self.cast2 = P.Cast(), P.Cast()
+
+    def construct(self, x, y, z, w):
+        m1 = self.matmul1(x, y)
+        m2 = self.matmul2(z, w)
+        return self.matmul3(self.cast1(m2, dm.float16), self.cast2(m1, dm.float16))
+
+
+def test_double_star_graph():
+    """from tests/ut/python/parallel/test_auto_parallel_cast.py::test_double_star_graph
+    (float16 after the casts; the strategies searched are dualmode's own)"""
+    _auto()
+    _same(_DoubleStarCast(), _normal(32, 8), _normal(8, 16), _normal(8, 16), _normal(16, 32))
