@@ -7,8 +7,6 @@ of its script survived.
 """
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,52 +15,11 @@ from dualmode import k8s, run
 
 pytest.importorskip("mpi4py", reason="the launcher needs mpi4py (pip install -e '.[test]')")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "tests", "mpi_scripts")
-TIMEOUT = 60
-VENV_BIN = os.path.dirname(sys.executable)
+from _launch import ROOT, TIMEOUT, have_mpiexec, launch, no_survivors
+from _launch import copy_script as _copy
 
-if shutil.which("mpiexec", path=VENV_BIN) is None and shutil.which("mpiexec") is None:
+if not have_mpiexec():
     pytest.skip("mpiexec not found (pip install mpich)", allow_module_level=True)
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "OMPI_", "RANK_", "DEVICE_ID", "HYDRA_", "DM_",
-                                "MS_"))}
-    env["PYTHONPATH"] = ROOT
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
-
-
-def _copy(tmp_path, folder, name):
-    """A copy of the script under tmp_path: its path names this test's processes."""
-    dst = tmp_path / name
-    shutil.copy(os.path.join(ROOT, "tests", folder, name), dst)
-    return str(dst)
-
-
-def launch(*flags, cwd, timeout=TIMEOUT):
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dualmode.run", *map(str, flags)], cwd=cwd,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
-    proc.seconds = time.monotonic() - start
-    return proc
-
-
-def survivors(marker):
-    """Processes whose command line contains ``marker`` (the test's own tmp path)."""
-    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True,
-                         timeout=10).stdout
-    return [line for line in out.splitlines()[1:] if marker in line and "ps -ww" not in line]
-
-
-def no_survivors(marker, wait=5.0):
-    deadline = time.monotonic() + wait
-    while survivors(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return survivors(marker)
 
 
 # ------------------------------------------------------------- the first rank
