@@ -11,7 +11,8 @@ from .functional import __all__ as _functional_names
 from .primitive import Primitive
 from .primitives import AvgPool, BatchNorm, Conv2D, MaxPool
 from .primitives import (Abs, Add, BatchMatMul, BiasAdd, Cast, Concat, Div, Dropout, Equal,
-                         Exp, ExpandDims, Flatten, Gather, Greater, Less, Log, LogSoftmax,
+                         Exp, ExpandDims, Flatten, Gather, Greater, GreaterEqual, Less,
+                         LessEqual, Log, LogSoftmax, NotEqual,
                          MatMul, Maximum, Minimum, Mul, Neg, OneHot, OnesLike, Pow, RealDiv,
                          ReduceMax, ReduceMean, ReduceMin, ReduceSum, ReLU, Reshape, Sigmoid,
                          Softmax, SoftmaxCrossEntropyWithLogits,
@@ -34,7 +35,7 @@ _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAS
 __all__ = list(_functional_names) + ["shard", 
     "REGISTRY", "get_op", "Primitive", "AllGather", "AllReduce", "AlltoAll", "Broadcast",
     "ReduceScatter", "ReduceOp", "Abs", "Add", "BatchMatMul", "BiasAdd", "Cast", "Concat", "Div",
-    "Dropout", "Equal", "Exp", "ExpandDims", "Flatten", "Gather", "Greater", "Less", "Log",
+    "Dropout", "Equal", "Exp", "ExpandDims", "Flatten", "Gather", "Greater", "GreaterEqual", "Less", "LessEqual", "NotEqual", "Log",
     "LogSoftmax", "MatMul", "Maximum", "Minimum", "Mul", "Neg", "OneHot", "OnesLike", "Pow",
     "RealDiv", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "ReLU", "Reshape",
     "Sigmoid", "Softmax", "SoftmaxCrossEntropyWithLogits",
