@@ -512,8 +512,9 @@ _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
     "gradients_mean": _check_bool,
     "parameter_broadcast": _check_bool,
     "search_mode": lambda f, k, v: _check_choice(f, k, v, _SEARCH_MODES),
-    # MindSpore's older spelling of search_mode
+    # MindSpore's older spellings of search_mode
     "auto_parallel_search_mode": lambda f, k, v: _check_choice(f, k, v, _SEARCH_MODES),
+    "sharding_propagation": _check_bool,
     "full_batch": _check_bool,
     "dataset_strategy": _check_dataset_strategy,
     "all_reduce_fusion_config": _check_fusion_config,
@@ -551,6 +552,18 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
                 f"search_mode={updates['search_mode']!r}; they are one setting (the first "
                 f"is its older name): give only one of them")
         updates["search_mode"] = old_name
+    if "sharding_propagation" in updates:
+        on = updates.pop("sharding_propagation")
+        mode = updates.get("search_mode", cur.search_mode)
+        if "search_mode" in updates and (mode == "sharding_propagation") != on:
+            raise ValueError(
+                f"{func}: sharding_propagation={on!r} contradicts search_mode={mode!r}; "
+                f"sharding_propagation=True is search_mode='sharding_propagation': give "
+                f"only one of them")
+        if on:
+            updates["search_mode"] = "sharding_propagation"
+        elif mode == "sharding_propagation":    # MindSpore's search without it
+            updates["search_mode"] = "dynamic_programming"
     if "comm_fusion" in updates:
         fusion = dict(updates["comm_fusion"])
         if fusion.pop("openstate", True):
@@ -591,7 +604,9 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         Broadcast rank 0's data-parallel parameters before training (default False).
     search_mode : str
         ``"sharding_propagation"`` (default), ``"dynamic_programming"`` or
-        ``"recursive_programming"``. ``auto_parallel_search_mode`` is its older name.
+        ``"recursive_programming"``. ``auto_parallel_search_mode`` is its older name, and
+        ``sharding_propagation=True`` (False) an older form of ``"sharding_propagation"``
+        (``"dynamic_programming"``).
     full_batch : bool
         True is the same as ``dataset_strategy="full_batch"``; False turns a
         ``"full_batch"`` strategy back into ``"data_parallel"``.
@@ -666,6 +681,8 @@ def get_auto_parallel_context(key: str) -> Any:
         return cfg.dataset_strategy == "full_batch"
     if key == "auto_parallel_search_mode":
         return cfg.search_mode
+    if key == "sharding_propagation":
+        return cfg.search_mode == "sharding_propagation"
     if key == "all_reduce_fusion_config":
         return None if cfg.all_reduce_fusion_config is None else list(cfg.all_reduce_fusion_config)
     if key == "comm_fusion":

@@ -455,6 +455,6 @@ def test_unknown_key_lists_supported_and_default_only_keys():
             "set_auto_parallel_context: unknown key 'pipeline_stage'; valid keys are "
             "all_reduce_fusion_config, auto_parallel_search_mode, comm_fusion, dataset_strategy, device_num, full_batch, "
             "global_rank, gradients_mean, parallel_mode, parameter_broadcast, search_mode, "
-            "strategy_ckpt_load_file, strategy_ckpt_save_file; accepted at their default value "
+            "sharding_propagation, strategy_ckpt_load_file, strategy_ckpt_save_file; accepted at their default value "
             "only (not implemented): auto_pipeline, ")):
         context.set_auto_parallel_context(pipeline_stage=2)

@@ -243,3 +243,46 @@ def test_comm_fusion_openstate():
             dm.set_auto_parallel_context(comm_fusion={"open": True})
     finally:
         dm.reset_auto_parallel_context()
+
+
+def test_sharding_propagation_key_is_search_mode():
+    try:
+        dm.set_auto_parallel_context(search_mode="recursive_programming")
+        dm.set_auto_parallel_context(sharding_propagation=True)
+        assert dm.get_auto_parallel_context("search_mode") == "sharding_propagation"
+        assert dm.get_auto_parallel_context("sharding_propagation") is True
+        dm.set_auto_parallel_context(sharding_propagation=False)
+        assert dm.get_auto_parallel_context("search_mode") == "dynamic_programming"
+        assert dm.get_auto_parallel_context("sharding_propagation") is False
+        with pytest.raises(ValueError, match=r"sharding_propagation=True contradicts "
+                                             r"search_mode='dynamic_programming'"):
+            dm.set_auto_parallel_context(sharding_propagation=True,
+                                         search_mode="dynamic_programming")
+        with pytest.raises(TypeError, match=r"sharding_propagation"):
+            dm.set_auto_parallel_context(sharding_propagation="yes")
+        assert dm.get_auto_parallel_context("search_mode") == "dynamic_programming"
+    finally:
+        dm.reset_auto_parallel_context()
+
+
+def test_softmax_cross_entropy_cell_holds_mindspores_inner_primitives(sim_devices):
+    """``loss.softmax_cross_entropy.shard(...)`` as MindSpore scripts write it: the loss
+    runs on the primitives it holds, so their strategies take effect; every reduction
+    equals numpy."""
+    sim_devices(8)
+    logits = RNG.standard_normal((8, 5)).astype(np.float32)
+    labels = np.array([0, 3, 1, 4, 2, 2, 0, 1], np.int32)
+    lse = np.log(np.exp(logits).sum(1)) - logits[np.arange(8), labels]
+    for sparse in (True, False):
+        for red, want in (("mean", lse.mean()), ("sum", lse.sum()), ("none", lse)):
+            loss = nn.SoftmaxCrossEntropyWithLogits(sparse=sparse, reduction=red)
+            loss.softmax_cross_entropy.shard(((8, 1), (8, 1)))
+            loss.sparse_softmax_cross_entropy.shard(((8, 1), (8,)))
+            loss.one_hot.shard(((8, 1), (), ()))
+            y = labels if sparse else np.eye(5, dtype=np.float32)[labels]
+            got = loss(Tensor(logits), Tensor(y))
+            np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-6)
+    inner = nn.SoftmaxCrossEntropyWithLogits(reduction="none")
+    inner.softmax_cross_entropy.shard(((8, 1), (8, 1)))
+    assert dm.parallel.local_shape(inner(Tensor(logits), Tensor(
+        np.eye(5, dtype=np.float32)[labels]))) == (1,)

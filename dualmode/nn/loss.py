@@ -245,6 +245,11 @@ class SoftmaxCrossEntropyWithLogits(LossBase):
             raise TypeError(f"SoftmaxCrossEntropyWithLogits: sparse must be a bool, got "
                             f"{sparse!r}")
         self.sparse = sparse
+        # MindSpore's inner primitives, under its names, so that scripts can shard them
+        # (``loss.softmax_cross_entropy.shard(((8, 1), (8, 1)))``)
+        self.softmax_cross_entropy = ops.SoftmaxCrossEntropyWithLogits()
+        self.sparse_softmax_cross_entropy = ops.SparseSoftmaxCrossEntropyWithLogits()
+        self.one_hot = ops.OneHot()
 
     def construct(self, logits, labels):
         name = "SoftmaxCrossEntropyWithLogits"
@@ -260,12 +265,16 @@ class SoftmaxCrossEntropyWithLogits(LossBase):
             if ys != ls[:1]:
                 raise ValueError(f"{name}: logits have shape {ls} and sparse labels have "
                                  f"shape {ys}; expected labels of shape {ls[:1]}")
-            return self.get_loss(ops.sparse_softmax_cross_entropy(logits, labels))
-        if labels.dtype != logits.dtype or ys != ls:
+            if self.reduction == "mean":      # the batch's mean, fused
+                return self.sparse_softmax_cross_entropy(logits, labels)
+            labels = self.one_hot(labels, ls[1], 1.0, 0.0)
+            if labels.dtype != logits.dtype:
+                labels = ops.cast(labels, logits.dtype)
+        elif labels.dtype != logits.dtype or ys != ls:
             raise ValueError(f"{name}: sparse=False needs labels of the logits' shape and "
                              f"dtype ({ls}, {logits.dtype}); got {ys}, {labels.dtype} (use "
                              f"sparse=True for int class labels)")
-        return self.get_loss(ops.softmax_cross_entropy(logits, labels))
+        return self.get_loss(self.softmax_cross_entropy(logits, labels)[0])
 
     def extend_repr(self):
         return f"sparse={self.sparse}, reduction={self.reduction}"
