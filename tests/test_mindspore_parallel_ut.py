@@ -1761,3 +1761,114 @@ def test_double_star_graph():
     (float16 after the casts; the strategies searched are dualmode's own)"""
     _auto()
     _same(_DoubleStarCast(), _normal(32, 8), _normal(8, 16), _normal(8, 16), _normal(16, 32))
+
+
+# ------------------ cases that pass since the ops, attributes and keys they need landed
+class _MatMulLogical(nn.Cell):
+    def __init__(self, logical, s1, s2):
+        super().__init__()
+        self.matmul = P.MatMul().shard(s1)
+        self.equal = P.Equal().shard(s2)
+        self.notequal = P.NotEqual().shard(s2)
+        self.logical = logical.shard(s2)
+
+    def construct(self, x, y, b):
+        out1 = self.equal(self.matmul(x, y), b)
+        out2 = self.notequal(self.matmul(x, y), b)
+        return self.logical(out1, out2)
+
+
+def test_matmul_logicaland():
+    """from tests/ut/python/parallel/test_arithmetic.py::test_matmul_logicaland"""
+    _semi(dataset_strategy="full_batch")
+    _same_forward(_MatMulLogical(P.LogicalAnd(), S22, S42),
+                  _ints(16, 8), _ints(8, 16), _ints(16, 16))
+
+
+def test_matmul_logicalor():
+    """from tests/ut/python/parallel/test_arithmetic.py::test_matmul_logicalor"""
+    _semi(dataset_strategy="full_batch")
+    _same_forward(_MatMulLogical(P.LogicalOr(), S22, S42),
+                  _ints(16, 8), _ints(8, 16), _ints(16, 16))
+
+
+def _train_sharded_and_alone(make_net, loss_strategy, onehot_strategy, x, y, epochs=2):
+    """Model.train with MindSpore's sparse softmax loss, its inner ops given strategies
+    through the nn loss's attributes (as the MindSpore tests do), on 8 devices under
+    semi-auto and stand-alone: the trained weights are equal."""
+    trained = []
+    for mode in ("semi_auto_parallel", "stand_alone"):
+        dm.reset_auto_parallel_context()
+        dm.set_auto_parallel_context(parallel_mode=mode, device_num=8)
+        net = make_net()
+        loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+        loss.softmax_cross_entropy.shard(loss_strategy)
+        if onehot_strategy is not None:
+            loss.one_hot.shard(onehot_strategy)
+        model = dm.train.Model(net, loss, nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        data = dm.dataset.NumpySlicesDataset({"x": np.concatenate([x, x]),
+                                              "y": np.concatenate([y, y])}, shuffle=False)
+        model.train(epochs, data.batch(len(x)), dataset_sink_mode=False)
+        trained.append([p.asnumpy() for p in net.trainable_params()])
+    for a, b in zip(*trained):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class _TransposeNet(nn.Cell):
+    def __init__(self, s1, s2, w):
+        super().__init__()
+        self.matmul = P.MatMul().shard(((8, 1), (1, 1)))
+        self.matmul_weight = Parameter(Tensor(w), name="weight")
+        self.transpose1 = P.Transpose().shard(s1)
+        self.transpose2 = P.Transpose().shard(s2)
+
+    def construct(self, x):
+        x = self.transpose1(self.matmul(x, self.matmul_weight), (1, 0))
+        return self.transpose2(x, (1, 0))
+
+
+@pytest.mark.parametrize("s1", [((1, 8),), ((1, 4),)])
+def test_transpose(s1):
+    """from tests/ut/python/parallel/test_transpose.py::test_transpose1, test_transpose2
+    (Model.train, 2 epochs)"""
+    w = (RNG.standard_normal((16, 32)) * 0.1).astype(np.float32)
+    x = RNG.standard_normal((32, 16)).astype(np.float32)
+    y = RNG.integers(0, 32, 32).astype(np.int32)
+    _train_sharded_and_alone(lambda: _TransposeNet(s1, ((1, 8),), w), ((8, 1), (8, 1)), None,
+                             x, y)
+
+
+class _ReluReshapeMatMul(nn.Cell):
+    def __init__(self, s0, s1, s2, w):
+        super().__init__()
+        self.relu = P.ReLU().shard(s0)
+        self.reshape = P.Reshape().shard(s1)
+        self.matmul = P.MatMul().shard(s2)
+        self.matmul_weight = Parameter(Tensor(w), name="weight")
+
+    def construct(self, x):
+        return self.matmul(self.reshape(self.relu(x), (32, 32)), self.matmul_weight)
+
+
+@pytest.mark.parametrize("case,s0,s2", [
+    ("test_reshape1", ((8, 1, 1, 1),), ((8, 1), (1, 1))),
+    ("test_reshape3", ((2, 1, 1, 1),), ((8, 1), (1, 1))),
+    ("test_reshape4", ((1, 1, 1, 1),), ((8, 1), (1, 1))),
+    ("test_reshape5", ((2, 1, 1, 1),), ((1, 8), (8, 1)))])
+def test_reshape_common(case, s0, s2):
+    """from tests/ut/python/parallel/test_reshape.py (the case named by `case`: Model.train,
+    2 epochs; the loss's OneHot given ((8, 1), (), ()))"""
+    w = (RNG.standard_normal((32, 16)) * 0.1).astype(np.float32)
+    x = RNG.standard_normal((32, 8, 2, 2)).astype(np.float32)
+    y = RNG.integers(0, 16, 32).astype(np.int32)
+    _train_sharded_and_alone(lambda: _ReluReshapeMatMul(s0, None, s2, w), ((8, 1), (8, 1)),
+                             ((8, 1), (), ()), x, y)
+
+
+def test_auto_parallel_activation1_old_key():
+    """from tests/ut/python/parallel/test_auto_parallel_shard_propagation.py::
+    test_auto_parallel_activation1 as written there (sharding_propagation=True)"""
+    dm.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=16, global_rank=0,
+                                 sharding_propagation=True)
+    _same(_MulSigmoidReLU(((4, 4), (4, 4))), _normal(64, 32), _normal(64, 32),
+          device_num=16)
