@@ -8,12 +8,11 @@ from ... import ops
 from ..._core import _tensor as _core
 from ..._core._tensor import TensorBase
 from ...parallel.grad_reduce import fuse_gradient_moves, reduce_gradients
-from ...parallel.graph.trace import current_trace
 from ...parallel.moves import redistribute_tensor
 from ...parallel.strategy import is_sharded_layout
 from ...tensor import Tensor
 from .._checks import check_bool
-from .optimizer import Optimizer, _check_gradients
+from .optimizer import Optimizer
 
 __all__ = ["LARS"]
 
@@ -97,20 +96,10 @@ class LARS(Optimizer):
         """Rescale `gradients` (aligned with ``.parameters``) and run the wrapped
         optimizer on them."""
         params = self.parameters
-        tr = current_trace()
-        if tr is not None and isinstance(gradients, (tuple, list)):
-            # graph mode: the update is one opaque node, run eagerly on the gradients
-            tr.call_opaque(lambda *g: type(self).construct(self, g), "LARS.update",
-                           tuple(gradients),
-                           params=params if len(gradients) == len(params) else None)
+        distributed = self._recorded_or_checked(gradients)
+        if distributed is None:              # recorded into the graph being traced
             return True
-        if not isinstance(gradients, (tuple, list)):
-            raise TypeError(f"LARS: gradients must be a tuple of Tensors aligned with "
-                            f"optimizer.parameters, got {type(gradients).__name__}")
-        if len(gradients) != len(params):
-            raise ValueError(f"LARS: got {len(gradients)} gradients for {len(params)} "
-                             f"parameters; they must be aligned with optimizer.parameters")
-        if _check_gradients("LARS", gradients, params):
+        if distributed:
             # the gradient communication the wrapped optimizer would make (sharded
             # weights' gradients moved into their layouts, data-parallel AllReduces),
             # before the norms are taken

@@ -228,25 +228,33 @@ class Optimizer(Cell):
         return lrs if self.is_group else lrs[0]
 
     # ---- one update ----------------------------------------------------------------
-    def construct(self, gradients):
-        """Apply one update with `gradients` (aligned with ``.parameters``)."""
+    def _recorded_or_checked(self, gradients):
+        """The start of an update. While a graph is traced, the update is recorded as
+        one opaque node (run eagerly on the gradients): None. Otherwise every gradient
+        is checked (type, shape, dtype) before anything changes: whether any of them is
+        distributed."""
         params = self.parameters
         owner = type(self).__name__
         tr = current_trace()
         if tr is not None and isinstance(gradients, (tuple, list)):
-            # graph mode: the update is one opaque node, run eagerly on the gradients
             tr.call_opaque(lambda *g: type(self).construct(self, g), f"{owner}.update",
                            tuple(gradients),
                            params=params if len(gradients) == len(params) else None)
-            return True
+            return None
         if not isinstance(gradients, (tuple, list)):
             raise TypeError(f"{owner}: gradients must be a tuple of Tensors aligned with "
                             f"optimizer.parameters, got {type(gradients).__name__}")
         if len(gradients) != len(params):
             raise ValueError(f"{owner}: got {len(gradients)} gradients for {len(params)} "
                              f"parameters; they must be aligned with optimizer.parameters")
-        # all of them, before any effect
-        distributed = _check_gradients(owner, gradients, params)
+        return _check_gradients(owner, gradients, params)
+
+    def construct(self, gradients):
+        """Apply one update with `gradients` (aligned with ``.parameters``)."""
+        params = self.parameters
+        distributed = self._recorded_or_checked(gradients)
+        if distributed is None:
+            return True
         worker = active_worker()
         if distributed:
             if worker is None:
@@ -299,8 +307,9 @@ class Optimizer(Cell):
                     if g.shape != w.shape:          # a plain gradient of a per-device weight
                         g = np.broadcast_to(g, w.shape)
                 if g.shape != w.shape:
-                    raise ValueError(f"{owner}: the gradient for parameter {p.name!r} has "
-                                     f"shape {g.shape}; the parameter has shape {w.shape}")
+                    raise ValueError(f"{type(self).__name__}: the gradient for parameter "
+                                     f"{p.name!r} has shape {g.shape}; the parameter has "
+                                     f"shape {w.shape}")
                 if scale != 1.0:
                     g = g * scale
                 if decay[i]:
