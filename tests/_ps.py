@@ -50,6 +50,8 @@ def base_env(prefix="DM", servers=2, workers=2, port=None):
 
 
 class Cluster:
+    script = SCRIPT          # the program every role runs
+
     """Scheduler, servers and workers running train_ps.py with `cfg`."""
 
     def __init__(self, tmp_path, cfg, servers=2, workers=2, env=None, timeout=60.0):
@@ -72,7 +74,7 @@ class Cluster:
         log = open(os.path.join(self.dir, f"{name}.log"), "ab")
         self.logs[name] = log.name
         self.procs[name] = subprocess.Popen(
-            [sys.executable, SCRIPT, json.dumps(self.cfg), self.dir], cwd=self.dir, env=env,
+            [sys.executable, self.script, json.dumps(self.cfg), self.dir], cwd=self.dir, env=env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         return self.procs[name]

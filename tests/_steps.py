@@ -1,6 +1,7 @@
 """Train steps shared by the tests."""
 import dualmode as dm
-from dualmode import ops
+from dualmode import Tensor, nn, ops
+from dualmode.parallel import CommReport
 
 
 def mean_square_step(f, opt):
@@ -15,3 +16,18 @@ def mean_square_step(f, opt):
         opt(grads)
         return loss
     return step
+
+
+def sgd_steps(f, net, x, steps, lr=0.1):
+    """`steps` SGD steps (rate `lr`) of the loss ``f(x)`` over `net`'s weights: the losses,
+    the input gradients, every parameter of `net` after them, and the CommReport."""
+    opt = nn.SGD(net.trainable_params(), lr)
+    g = dm.value_and_grad(f, 0, opt.parameters)
+    losses, dxs = [], []
+    with CommReport() as rep:
+        for _ in range(steps):
+            loss, (dx, grads) = g(Tensor(x))
+            opt(grads)
+            losses.append(float(loss.asnumpy()))
+            dxs.append(dx.asnumpy())
+    return losses, dxs, {p.name: p.asnumpy() for p in net.get_parameters()}, rep

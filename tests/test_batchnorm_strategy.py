@@ -10,9 +10,9 @@ import pytest
 
 import dualmode as dm
 from dualmode import Parameter, Tensor, nn, ops
-from dualmode.parallel import CommReport
 
 from _devices import devices
+from _steps import sgd_steps
 
 RTOL = 1e-5          # one op
 TRAIN_RTOL = 1e-4    # over training steps
@@ -67,16 +67,7 @@ def _train(n, training, strategy, mode, steps=2, **ctx):
     with devices(n, **(ctx or dict(full_batch=True))):
         dm.set_context(mode=mode)
         net = _Net(training, strategy)
-        opt = nn.SGD(net.trainable_params(), 0.1)
-        g = dm.value_and_grad(net, 0, opt.parameters)
-        losses, dxs = [], []
-        with CommReport() as rep:
-            for _ in range(steps):
-                loss, (dx, grads) = g(Tensor(x))
-                opt(grads)
-                losses.append(float(loss.asnumpy()))
-                dxs.append(dx.asnumpy())
-        return losses, dxs, {p.name: p.asnumpy() for p in net.get_parameters()}, rep
+        return sgd_steps(net, net, x, steps)
 
 
 STRATEGIES = {

@@ -13,6 +13,7 @@ from dualmode import Parameter, Tensor, nn, ops
 from dualmode.parallel import CommReport
 
 from _devices import devices
+from _steps import sgd_steps
 from _opcheck import check_op
 
 RTOL = 1e-5          # one op
@@ -164,16 +165,7 @@ def _run_ln(n, mode, shape, bna, bpa, strategy=None, outer=None, steps=2):
             f = ops.shard(lambda t: net(t), in_strategy=(outer,))
         elif n and mode == "Cell.shard":
             net.shard(in_strategy=(outer,))
-        opt = nn.SGD(net.trainable_params(), 0.1)
-        g = dm.value_and_grad(f, 0, opt.parameters)
-        losses, dxs = [], []
-        with CommReport() as rep:
-            for _ in range(steps):
-                loss, (dx, grads) = g(Tensor(x))
-                opt(grads)
-                losses.append(float(loss.asnumpy()))
-                dxs.append(dx.asnumpy())
-        return losses, dxs, {p.name: p.asnumpy() for p in net.get_parameters()}, rep
+        return sgd_steps(f, net, x, steps)
 
 
 def _assert_same(got, ref):
@@ -365,16 +357,7 @@ def _run_l2(n, mode, axis, strategy=None, outer=None, steps=2):
             f = ops.shard(lambda t: net(t), in_strategy=(outer,))
         elif n and mode == "Cell.shard":
             net.shard(in_strategy=(outer,))
-        opt = nn.SGD(net.trainable_params(), 0.1)
-        g = dm.value_and_grad(f, 0, opt.parameters)
-        losses, dxs = [], []
-        with CommReport() as rep:
-            for _ in range(steps):
-                loss, (dx, grads) = g(Tensor(x))
-                opt(grads)
-                losses.append(float(loss.asnumpy()))
-                dxs.append(dx.asnumpy())
-        return losses, dxs, {p.name: p.asnumpy() for p in net.get_parameters()}, rep
+        return sgd_steps(f, net, x, steps)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])

@@ -5,10 +5,7 @@ current rows; in async mode a dense weight too. Real processes (scheduler, 2 ser
 2 workers), against the single device trained on the concatenated batches; the
 training steps make no extra pulls."""
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -29,16 +26,7 @@ def _program():
 
 class _Cluster(Cluster):
     """The cluster of tests/_ps.py running fault_stale_reads.py."""
-
-    def start(self, role, name, extra_env=None):
-        env = dict(self.env, DM_ROLE=role, **(extra_env or {}))
-        log = open(os.path.join(self.dir, f"{name}.log"), "ab")
-        self.logs[name] = log.name
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, SCRIPT, json.dumps(self.cfg), self.dir], cwd=self.dir, env=env,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        return self.procs[name]
+    script = SCRIPT
 
 
 @pytest.mark.parametrize("opt,cache", [("momentum", 0), ("momentum", 16), ("sgd", 16)])
