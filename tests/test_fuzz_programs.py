@@ -48,6 +48,7 @@ RTOL, ATOL = 1e-4, 1e-5
 #: elementwise ops whose inputs must be kept in a domain (the input is mapped first)
 _POSITIVE = {"Log", "Sqrt", "Pow", "Rsqrt", "Reciprocal"}    # inputs in (0.5, 1.5)
 _NONZERO_RIGHT = {"RealDiv", "Mod", "FloorMod"}               # divisor in (0.5, 1.5)
+_NONZERO_RIGHT |= {"DivNoNan", "TruncateMod", "Xdivy", "Xlogy"}   # (Xlogy: log of y)
 
 
 def _float_elementwise(kind):

@@ -878,6 +878,13 @@ INFER_TABLE = {
     "LogicalNot": (None, lambda d: (_arr((2, 3), d),)),
     "AddN": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1), _arr((2, 3), d, 2))),
     "PReLU": (None, lambda d: (_arr((2, 3, 2), d), _arr((3,), d, 1))),
+    # guarded and two-argument binary ops (tests/test_ops_ms_more.py: every mode)
+    "Atan2": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "DivNoNan": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "MulNoNan": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "TruncateMod": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "Xdivy": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "Xlogy": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
     # image ops (tests/test_conv_ops.py checks them against direct references)
     "Conv2D": ({"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((4, 3, 3, 3), d, 1))),
     "Conv2DBackpropInput": ({**{"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, "in_hw": (5, 5)},
@@ -963,3 +970,17 @@ case("logical_not", F.logical_not, np.logical_not, [np.array([True, False])], ["
 case("addn", lambda a, b: F.addn([a, b]), np.add, [(3, 4), (3, 4)], ["addn"])
 case("prelu", F.prelu, lambda x, w: np.where(x > 0, x, x * w[:, None]),
      [away_from_zero((2, 3, 4)), (3,)], ["prelu"])
+
+
+# ---------------------------------------------------------------------------
+# guarded and two-argument binary ops (every mode in tests/test_ops_ms_more.py)
+# ---------------------------------------------------------------------------
+case("atan2", F.atan2, np.arctan2, [away_from_zero((3, 4)), away_from_zero((4,), seed=1)],
+     ["atan2"])
+case("div_no_nan", F.div_no_nan, np.divide, [(3, 4), away_from_zero((4,))], ["div_no_nan"])
+case("mul_no_nan", F.mul_no_nan, np.multiply, [(3, 4), (4,)], ["mul_no_nan"])
+case("truncate_mod", F.truncate_mod, np.fmod, [np.array([-7.5, 5.5, 2.25], np.float32),
+                                               np.array([2.0, -2.0, 1.0], np.float32)],
+     ["truncate_mod"])
+case("xdivy", F.xdivy, lambda a, b: a / b, [(3, 4), away_from_zero((4,))], ["xdivy"])
+case("xlogy", F.xlogy, lambda a, b: a * np.log(b), [(3, 4), positive((4,))], ["xlogy"])

@@ -30,6 +30,10 @@ from .primitives import (AddN, Erf, FastGeLU, FloorDiv, FloorMod, GeLU,  # noqa:
                          LogicalAnd, LogicalNot, LogicalOr, Mod, PReLU, Reciprocal, Rsqrt,
                          Select, SquaredDifference, TruncateDiv)
 
+# guarded and two-argument binary ops
+from .primitives import (Atan2, DivNoNan, MulNoNan, TruncateMod, Xdivy,  # noqa: E402
+                         Xlogy)
+
 _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAST, _promote)
 
 __all__ = list(_functional_names) + ["shard", 
@@ -49,6 +53,7 @@ __all__ += ["Tile", "Argmax", "Argmin", "ArgMaxWithValue", "ArgMinWithValue", "A
 __all__ += ["AddN", "Erf", "FastGeLU", "FloorDiv", "FloorMod", "GeLU", "LogicalAnd",
             "LogicalNot", "LogicalOr", "Mod", "PReLU", "Reciprocal", "Rsqrt", "Select",
             "SquaredDifference", "TruncateDiv"]
+__all__ += ["Atan2", "DivNoNan", "MulNoNan", "TruncateMod", "Xdivy", "Xlogy"]
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="CPU", level=0):

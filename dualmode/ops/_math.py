@@ -1233,3 +1233,122 @@ def prelu(x, weight):
     """x where x > 0, else weight * x; `weight` (1-D, size 1 or the channels) applies
     per channel along dim 1 of x (N, C, ...)."""
     return apply(PRELU, None, (const(x, "PReLU"), const(weight, "PReLU")))
+
+
+# MindSpore's guarded and two-argument binary ops: Atan2, DivNoNan, MulNoNan,
+# TruncateMod, Xdivy, Xlogy
+def _atan2_kernel(x, y):
+    return np.arctan2(x, y)
+
+
+def _div_no_nan_kernel(x, y):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.divide(x, y)
+    return np.where(y == 0, np.zeros((), q.dtype), q)
+
+
+def _mul_no_nan_kernel(x, y):
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.multiply(x, y)
+    return np.where(y == 0, np.zeros((), p.dtype), p)
+
+
+def _xdivy_kernel(x, y):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.divide(x, y)
+    return np.where(x == 0, np.zeros((), q.dtype), q)
+
+
+def _xlogy_kernel(x, y):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        p = np.multiply(x, np.log(y))
+    return np.where(x == 0, np.zeros((), p.dtype), p)
+
+
+def _bw_atan2(node, g):
+    a, b = node.inputs
+    den = add(square(a), square(b))
+    return (unbroadcast(div(mul(g, b), den), a.shape) if _needs(node, 0) else None,
+            unbroadcast(neg(div(mul(g, a), den)), b.shape) if _needs(node, 1) else None)
+
+
+def _bw_div_no_nan(node, g):
+    a, b = node.inputs
+    ga = div_no_nan(g, b)                      # 0 where b == 0, as the output
+    return (unbroadcast(ga, a.shape) if _needs(node, 0) else None,
+            unbroadcast(neg(mul(ga, node.outputs[0])), b.shape) if _needs(node, 1) else None)
+
+
+def _bw_mul_no_nan(node, g):
+    a, b = node.inputs
+    return (unbroadcast(mul_no_nan(g, b), a.shape) if _needs(node, 0) else None,
+            unbroadcast(mul_no_nan(a, g), b.shape) if _needs(node, 1) else None)
+
+
+def _nonzero(x):
+    return cast(not_equal(x, 0), x.dtype)
+
+
+def _bw_xdivy(node, g):
+    a, b = node.inputs
+    ga = gb = None
+    if _needs(node, 0):                        # 1 / y where x != 0, else 0
+        ga = unbroadcast(mul(xdivy(_nonzero(a), b), g), a.shape)
+    if _needs(node, 1):                        # -x / y**2 (0 where x == 0)
+        gb = unbroadcast(mul(xdivy(neg(a), square(b)), g), b.shape)
+    return ga, gb
+
+
+def _bw_xlogy(node, g):
+    a, b = node.inputs
+    ga = gb = None
+    if _needs(node, 0):                        # log(y) where x != 0, else 0
+        ga = unbroadcast(mul(xlogy(_nonzero(a), b), g), a.shape)
+    if _needs(node, 1):                        # x / y (0 where x == 0)
+        gb = unbroadcast(mul(xdivy(a, b), g), b.shape)
+    return ga, gb
+
+
+ATAN2 = register("Atan2", kind=KIND_BINARY, kernel=_atan2_kernel, float_only=True,
+                 backward=_bw_atan2)
+DIV_NO_NAN = register("DivNoNan", linear=(0,), kind=KIND_BINARY, kernel=_div_no_nan_kernel,
+                      float_only=True, save_outputs=True, backward=_bw_div_no_nan)
+MUL_NO_NAN = register("MulNoNan", linear=(0,), kind=KIND_BINARY, kernel=_mul_no_nan_kernel,
+                      numeric_only=True, backward=_bw_mul_no_nan)
+TRUNCATE_MOD = register("TruncateMod", kind=KIND_BINARY, kernel=_fmod_kernel,
+                        numeric_only=True, backward=_bw_mod(False))
+XDIVY = register("Xdivy", kind=KIND_BINARY, kernel=_xdivy_kernel, float_only=True,
+                 backward=_bw_xdivy)
+XLOGY = register("Xlogy", kind=KIND_BINARY, kernel=_xlogy_kernel, float_only=True,
+                 backward=_bw_xlogy)
+
+
+def atan2(x, y):
+    """arctan(x / y) in the quadrant of the point whose abscissa is y and ordinate x, in
+    [-pi, pi] (numpy's ``arctan2(x, y)``)."""
+    return binary(ATAN2, x, y, False)
+
+
+def div_no_nan(x, y):
+    """x / y, and 0 where y == 0 (integer inputs are computed in float32)."""
+    return binary(DIV_NO_NAN, x, y, False)
+
+
+def mul_no_nan(x, y):
+    """x * y, and 0 where y == 0 (even where x is inf or NaN)."""
+    return binary(MUL_NO_NAN, x, y, False)
+
+
+def truncate_mod(x, y):
+    """x - trunc(x / y) * y: the remainder with the sign of x (as C's fmod)."""
+    return binary(TRUNCATE_MOD, x, y, False)
+
+
+def xdivy(x, y):
+    """x / y, and 0 where x == 0 (even where y == 0)."""
+    return binary(XDIVY, x, y, False)
+
+
+def xlogy(x, y):
+    """x * log(y), and 0 where x == 0 (even where y == 0)."""
+    return binary(XLOGY, x, y, False)

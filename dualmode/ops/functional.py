@@ -62,3 +62,9 @@ from ._math import mod as fmod  # noqa: E402
 __all__ += ["addn", "erf", "fast_gelu", "floor_div", "floor_mod", "fmod", "gelu",
             "logical_and", "logical_not", "logical_or", "prelu", "reciprocal", "rsqrt",
             "select", "squared_difference", "truncate_div"]
+
+# guarded and two-argument binary ops: Atan2, DivNoNan, MulNoNan, TruncateMod, Xdivy,
+# Xlogy
+from ._math import atan2, div_no_nan, mul_no_nan, truncate_mod, xdivy, xlogy  # noqa: E402
+
+__all__ += ["atan2", "div_no_nan", "mul_no_nan", "truncate_mod", "xdivy", "xlogy"]

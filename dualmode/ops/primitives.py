@@ -713,3 +713,14 @@ class AssignAdd(Assign):
 class AssignSub(Assign):
     """AssignSub()(variable, value): ``variable -= value`` in place, as AssignAdd."""
     name = "AssignSub"
+
+
+# guarded and two-argument binary ops
+Atan2 = _elementwise("Atan2", F.atan2, "Atan2()(x, y): arctan(x / y) in the quadrant of the "
+                     "point (y, x), in [-pi, pi].")
+DivNoNan = _elementwise("DivNoNan", F.div_no_nan, "x / y, and 0 where y == 0.")
+MulNoNan = _elementwise("MulNoNan", F.mul_no_nan, "x * y, and 0 where y == 0.")
+TruncateMod = _elementwise("TruncateMod", F.truncate_mod,
+                           "x - trunc(x / y) * y: the remainder with the sign of x.")
+Xdivy = _elementwise("Xdivy", F.xdivy, "x / y, and 0 where x == 0.")
+Xlogy = _elementwise("Xlogy", F.xlogy, "x * log(y), and 0 where x == 0.")

@@ -1,0 +1,234 @@
+"""Atan2, DivNoNan, MulNoNan, TruncateMod, Xdivy and Xlogy: forward values against numpy
+(MindSpore's documented examples where it gives them, the guarded zeros), gradients
+against finite differences, and each op with a strategy on 8 simulated devices -- the
+primitive's ``.shard`` in PyNative mode, ``ops.shard`` of the function, and a Cell in
+GRAPH_MODE -- against the stand-alone run (loss and input gradients)."""
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Tensor, ops
+from dualmode.ops import operations as P
+
+from _devices import devices
+from _opcheck import check_op
+from test_ops_elementwise_more import _away, _check_modes, _f32
+
+RTOL = 1e-5
+
+
+def np_xdivy(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(x == 0, 0, x / y).astype(np.result_type(x, y))
+
+
+def np_xlogy(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(x == 0, 0, x * np.log(y)).astype(np.result_type(x, y))
+
+
+def np_div_no_nan(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(y == 0, 0, x / y).astype(np.result_type(x, y))
+
+
+def np_mul_no_nan(x, y):
+    with np.errstate(invalid="ignore"):
+        return np.where(y == 0, 0, x * y).astype(np.result_type(x, y))
+
+
+# ---------------------------------------------------------------------------
+# one device: MindSpore's examples, the guarded zeros, dtypes, errors
+# ---------------------------------------------------------------------------
+def test_mindspore_examples():
+    f32 = lambda v: Tensor(np.array(v, np.float32))  # noqa: E731
+    np.testing.assert_allclose(
+        P.DivNoNan()(f32([-1.0, 0.0, 1.0, 5.0, 6.0]), f32([0.0, 0.0, 0.0, 2.0, 3.0])).asnumpy(),
+        [0.0, 0.0, 0.0, 2.5, 2.0], rtol=RTOL)
+    np.testing.assert_allclose(P.Xlogy()(f32([-5, 0, 4]), f32([2, 2, 2])).asnumpy(),
+                               [-3.465736, 0.0, 2.7725887], rtol=RTOL)
+    np.testing.assert_allclose(P.Xdivy()(f32([2, 4, -1]), f32([2, 2, 2])).asnumpy(),
+                               [1.0, 2.0, -0.5], rtol=RTOL)
+    np.testing.assert_allclose(P.Atan2()(f32([0, 1]), f32([1, 1])).asnumpy(),
+                               [0.0, 0.7853981], rtol=RTOL)
+    out = P.TruncateMod()(Tensor(np.array([2, 4, -1], np.int32)),
+                          Tensor(np.array([3, 3, 3], np.int32)))
+    assert out.dtype == dm.int32
+    np.testing.assert_array_equal(out.asnumpy(), [2, 1, -1])
+    np.testing.assert_allclose(ops.truncate_mod(f32([2.0, 4.0, -1.0]), 3.0).asnumpy(),
+                               [2.0, 1.0, -1.0])
+
+
+def test_guarded_zeros():
+    """0 where the guard holds, even where the unguarded result is inf or NaN."""
+    x = np.array([0.0, 0.0, 3.0, -2.0, np.inf, np.nan], np.float32)
+    y = np.array([0.0, 2.0, 0.0, 0.0, 0.0, 0.0], np.float32)
+    np.testing.assert_array_equal(ops.div_no_nan(Tensor(x), Tensor(y)).asnumpy(),
+                                  [0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(ops.mul_no_nan(Tensor(x), Tensor(y)).asnumpy(),
+                                  [0, 0, 0, 0, 0, 0])
+    xs = np.array([0.0, 0.0, 1.0, -1.0], np.float32)
+    ys = np.array([0.0, -3.0, 0.0, 0.0], np.float32)
+    np.testing.assert_array_equal(ops.xdivy(Tensor(xs), Tensor(ys)).asnumpy(),
+                                  [0, 0, np.inf, -np.inf])
+    np.testing.assert_array_equal(ops.xlogy(Tensor(xs), Tensor(ys)).asnumpy()[:2], [0, 0])
+    assert np.isneginf(ops.xlogy(Tensor(xs), Tensor(ys)).asnumpy()[2])
+    # elsewhere the IEEE results
+    assert ops.mul_no_nan(Tensor(np.float32(np.inf)), 2.0).asnumpy() == np.inf
+    assert ops.div_no_nan(Tensor(np.float32(1.0)), 1e-45).asnumpy() == np.inf
+
+
+def test_dtypes_and_promotion():
+    i = Tensor(np.array([7, -7, 3], np.int32))
+    j = Tensor(np.array([2, 2, 0], np.int32))
+    out = ops.div_no_nan(i, j)                   # integers are divided in float32
+    assert out.dtype == dm.float32
+    np.testing.assert_array_equal(out.asnumpy(), [3.5, -3.5, 0.0])
+    out = ops.mul_no_nan(i, j)
+    assert out.dtype == dm.int32
+    np.testing.assert_array_equal(out.asnumpy(), [14, -14, 0])
+    for fn in (ops.atan2, ops.xdivy, ops.xlogy):
+        assert fn(i, j).dtype == dm.float32
+    h = Tensor(np.array([1.0, 2.0], np.float16))
+    for fn in (ops.atan2, ops.div_no_nan, ops.mul_no_nan, ops.truncate_mod, ops.xdivy,
+               ops.xlogy):
+        assert fn(h, 2.0).dtype == dm.float16, fn
+        assert fn(h, Tensor(np.array([1.0, 3.0]))).dtype == dm.float64, fn
+
+
+def test_errors_name_the_op():
+    b = Tensor(np.array([True, False]))
+    with pytest.raises(TypeError, match=r"MulNoNan: input 0 has dtype bool; supported "
+                                        r"dtypes: integer and floating"):
+        ops.mul_no_nan(b, b)
+    with pytest.raises(TypeError, match=r"TruncateMod: input 0 has dtype bool"):
+        P.TruncateMod()(b, b)
+    x = Tensor(np.ones((3, 4), np.float32))
+    for name in ("Atan2", "DivNoNan", "MulNoNan", "TruncateMod", "Xdivy", "Xlogy"):
+        with pytest.raises(ValueError, match=rf"{name}: input 0 has shape \(3, 4\) but input 1 "
+                                             rf"has shape \(3,\); they cannot be broadcast"):
+            getattr(P, name)()(x, Tensor(np.ones(3, np.float32)))
+
+
+# forward and gradient (float64 finite differences), with broadcasting
+def _binary_inputs(name, shapes, seed, jumps_far=True):
+    if name == "TruncateMod" and jumps_far:    # x / y away from an integer (the jumps)
+        for s in range(seed, seed + 400, 2):
+            a = (_away(shapes[0], s) * 5.0).astype(np.float32)
+            b = _away(shapes[1], s + 1, 0.7)
+            q = a / b
+            if not (np.abs(q - np.round(q)) < 0.05).any():
+                return a, b
+        raise AssertionError("no inputs away from the jumps")
+    if name == "Xlogy":
+        return _f32(shapes[0], -2.0, 2.0, seed), _f32(shapes[1], 0.3, 2.0, seed + 1)
+    if name == "Atan2":                # away from the origin
+        return _away(shapes[0], seed), _away(shapes[1], seed + 1)
+    scale = 5.0 if name == "TruncateMod" else 1.0
+    return _f32(shapes[0], -2.0 * scale, 2.0 * scale, seed), _away(shapes[1], seed + 1, 0.3)
+
+
+REFS = {"Atan2": np.arctan2, "DivNoNan": np_div_no_nan, "MulNoNan": np_mul_no_nan,
+        "TruncateMod": np.fmod, "Xdivy": np_xdivy, "Xlogy": np_xlogy}
+FUNCS = {"Atan2": ops.atan2, "DivNoNan": ops.div_no_nan, "MulNoNan": ops.mul_no_nan,
+         "TruncateMod": ops.truncate_mod, "Xdivy": ops.xdivy, "Xlogy": ops.xlogy}
+
+
+@pytest.mark.parametrize("form", ["primitive", "functional"])
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((3, 1), (1, 4)),
+                                    ((), (3,))], ids=str)
+@pytest.mark.parametrize("name", sorted(REFS))
+def test_forward_and_gradient(name, shapes, form):
+    a, b = _binary_inputs(name, shapes, 3)
+    fn = getattr(P, name)() if form == "primitive" else FUNCS[name]
+    check_op(fn, REFS[name], [a, b], expect_ops=[name])
+
+
+def test_gradients_at_the_guarded_points():
+    """Where the guard holds the output is the constant 0: DivNoNan's gradients are 0
+    where y == 0, MulNoNan's x-gradient is 0 where y == 0 (its y-gradient is x), and
+    Xdivy's and Xlogy's gradients are 0 where x == 0, even where y == 0 (as MindSpore's)."""
+    def grads(fn, x, y):
+        x, y = Tensor(np.array(x, np.float32)), Tensor(np.array(y, np.float32))
+        gx, gy = dm.grad(lambda a, b: ops.reduce_sum(fn(a, b)), (0, 1))(x, y)
+        return gx.asnumpy(), gy.asnumpy()
+    gx, gy = grads(ops.div_no_nan, [1.5, 0.0, -2.0], [0.0, 2.0, 4.0])
+    np.testing.assert_allclose(gx, [0.0, 0.5, 0.25])
+    np.testing.assert_allclose(gy, [0.0, 0.0, 2.0 / 16])
+    gx, gy = grads(ops.mul_no_nan, [1.5, 0.0, -2.0], [0.0, 2.0, 4.0])
+    np.testing.assert_allclose(gx, [0.0, 2.0, 4.0])
+    np.testing.assert_allclose(gy, [1.5, 0.0, -2.0])
+    gx, gy = grads(ops.xdivy, [0.0, 2.0, -1.0], [0.0, 4.0, 2.0])
+    np.testing.assert_allclose(gx, [0.0, 0.25, 0.5])
+    np.testing.assert_allclose(gy, [0.0, -0.125, 0.25])
+    gx, gy = grads(ops.xlogy, [0.0, 2.0, -1.0], [0.0, 4.0, 2.0])
+    np.testing.assert_allclose(gx, [0.0, np.log(4.0), np.log(2.0)], rtol=RTOL)
+    np.testing.assert_allclose(gy, [0.0, 0.5, -0.5])
+
+
+# ---------------------------------------------------------------------------
+# sharded, every mode, against the stand-alone run
+# ---------------------------------------------------------------------------
+def _sharded_inputs(name, shapes, seed, zeros=False):
+    # (sharded and stand-alone runs compute the same remainders: no need to keep x / y
+    # away from the jumps here)
+    a, b = _binary_inputs(name, shapes, seed, jumps_far=False)
+    if zeros:                          # the guarded points, in several devices' blocks
+        guarded = b if name in ("DivNoNan", "MulNoNan") else a
+        guarded.reshape(-1)[::5] = 0.0
+    return a, b
+
+
+@pytest.mark.parametrize("shapes,strategy", [
+    (((16, 8), (16, 8)), ((2, 4), (2, 4))),
+    (((16, 8), (8,)), ((8, 1), (1,))),
+    (((16, 1, 8), (4, 8)), ((2, 1, 2), (4, 2))),
+    (((16, 8), (1, 8)), ((4, 2), (1, 2))),
+    (((16, 8), (16, 8)), ((1, 2), (1, 2))),
+], ids=str)
+@pytest.mark.parametrize("name", sorted(REFS))
+def test_binary_sharded_every_mode(name, shapes, strategy):
+    a, b = _sharded_inputs(name, shapes, 11, zeros=name != "TruncateMod")
+    _check_modes(lambda prims, x, y: prims[0](x, y), lambda: [getattr(P, name)()],
+                 strategy, [a, b], (0, 1))
+
+
+@pytest.mark.parametrize("name", sorted(REFS))
+def test_strategy_must_split_shared_dims_alike(name):
+    with devices(8):
+        x = Tensor(np.ones((16, 8), np.float32))
+        with pytest.raises(ValueError, match=rf"{name}: in_strategy\[0\]\[0\]=1 and "
+                                             rf"in_strategy\[1\]\[0\]=4 split the broadcast "
+                                             rf"dim differently"):
+            getattr(P, name)().shard(((1, 8), (4, 2)))(x, x)
+
+
+@pytest.mark.parametrize("name", ["DivNoNan", "MulNoNan"])
+def test_linear_in_x_keeps_pending_sums(name):
+    """DivNoNan and MulNoNan are linear in x for a fixed y: a pending partial product
+    stays pending through them, finished by one AllReduce where a non-linear op needs
+    it; Xdivy is not (x / 0 of a term is infinite), so its input sum is finished first."""
+    from dualmode.parallel import CommReport
+    a, b = _f32((8, 16), seed=26), _f32((16, 4), seed=27)
+    y = _f32((8, 4), seed=28)
+    y[0, :2] = 0.0
+    with devices(8):
+        mm = ops.MatMul().shard(((1, 8), (8, 1)))
+        with CommReport() as rep:
+            p = getattr(P, name)()(mm(Tensor(a), Tensor(b)), Tensor(y))
+            assert p.layout.partial
+            q = ops.relu(p)
+        got = q.asnumpy()
+    ref = REFS[name](a @ b, y)
+    np.testing.assert_allclose(got, np.maximum(ref, 0), rtol=1e-5, atol=1e-5)
+    ar = [r for r in rep.records if r.kind == "AllReduce"]
+    assert len(ar) == 1 and ar[0].resolved_by == "ReLU", rep.records
+    with devices(8):
+        mm = ops.MatMul().shard(((1, 8), (8, 1)))
+        with CommReport() as rep:
+            p = ops.Xdivy()(mm(Tensor(a), Tensor(b)), Tensor(y))
+        assert p.layout is None or not p.layout.partial
+        np.testing.assert_allclose(p.asnumpy(), np_xdivy(a @ b, y), rtol=1e-5, atol=1e-5)
+    ar = [r for r in rep.records if r.kind == "AllReduce"]
+    assert len(ar) == 1 and ar[0].resolved_by == "Xdivy", rep.records
+
