@@ -383,8 +383,6 @@ ERRORS = [
     ("entry-list", lambda: L3(["dp"], "None"), TypeError, E("dim 0 maps to ['dp']")),
     ("entry-empty", lambda: L3((), "None"), ValueError,
      E("dim 0 maps to an empty tuple; use 'None' to leave a dim unsplit")),
-    ("entry-merged-None", lambda: L3(("dp", "None")), ValueError,
-     E("'None' cannot be merged with other aliases")),
     # binding a spec to a shape
     ("spec-indivisible", lambda: L3("mp", ("sp", "dp")).bind((8, 6)), IndivisibleError,
      E("Layout: dim 1 (size 6) is not divisible by the 4 parts of ('sp', 'dp') (shape (8, 6))")),

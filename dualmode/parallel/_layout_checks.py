@@ -89,7 +89,9 @@ def _valid_aliases(alias_name):
 
 
 def _check_entry(owner, dim, entry, alias_name):
-    """One tensor dim's entry -> tuple of aliases (() for 'None')."""
+    """One tensor dim's entry -> tuple of aliases (() for 'None'). In a tuple, 'None'
+    adds no split (as in MindSpore, where it maps to -1): ``("sp", "None")`` is ``"sp"``
+    and ``("None",)`` leaves the dim unsplit."""
     if entry is None or entry == NONE:
         return ()
     names = (entry,) if isinstance(entry, str) else entry
@@ -99,10 +101,8 @@ def _check_entry(owner, dim, entry, alias_name):
     if not names:
         raise LayoutError(f"{owner}: dim {dim} maps to an empty tuple; use 'None' to leave a dim "
                           f"unsplit")
+    names = tuple(n for n in names if n != NONE)
     for n in names:
-        if n == NONE:
-            raise LayoutError(f"{owner}: dim {dim} maps to {entry!r}; 'None' cannot be merged "
-                              f"with other aliases")
         if n not in alias_name:
             raise LayoutError(f"{owner}: unknown alias {n!r} for dim {dim}; valid aliases are "
                               f"{_valid_aliases(alias_name)}")

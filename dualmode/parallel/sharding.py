@@ -131,13 +131,24 @@ def reexpress(layout: TensorLayout, fine: tuple) -> TensorLayout:
     return TensorLayout(fine, tmap, layout.shape, partial)
 
 
+def _shared_fn(prim):
+    rule = RULES.get("RealDiv" if prim.name == "Div" else prim.name)
+    return getattr(rule, "shared", None) if rule is not None else \
+        getattr(type(prim), "shared_dims", None)
+
+
 def shared_dims(prim, xs) -> list:
     """The dims the inputs `xs` of primitive `prim` share, as its op's rule declares them
     (a composite primitive with no op of its own declares ``shared_dims`` itself)."""
-    rule = RULES.get("RealDiv" if prim.name == "Div" else prim.name)
-    fn = getattr(rule, "shared", None) if rule is not None else \
-        getattr(type(prim), "shared_dims", None)
+    fn = _shared_fn(prim)
     return fn(prim, xs) if fn is not None else []
+
+
+def shared_dims_hint(prim, xs):
+    """Another valid form of `prim`'s strategy its rule offers when the inputs' shared
+    dims are split differently (a phrase starting with "or"), or None."""
+    hint = getattr(_shared_fn(prim), "hint", None)
+    return hint(prim, xs) if hint is not None else None
 
 
 def same_placement(a: TensorLayout, b: TensorLayout) -> bool:

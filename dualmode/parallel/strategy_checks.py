@@ -30,7 +30,7 @@ import numpy as np
 
 from .._core._tensor import TensorBase
 from .layout_spec import LayoutSpec
-from .sharding import shared_dims
+from .sharding import shared_dims, shared_dims_hint
 
 __all__ = ["check_strategy_for", "StrategyError"]
 
@@ -94,6 +94,10 @@ def _check_pairs(prim, strategy, xs, pairs):
         else:
             valid = f"the same number of parts in both, e.g. both {a.parts} (a divisor of " \
                     f"{size})"
+            other = shared_dims_hint(prim, xs) if a.layout is None and b.layout is None \
+                else None
+            if other:
+                valid += f", {other}"
         raise StrategyError(
             f"{prim.name}: in_strategy[{i}][{di}]={a.text} and in_strategy[{j}][{dj}]="
             f"{b.text} split the {what} differently; they must be equal (dim {di} of input "

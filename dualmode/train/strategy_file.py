@@ -65,13 +65,14 @@ def _axes_from_ms(entry, n, owner):
         if entry == -1:
             return ()
         entry = [entry]
+    # in a list, -1 adds no split (MindSpore's Layout writes ("mp", "None") as [i, -1])
     if not isinstance(entry, (list, tuple)) or not all(
-            isinstance(e, numbers.Integral) and not isinstance(e, bool) and 0 <= e < n
+            isinstance(e, numbers.Integral) and not isinstance(e, bool) and -1 <= e < n
             for e in entry):
         raise ValueError(f"{owner}: tensor_map entry {given!r} is not valid; each entry is "
                          f"-1 (not split), a device axis 0..{n - 1} counted from the last "
-                         f"axis, or a list of them")
-    return tuple(n - 1 - int(e) for e in entry)
+                         f"axis, or a list of them (-1 in a list adds no split)")
+    return tuple(n - 1 - int(e) for e in entry if e != -1)
 
 
 def parameter_layout(param, device_num: int) -> TensorLayout:

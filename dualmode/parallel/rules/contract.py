@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ...communication.totals import DeferredShares, deferral_on
+from ..devices import device_num
 from ..sharding import (ShardPlan, accepts_grids, expand_stack, grid_to_stack, layout,
                         register_rule)
 from .base import parts as _parts
@@ -43,9 +44,11 @@ def _subscripts(spec, attrs, ranks):
     return tuple(ins), out, (found[2] if len(found) > 2 else {})
 
 
-def contract_pairs(spec):
+def contract_pairs(spec, combine="mul"):
     """The `shared` function of an op with einsum subscripts `spec`: every pair of input
-    dims under one letter with equal sizes, summed letters first."""
+    dims under one letter with equal sizes, summed letters first. Under a strategy of
+    the gathered form (:func:`gathered_form`) the contracted dim is not shared: the
+    inputs may split it differently."""
     def pairs(prim, xs):
         if len(xs) < 2:
             return []
@@ -53,10 +56,48 @@ def contract_pairs(spec):
         if found is None:
             return []
         ins, out, labels = found
+        free = _product_letter(ins, out) if combine == "mul" and \
+            gathered_form(prim, ins, out, device_num()) else None
         return [(i, di, j, dj, what)
                 for i, di, j, dj, what in _letter_pairs(ins, out, tuple(labels.items()))
-                if xs[i].shape[di] == xs[j].shape[dj]]
+                if xs[i].shape[di] == xs[j].shape[dj] and ins[i][di] != free]
+
+    def hint(prim, xs):
+        """The gathered form, as the error of a strategy that splits the contracted dim
+        differently offers it (None when the op cannot take it)."""
+        found = _subscripts(spec, vars(prim), [len(x.shape) for x in xs]) \
+            if len(xs) == 2 and combine == "mul" else None
+        if found is None or _product_letter(*found[:2]) is None:
+            return None
+        return f"or the same strategy (p, q) for both inputs with p * q = device_num " \
+               f"({device_num()}), each input's contracted dim then gathered"
+    pairs.hint = hint
     return pairs
+
+
+def _product_letter(ins, out):
+    """The contracted letter of a plain 2-d product ``mk,kn->mn`` (no transposes), else
+    None."""
+    if len(ins) == 2 and len(ins[0]) == 2 and len(ins[1]) == 2 and len(out) == 2:
+        (m, k), (k2, n) = ins
+        if k == k2 and k not in out and out == m + n and m != n:
+            return k
+    return None
+
+
+def gathered_form(prim, ins, out, devices) -> bool:
+    """Is `prim`'s in_strategy MindSpore's form in which the two inputs of a 2-d matrix
+    product without transposes (``mk,kn->mn``) split the contracted dim differently:
+    the same strategy ``(p, q)`` for both, over all `devices` (``p * q``)? The op then
+    computes with each input's contracted dim gathered (``(p, 1)`` and ``(1, q)``), so
+    each device holds whole rows and columns of the product, and its output is split
+    ``(p, q)`` with no pending sum (the rule's :func:`_gathered_letters`)."""
+    st = getattr(prim, "in_strategy", None)
+    if _product_letter(ins, out) is None or not isinstance(st, tuple) or len(st) != 2:
+        return False
+    a, b = st
+    return type(a) is tuple and a == b and len(a) == 2 and \
+        all(type(v) is int and v >= 1 for v in a) and a[0] * a[1] == devices
 
 
 @functools.lru_cache(maxsize=256)
@@ -104,11 +145,14 @@ def _contract_plan(op, spec, combine, attrs, lays):
         for letter, s in zip(sub, lay.shape):
             size[letter] = max(size.get(letter, 1), s)
     # the first input splitting a letter decides its axes (as in the elementwise family);
-    # nothing is split along the axes of a pending sum
+    # nothing is split along the axes of a pending sum; a summed letter that two inputs
+    # split over disjoint axes is gathered in every input
     ref, used = {}, set(pending)
+    gathered = _gathered_letters(ins, out_sub, lays, size) if combine == "mul" else ()
     for sub, lay in zip(ins, lays):
         for letter, axes, s in zip(sub, lay.tensor_map, lay.shape):
-            if axes and letter not in ref and s == size[letter] and not set(axes) & used:
+            if axes and letter not in ref and s == size[letter] and not set(axes) & used \
+                    and letter not in gathered:
                 ref[letter] = axes
                 used |= set(axes)
     need = tuple(layout(dm, [ref.get(c, ()) if lay.shape[d] == size[c] else ()
@@ -130,6 +174,22 @@ def _contract_plan(op, spec, combine, attrs, lays):
         grouped = len(summed_axes) == len(dm) or macs >= GROUPED_MIN_MACS
         local = _matmul_local(op, ins, out_sub, dm, summed_axes if grouped else ())
     return ShardPlan(need, (out,), local)
+
+
+def _gathered_letters(ins, out_sub, lays, size):
+    """The summed letters that two inputs split over disjoint device axes, e.g. ``k`` of
+    ``mk,kn->mn`` with both inputs ``(p, q)`` over a ``(p, q)`` matrix (k on axis 1 in
+    the first input, on axis 0 in the second: MindSpore's MatMul with equal 2-d
+    strategies). Such a letter is gathered in every input (an AllGather of each
+    along the axes that split its k), so the product needs no pending sum and keeps
+    the inputs' other splits: the output is ``(p, q)``."""
+    splits = {}
+    for sub, lay in zip(ins, lays):
+        for letter, axes, s in zip(sub, lay.tensor_map, lay.shape):
+            if axes and letter not in out_sub and s == size[letter]:
+                splits.setdefault(letter, []).append(set(axes))
+    return frozenset(letter for letter, axes in splits.items()
+                     if any(not a & b for a, b in itertools.combinations(axes, 2)))
 
 
 def _broadcast_add(ins, out_sub, fn=None):
@@ -271,5 +331,6 @@ def rule(op):
     if not callable(combine) and combine not in ("mul", "add"):
         raise ValueError(f"register: op {op.name} declares contraction combine {combine!r}; "
                          f"valid: 'mul', 'add' or an elementwise function")
-    return register_rule(op.name, per_device=combine != "mul", shared=contract_pairs(spec))(
+    return register_rule(op.name, per_device=combine != "mul",
+                         shared=contract_pairs(spec, combine))(
         lambda attrs, lays, dtypes: _contract_plan(op, spec, combine, attrs, lays))

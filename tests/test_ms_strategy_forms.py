@@ -1,0 +1,258 @@
+"""Strategy forms and context keys MindSpore scripts use, checked against the single
+device (numpy) in every mode:
+
+- a 2-d MatMul whose inputs split the contracted dim differently, as MindSpore accepts
+  it: the same strategy ``(p, q)`` for both inputs over all devices. Each input's
+  contracted dim is gathered (reported as the op's "redistribution"), the product needs
+  no pending sum and the output is split ``(p, q)``; other unequal splits stay refused;
+- ``"None"`` merged with other aliases in one Layout dim (it adds no split);
+- the context keys ``strategy_ckpt_config``, ``group_ckpt_save_file`` and
+  ``enable_alltoall``.
+"""
+import json
+
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Parameter, Tensor, nn, ops
+from dualmode.ops import operations as P
+from dualmode.parallel import CommReport, Layout, TensorLayout
+from dualmode.parallel.strategy_checks import StrategyError
+from dualmode.train.strategy_file import layout_from_dict
+
+RNG = np.random.default_rng(2929)
+
+
+def _normal(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _semi(device_num=8, **kw):
+    dm.set_auto_parallel_context(device_num=device_num, global_rank=0,
+                                 parallel_mode="semi_auto_parallel",
+                                 dataset_strategy="full_batch", **kw)
+
+
+@pytest.fixture(params=["pynative", "graph"])
+def mode(request):
+    if request.param == "graph":
+        dm.set_context(mode=dm.GRAPH_MODE)
+    return request.param
+
+
+class _MatMulNet(nn.Cell):
+    def __init__(self, w, strategy, transpose_b=False):
+        super().__init__()
+        self.mm = P.MatMul(transpose_b=transpose_b).shard(strategy)
+        self.w = Parameter(Tensor(w), "w")
+
+    def construct(self, x):
+        return self.mm(x, self.w)
+
+
+def _grads(net, x, sens):
+    """d(sum(net(x) * sens)) / d(x, w)."""
+    def loss(x):
+        return (net(x) * Tensor(sens)).sum()
+    gx, (gw,) = dm.grad(loss, grad_position=0, weights=net.trainable_params())(Tensor(x))
+    return gx.asnumpy(), gw.asnumpy()
+
+
+# ------------------------------------------------------------- MatMul, gathered form
+
+# (strategy, devices, AllGathers of the forward: one per input whose contracted dim is
+# split over a device axis the other input does not split it on)
+GATHERED = [(((4, 2), (4, 2)), 8, 2), (((2, 4), (2, 4)), 8, 2), (((8, 1), (8, 1)), 8, 1),
+            (((2, 2), (2, 2)), 4, 2), (((8, 4), (8, 4)), 32, 2)]
+
+
+@pytest.mark.parametrize("strategy,devices,gathers", GATHERED)
+def test_matmul_gathered_form_matches_single_device(mode, strategy, devices, gathers):
+    _semi(devices)
+    x, w, sens = _normal(16, 32), _normal(32, 16), _normal(16, 16)
+    net = _MatMulNet(w, strategy)
+    with CommReport() as comm:
+        y = net(Tensor(x))
+    np.testing.assert_allclose(y.asnumpy(), x @ w, rtol=1e-5, atol=1e-5)
+    # MindSpore's layout of the product: split (p, q) over the devices, no pending sum
+    p, q = strategy[0]
+    assert y.layout.dim_parts == (p, q) and not y.layout.partial
+    assert comm.count("AllReduce") == 0
+    assert comm.count("AllGather", reason="redistribution", op="MatMul") == gathers
+    assert comm.count() == gathers
+    gx, gw = _grads(net, x, sens)
+    np.testing.assert_allclose(gx, sens @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, x.T @ sens, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_gathered_form_one_row_of_devices(mode):
+    """((1, 8), (1, 8)): only the first input splits the contracted dim; the numbers are
+    the single device's (the plan may move the weight rather than gather x)."""
+    _semi(8)
+    x, w, sens = _normal(8, 16), _normal(16, 8), _normal(8, 8)
+    net = _MatMulNet(w, ((1, 8), (1, 8)))
+    np.testing.assert_allclose(net(Tensor(x)).asnumpy(), x @ w, rtol=1e-5, atol=1e-5)
+    gx, gw = _grads(net, x, sens)
+    np.testing.assert_allclose(gx, sens @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, x.T @ sens, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_gathered_form_in_ops_shard_and_cell_shard():
+    """The form inside a function given to ops.shard and a Cell.shard, as MindSpore's
+    two-MatMul test writes it (both products (p, q) = (4, 2))."""
+    _semi(8)
+    x, y, b = _normal(16, 8), _normal(8, 16), _normal(16, 16)
+    mm1 = P.MatMul().shard(((4, 2), (4, 2)))
+    mm2 = P.MatMul().shard(((4, 2), (4, 2)))
+    f = ops.shard(lambda x, y, b: mm2(mm1(x, y), b), in_strategy=((4, 2), (4, 2), (4, 2)))
+    with CommReport() as comm:
+        out = f(Tensor(x), Tensor(y), Tensor(b))
+    np.testing.assert_allclose(out.asnumpy(), x @ y @ b, rtol=1e-5, atol=1e-5)
+    assert comm.count("AllReduce") == 0
+    assert comm.count("AllGather", reason="redistribution", op="MatMul") >= 2
+
+    net = _MatMulNet(_normal(8, 16), ((4, 2), (4, 2)))
+    net.shard(in_strategy=((4, 2),))
+    np.testing.assert_allclose(net(Tensor(x)).asnumpy(), x @ net.w.asnumpy(), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_matmul_gathered_form_two_matmuls_train_like_single_device(mode):
+    """MindSpore's test_two_matmul_both_a_b_strategy shape (8 devices): gradients of
+    both inputs and a weight through two gathered products."""
+    _semi(8)
+    x, w1, b = _normal(16, 8), _normal(8, 16), _normal(16, 16)
+
+    class Two(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.mm1 = P.MatMul().shard(((4, 2), (4, 2)))
+            self.mm2 = P.MatMul().shard(((4, 2), (4, 2)))
+            self.w = Parameter(Tensor(w1), "w1")
+
+        def construct(self, x, b):
+            return self.mm2(self.mm1(x, self.w), b)
+
+    net = Two()
+    report = dm.parallel.check_equivalence(net, Tensor(x), Tensor(b), device_num=8)
+    assert report.ok, str(report)
+    out = net(Tensor(x), Tensor(b)).asnumpy()
+    np.testing.assert_allclose(out, x @ w1 @ b, rtol=1e-4, atol=1e-4)
+
+
+REFUSED = [
+    # (id, primitive, inputs, devices, message)
+    ("devices-not-all", lambda: P.MatMul().shard(((4, 2), (4, 2))), ((16, 8), (8, 16)), 16,
+     r"MatMul: in_strategy\[0\]\[1\]=2 and in_strategy\[1\]\[0\]=4 split the contracted dim "
+     r"differently; they must be equal .*valid: the same number of parts in both, e\.g\. "
+     r"both 2 \(a divisor of 8\), or the same strategy \(p, q\) for both inputs with "
+     r"p \* q = device_num \(16\)"),
+    ("strategies-differ", lambda: P.MatMul().shard(((4, 2), (4, 1))), ((16, 8), (8, 16)), 8,
+     r"MatMul: in_strategy\[0\]\[1\]=2 and in_strategy\[1\]\[0\]=4 split the contracted dim "
+     r"differently; .*or the same strategy \(p, q\) for both inputs with p \* q = "
+     r"device_num \(8\)"),
+    ("transpose_b", lambda: P.MatMul(transpose_b=True).shard(((4, 2), (8, 1))),
+     ((16, 8), (16, 8)), 8,
+     r"MatMul: in_strategy\[0\]\[1\]=2 and in_strategy\[1\]\[1\]=1 split the contracted dim "
+     r"differently; they must be equal .*e\.g\. both 2 \(a divisor of 8\)\)$"),
+    ("batch-matmul-3d", lambda: P.BatchMatMul().shard(((1, 4, 2), (1, 4, 2))),
+     ((2, 16, 8), (2, 8, 16)), 8,
+     r"BatchMatMul: in_strategy\[0\]\[2\]=2 and in_strategy\[1\]\[1\]=4 split the contracted "
+     r"dim differently; they must be equal .*e\.g\. both 2 \(a divisor of 8\)\)$"),
+    ("layouts", lambda: P.MatMul().shard((Layout((4, 2), ("dp", "mp"))("dp", "mp"),
+                                          Layout((4, 2), ("dp", "mp"))("dp", "mp"))),
+     ((16, 8), (8, 16)), 8,
+     r"MatMul: in_strategy\[0\]\[1\]='mp' and in_strategy\[1\]\[0\]='dp' split the "
+     r"contracted dim differently; they must be equal .*valid: the same device axes in both"),
+]
+
+
+@pytest.mark.parametrize("case,make,shapes,devices,msg", REFUSED,
+                         ids=[c[0] for c in REFUSED])
+def test_matmul_unequal_contracted_splits_refused(mode, case, make, shapes, devices, msg):
+    """MindSpore refuses every other unequal split of the contracted dim (another device
+    count, unequal strategies, transposes, batched products, layouts): so does dualmode,
+    before anything moves."""
+    _semi(devices)
+    prim = make()
+    xs = [Tensor(_normal(*s)) for s in shapes]
+    f = prim if mode == "pynative" else ops.shard(lambda a, b: prim(a, b),
+                                                  in_strategy=((1, 1), (1, 1)) if
+                                                  len(shapes[0]) == 2 else
+                                                  ((1, 1, 1), (1, 1, 1)))
+    with pytest.raises(StrategyError, match=msg):
+        f(*xs)
+    assert all(x.layout is None for x in xs)
+
+
+# --------------------------------------------------------- 'None' merged in a Layout dim
+
+L3 = Layout((2, 2, 2), ("dp", "sp", "mp"))
+
+
+@pytest.mark.parametrize("merged,plain", [
+    (("dp", ("sp", "None")), ("dp", "sp")),
+    ((("None", "sp"), "mp"), ("sp", "mp")),
+    ((("dp", "None", "mp"), "None"), (("dp", "mp"), "None")),
+    ((("None",), "mp"), ("None", "mp")),
+    ((("None", "None"), ("sp", "None")), ("None", "sp")),
+])
+def test_layout_none_in_tuple_adds_no_split(merged, plain):
+    """MindSpore maps 'None' inside a tuple to -1 (no device axis): the merged dim is
+    split by the other aliases alone, in device_slices, tensor_map and to_dict."""
+    a, b = L3(*merged), L3(*plain)
+    assert a == b
+    assert a.tensor_map == b.tensor_map
+    assert a.to_dict() == b.to_dict()
+    shape = (8, 8)
+    assert a.device_slices(shape) == b.device_slices(shape)
+    assert a.bind(shape) == b.bind(shape)
+    full = np.arange(64, dtype=np.float32).reshape(shape)
+    lay = a.bind(shape)
+    np.testing.assert_array_equal(lay.assemble(lay.local_blocks(full)), full)
+
+
+def test_layout_none_in_tuple_slices_by_hand():
+    lay = L3("dp", ("sp", "None")).bind((4, 4))
+    slices = lay.device_slices()
+    # rank r = (dp, sp, mp) row-major: rows by dp, columns by sp, mp repeats
+    assert slices[0] == (slice(0, 2), slice(0, 2))
+    assert slices[1] == (slice(0, 2), slice(0, 2))
+    assert slices[2] == (slice(0, 2), slice(2, 4))
+    assert slices[5] == (slice(2, 4), slice(0, 2))
+
+
+def test_layout_none_in_tuple_still_checks_the_other_aliases():
+    with pytest.raises(ValueError, match=r"unknown alias 'xx' for dim 1"):
+        L3("dp", ("None", "xx"))
+    with pytest.raises(ValueError, match=r"alias 'dp' is used twice"):
+        L3("dp", ("dp", "None"))
+    with pytest.raises(ValueError, match=r"dim 0 maps to an empty tuple"):
+        L3((), "None")
+
+
+def test_strategy_file_tensor_map_minus_one_in_a_list():
+    """MindSpore writes ("sp", "None") as [1, -1]: a strategy file entry with -1 in a
+    list reads as the dim split by the other axes."""
+    d = {"device_matrix": [2, 2, 2], "tensor_map": [2, [1, -1]], "shape": [8, 8]}
+    assert layout_from_dict(d) == L3("dp", ("sp", "None")).bind((8, 8))
+    with pytest.raises(ValueError, match=r"tensor_map entry \[1, -2\] is not valid"):
+        layout_from_dict({"device_matrix": [2, 2, 2], "tensor_map": [2, [1, -2]],
+                          "shape": [8, 8]})
+
+
+def test_layout_none_in_tuple_matmul_matches_single_device(mode):
+    """A layout strategy with 'None' merged in the contracted dim, forward and
+    gradients (MindSpore's test_layout_extend reduce-axis case)."""
+    _semi(8)
+    x, w, sens = _normal(16, 16), _normal(16, 16), _normal(16, 16)
+    strategy = (L3("dp", ("sp", "None")), L3(("sp", "None"), "mp"))
+    net = _MatMulNet(w, strategy)
+    y = net(Tensor(x))
+    np.testing.assert_allclose(y.asnumpy(), x @ w, rtol=1e-5, atol=1e-5)
+    gx, gw = _grads(net, x, sens)
+    np.testing.assert_allclose(gx, sens @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, x.T @ sens, rtol=1e-5, atol=1e-5)
+    if mode == "pynative":
+        assert net.w.layout.dim_parts == (2, 2)
