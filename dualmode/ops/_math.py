@@ -137,12 +137,24 @@ def mul(x, y):
     return binary(MUL, x, y, False)
 
 
-def div(x, y):
+def div(x, y, *, rounding_mode=None):
+    """x / y: true division (integer inputs are computed in float32), as
+    ``mindspore.ops.div``; ``rounding_mode="floor"`` rounds the quotient down (FloorDiv)
+    and ``"trunc"`` towards zero (TruncateDiv), both keeping integer dtypes, with no
+    gradient (the quotient is a step function of the inputs)."""
+    if rounding_mode is None:
+        return binary(REALDIV, x, y, False)
+    if rounding_mode == "floor":
+        return binary(FLOOR_DIV, x, y, False)
+    if rounding_mode == "trunc":
+        return binary(TRUNC_DIV, x, y, False)
+    raise ValueError(f"div: rounding_mode={rounding_mode!r} is not valid; expected None, "
+                     f"'floor' or 'trunc'")
+
+
+def realdiv(x, y):
     """x / y (true division; integer inputs are computed in float32)."""
     return binary(REALDIV, x, y, False)
-
-
-realdiv = div
 
 
 def maximum(x, y):
