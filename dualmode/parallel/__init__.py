@@ -55,3 +55,6 @@ from . import auto_parallel  # noqa: E402,F401  (dm.parallel.auto_parallel.AutoP
 from .shard import reshard, shard  # noqa: E402
 
 __all__ += ["shard", "reshard"]
+from .dry_run import DryRunReport, abstract, dry_run  # noqa: E402
+
+__all__ += ["dry_run", "abstract", "DryRunReport"]

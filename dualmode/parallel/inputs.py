@@ -55,24 +55,33 @@ def distribute_inputs(args):
             out.append(moved(a, a._value()[None], layout))
             k += 1
             continue
-        if strategy == "data_parallel":
-            if shape[0] % n:
-                fewer = [d for d in range(n - 1, 0, -1) if shape[0] % d == 0][0]
-                raise ValueError(
-                    f"dataset_strategy='data_parallel': input {i} has batch size {shape[0]} "
-                    f"(shape {shape}), which does not divide over {n} devices; use a batch "
-                    f"size that is a multiple of {n} (or drop_remainder=True), or "
-                    f"set_auto_parallel_context(full_batch=True) (every device takes the "
-                    f"whole batch), or fewer devices (device_num={fewer} divides it)")
-            layout = TensorLayout.batch_split(shape, n)
-        else:
-            if k >= len(strategy):
-                raise ValueError(f"dataset_strategy={strategy!r} gives {len(strategy)} "
-                                 f"strategies but the network got more tensor inputs (input "
-                                 f"{i}); give one strategy per input")
-            layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
+        layout = input_layout(i, shape, k, strategy, n)
         k += 1
         stack = distribute(a, layout)._data
         remember_blocks(stack, a._value(), layout)          # a plain value: it never changes
         out.append(moved(a, stack, layout))                 # on the tape
     return tuple(out)
+
+
+def input_layout(i, shape, k, strategy, n):
+    """The layout a top-level network call gives its tensor input `i` (the `k`-th one
+    split, global shape `shape`) on `n` devices per ``dataset_strategy`` ("data_parallel"
+    or per-input strategy tuples): what :func:`distribute_inputs` moves it into, and
+    what a dry run plans with."""
+    if strategy == "data_parallel":
+        if shape[0] % n:
+            fewer = [d for d in range(n - 1, 0, -1) if shape[0] % d == 0][0]
+            raise ValueError(
+                f"dataset_strategy='data_parallel': input {i} has batch size {shape[0]} "
+                f"(shape {shape}), which does not divide over {n} devices; use a batch "
+                f"size that is a multiple of {n} (or drop_remainder=True), or "
+                f"set_auto_parallel_context(full_batch=True) (every device takes the "
+                f"whole batch), or fewer devices (device_num={fewer} divides it)")
+        layout = TensorLayout.batch_split(shape, n)
+    else:
+        if k >= len(strategy):
+            raise ValueError(f"dataset_strategy={strategy!r} gives {len(strategy)} "
+                             f"strategies but the network got more tensor inputs (input "
+                             f"{i}); give one strategy per input")
+        layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
+    return layout

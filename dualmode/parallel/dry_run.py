@@ -1,0 +1,558 @@
+"""Dry runs: compile a step for N devices on abstract inputs and report what one step
+would cost, without running it or making its parameters.
+
+    x = dm.parallel.abstract((256, 784), dm.float32)
+    rep = dm.parallel.dry_run(step, x, y, device_num=1024, link="100GbE",
+                              device_flops=100e12)
+    print(rep)                       # memory per device, collectives, times, strategies
+
+:func:`dry_run` runs the compile path of a real call (:class:`~.graph.api.ShardFunction`:
+trace, strategies, sharding propagation, lowering with its redistribution plans, fusion)
+for ``device_num`` simulated devices that hold no data, then walks the lowered graph the
+executor would run:
+
+* **collectives**: each communication node records, through the same recording calls
+  the executor's paths make (:func:`dualmode.communication.trace.record`, with the same
+  causes and pending-sum makers), what it would record in a :class:`CommReport` — so a
+  dry run's records equal a real run's, collective for collective; their predicted
+  times use the report's ring formulas and link presets;
+* **memory per device**: parameter storage (each parameter's local block in the layout
+  the graph stores it in), optimizer states (stored as their weights), the gradients the
+  optimizer update reads, and the live values of the step: the executor drops a value
+  after its last reader, so the same walk over the same release points gives the peak
+  of what one device holds at once (parameters + states + live values, the inputs and
+  outputs of the running node included);
+* **compute**: a FLOP count per op node on its local shapes, from the op's registration:
+  an op of the contraction family (MatMul, BatchMatMul...) does ``2 * prod(sizes of
+  its letters)`` (``2 m n k`` for MatMul), an op that declares ``extras["flops"]`` (a
+  function ``(attrs, input shapes, output shapes) -> flops``) that, any other op one
+  operation per element of the largest tensor it reads or writes (an estimate).
+
+Delayed parameters (made under ``no_init_parameters()``) are never made: tracing only
+reads shapes and dtypes. :func:`abstract` makes an input with a shape and dtype only.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import numbers
+from typing import Optional
+
+import numpy as np
+
+from .. import context
+from .._core._tensor import TensorBase
+from ..common import dtype as _dtype
+from ..communication import trace as _trace
+from ..communication.management import HCCL_WORLD_COMM_GROUP
+from ..communication.sim import SimBackend
+from ..communication.trace import comm_cause, pending_sum
+from ..tensor import DeclaredShape, Parameter, Tensor
+from .graph.api import AutoParallel, ShardFunction
+from .graph.executor import _releases
+from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Ref
+from .graph.trace import find_parameters
+from .inputs import input_layout
+from .redistribution.executor import _record_steps
+from .report import CommReport, _fmt_bytes, _fmt_seconds, network_model
+from .stacks import is_batch_layout
+from .tensor_layout import TensorLayout
+
+__all__ = ["abstract", "AbstractTensor", "dry_run", "DryRunReport"]
+
+
+# ---------------------------------------------------------------------------
+# abstract inputs
+# ---------------------------------------------------------------------------
+class AbstractTensor(DeclaredShape, Tensor):
+    """A tensor with a shape and a dtype and no value: an input of :func:`dry_run`.
+    Reading its value raises."""
+
+    __slots__ = ("_shape", "_dtype")
+
+    def _no_value(self):
+        return TypeError(f"abstract tensor (shape {self._shape}, dtype {self._dtype}) has no "
+                         f"value; it is an input of dm.parallel.dry_run, which plans a "
+                         f"step without running it (pass a Tensor to run it)")
+
+    def asnumpy(self):
+        raise self._no_value()
+
+    def __array__(self, dtype=None, copy=None):
+        raise self._no_value()
+
+    def item(self):
+        raise self._no_value()
+
+    def __bool__(self):
+        raise self._no_value()
+
+    def __repr__(self):
+        return f"abstract(shape={self._shape}, dtype={self._dtype})"
+
+    __str__ = __repr__
+
+
+def abstract(shape, dtype=None) -> AbstractTensor:
+    """A tensor of `shape` and `dtype` (default float32) without a value, for
+    :func:`dry_run`: nothing of its size is allocated.
+
+    Raises ValueError for a dim that is not a positive int, TypeError for a dtype that
+    is not one."""
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"abstract: shape={shape!r} has type {type(shape).__name__}; "
+                        f"expected a tuple of positive ints")
+    for d, s in enumerate(shape):
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s <= 0:
+            raise ValueError(f"abstract: shape={tuple(shape)!r} has dim {d} = {s!r}; every "
+                             f"dim must be a positive int")
+    try:
+        dt = np.dtype(_dtype.float32 if dtype is None else getattr(dtype, "np", dtype))
+    except TypeError:
+        raise TypeError(f"abstract: dtype={dtype!r} is not a dtype; use one such as "
+                        f"dm.float32 or dm.int32") from None
+    t = TensorBase.__new__(AbstractTensor)
+    t._shape = tuple(int(s) for s in shape)
+    t._dtype = dt
+    t._data = None
+    return t
+
+
+# ---------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------
+class DryRunReport(CommReport):
+    """What one step costs per device, planned by :func:`dry_run`.
+
+    It is a :class:`CommReport` of the step's collectives (``records``, ``count``,
+    ``bytes``, ``predicted_time`` under the dry run's network model, the table), plus:
+
+    Attributes
+    ----------
+    device_num : int
+    parameter_bytes, optimizer_state_bytes, gradient_bytes : int
+        Per device: the parameters' storage, the optimizer states' (stored as their
+        weights), the gradients the optimizer update reads (in their weights' layouts).
+    activation_bytes : int
+        Per device: the most the step's live values other than parameters take at once
+        (activations kept for the backward pass, gradients in flight, the buffers of
+        the running node).
+    peak_memory : int
+        Per device: ``parameter_bytes + optimizer_state_bytes + activation_bytes``.
+    comm_peak_memory : int
+        What :class:`CommReport` measures as ``peak_memory`` in a real run: parameter
+        and state storage plus the largest collective's input and output buffers.
+    flops : float
+        Floating-point operations of one device in one step (see the module docstring).
+    compute_time, comm_time, step_time : float or None
+        ``flops / device_flops``; the collectives' predicted time (network model given);
+        their sum (communication is not assumed to overlap compute). None when the
+        figure it needs was not given.
+    strategies : dict
+        The chosen strategy per op (``compiled.strategies()`` of the compiled step).
+    compiled : CompiledGraph
+        The compiled step (``compiled.program.graph`` is the lowered graph).
+    """
+
+    def __init__(self, device_num, model, link):
+        super().__init__()
+        self.model = model
+        self.link = link
+        self.device_num = device_num
+        self.parameter_bytes = 0
+        self.optimizer_state_bytes = 0
+        self.gradient_bytes = 0
+        self.activation_bytes = 0
+        self.comm_peak_memory = 0
+        self.flops = 0.0
+        self.device_flops = None
+        self.compute_time = None
+        self.comm_time = None
+        self.step_time = None
+        self.strategies = {}
+        self.compiled = None
+        self._buffers = 0
+
+    # the walk offers collective buffers only; storage is added once at the end
+    def _note_memory(self, nbytes: int) -> None:
+        if nbytes > self._buffers:
+            self._buffers = nbytes
+
+    def __repr__(self):
+        t = "" if self.step_time is None else f", step {_fmt_seconds(self.step_time)}"
+        return (f"DryRunReport({self.device_num} devices: peak memory "
+                f"{_fmt_bytes(self.peak_memory)} per device, {len(self.records)} collectives "
+                f"moving {_fmt_bytes(self.bytes())} per device{t})")
+
+    def summary(self) -> str:
+        """The per-device figures as a few lines of text."""
+        rows = [("parameters", _fmt_bytes(self.parameter_bytes)),
+                ("optimizer states", _fmt_bytes(self.optimizer_state_bytes)),
+                ("gradients", _fmt_bytes(self.gradient_bytes)),
+                ("activations (peak)", _fmt_bytes(self.activation_bytes)),
+                ("peak memory", _fmt_bytes(self.peak_memory)),
+                ("collectives", f"{len(self.records)} moving {_fmt_bytes(self.bytes())}"),
+                ("compute", f"{self.flops:.4g} FLOP" + (
+                    "" if self.compute_time is None else
+                    f" = {_fmt_seconds(self.compute_time)}")),
+                ("communication", "-" if self.comm_time is None
+                 else _fmt_seconds(self.comm_time)),
+                ("step", "-" if self.step_time is None else _fmt_seconds(self.step_time))]
+        return "\n".join([repr(self)] + [f"  {k:<20} {v}" for k, v in rows])
+
+    def __str__(self):
+        return self.summary() + "\n" + CommReport.__str__(self).split("\n", 1)[-1]
+
+
+# ---------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------
+_MODES = ("semi_auto_parallel", "auto_parallel")
+
+
+def _check_device_num(n):
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"dry_run: device_num={n!r} is not valid; expected a positive int "
+                         f"(the number of devices to plan for)")
+    return int(n)
+
+
+def _check_flops(v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+            or v <= 0:
+        raise ValueError(f"dry_run: device_flops={v!r} is not valid; expected a positive "
+                         f"number of floating-point operations per second (e.g. 100e12)")
+    return float(v)
+
+
+@contextlib.contextmanager
+def _virtual_devices(n, mode):
+    """`n` simulated devices that hold no data, for the compile: the context's
+    device_num and parallel mode, and a stand-in backend; everything restored after."""
+    st = context._STATE
+    saved_ap, comm = st.auto_parallel, st.comm
+    saved = (comm.backend, comm.groups, comm.member_arrays)
+    st.auto_parallel = dataclasses.replace(saved_ap, device_num=n, parallel_mode=mode)
+    comm.backend = SimBackend(n)
+    comm.groups = {HCCL_WORLD_COMM_GROUP: tuple(range(n))}
+    comm.member_arrays = {}
+    try:
+        yield
+    finally:
+        st.auto_parallel = saved_ap
+        comm.backend, comm.groups, comm.member_arrays = saved
+
+
+@contextlib.contextmanager
+def _unplaced(params, n):
+    """Parameters stored in a layout for another device count are planned as if new."""
+    swapped = []
+    for p in params:
+        lay = p._layout
+        if isinstance(lay, TensorLayout) and lay.device_num != n:
+            swapped.append((p, lay))
+            p._layout = None
+    try:
+        yield
+    finally:
+        for p, lay in swapped:
+            p._layout = lay
+
+
+def dry_run(fn_or_cell, *inputs, device_num, link=None, alpha_s=None,
+            beta_s_per_byte=None, device_flops=None, parallel_mode=None) -> DryRunReport:
+    """Plan one step of `fn_or_cell` on `device_num` devices without running it.
+
+    Parameters
+    ----------
+    fn_or_cell : a function, a Cell, or what ``AutoParallel`` / ``ops.shard`` /
+        ``Cell.shard`` returned
+        A plain function or Cell is compiled as ``AutoParallel`` compiles it (a training
+        step with ``value_and_grad`` and an optimizer call, or a network): its tensor
+        inputs split as batch data per ``dataset_strategy``.
+    *inputs : abstract tensors (:func:`abstract`), Tensors (only their shapes and dtypes
+        are read), or other arguments
+    device_num : int
+        The devices to plan for; the current backend is not used.
+    link, alpha_s, beta_s_per_byte
+        The network model of the collectives' predicted times, as for
+        :class:`CommReport` (``link="10GbE" | "100GbE" | "nvlink"``); none: no times.
+    device_flops : float, optional
+        One device's speed (floating-point operations per second) for the compute time.
+    parallel_mode : "semi_auto_parallel" or "auto_parallel", optional
+        Default: the context's when it is one of them, else "semi_auto_parallel".
+
+    Returns
+    -------
+    DryRunReport
+    """
+    n = _check_device_num(device_num)
+    model = network_model("dry_run", alpha_s, beta_s_per_byte, link)
+    flops_rate = _check_flops(device_flops)
+    mode = parallel_mode if parallel_mode is not None else \
+        context._STATE.auto_parallel.parallel_mode
+    if mode not in _MODES:
+        if parallel_mode is not None:
+            raise ValueError(f"dry_run: parallel_mode={parallel_mode!r} is not valid; "
+                             f"expected one of {list(_MODES)}")
+        mode = "semi_auto_parallel"
+    sf = fn_or_cell if isinstance(fn_or_cell, ShardFunction) else AutoParallel(
+        fn_or_cell, "semi_auto" if mode == "semi_auto_parallel"
+        else context._STATE.auto_parallel.search_mode)
+    params = find_parameters(sf.fn)
+    report = DryRunReport(n, model, link)
+    with _virtual_devices(n, sf.mode or mode), _unplaced(params, n):
+        args = _placed_inputs(sf, inputs, n)
+        compiled = sf._compile(args, {}, True)
+        report.compiled = compiled
+        report.strategies = compiled.strategies()
+        _walk(compiled, report)
+    report.device_flops = flops_rate
+    if flops_rate is not None:
+        report.compute_time = report.flops / flops_rate
+    if model is not None:
+        report.comm_time = report.predicted_time()
+    if report.compute_time is not None and report.comm_time is not None:
+        report.step_time = report.compute_time + report.comm_time
+    return report
+
+
+def _placed_inputs(sf, inputs, n):
+    """The inputs as abstract tensors; for a top-level network call, placed as batch data
+    (the layouts ``distribute_inputs`` gives real tensors)."""
+    strategy = context.get_auto_parallel_context("dataset_strategy")
+    out, k = [], 0
+    for i, a in enumerate(inputs):
+        if isinstance(a, Parameter) or not isinstance(a, TensorBase):
+            out.append(a)
+            continue
+        t = a if isinstance(a, AbstractTensor) and a._layout is None else \
+            abstract(tuple(a.shape), a.dtype)
+        if sf.top_level and strategy != "full_batch" and t.ndim > 0:
+            t = abstract(t.shape, t.dtype)
+            t._layout = input_layout(i, tuple(t.shape), k, strategy, n)
+            k += 1
+        out.append(t)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# the walk over the lowered graph
+# ---------------------------------------------------------------------------
+def _local_bytes(lay, value) -> int:
+    """Bytes one device holds of `value` (an ir.Value) in layout `lay` (None: whole)."""
+    shape = value.shape if lay is None else lay.local_shape
+    return math.prod(shape) * value.dtype.itemsize
+
+
+def _record(kind, group, groups, nbytes, out_bytes):
+    """One collective as a backend records it (``Backend._record``): the record, and its
+    input plus output buffers per device offered as memory."""
+    _trace.record(kind, group, groups, nbytes)
+    _trace.note_memory(nbytes + out_bytes)
+
+
+def _reason(extra):
+    """The executor's ``op_reason``: its step's reason, else "forward" (a step runs
+    outside any backward pass of a tape)."""
+    return extra or "forward"
+
+
+def _step_reason(node):
+    if node.op == MOVE and node.attrs["reason"] == "gradient":
+        return "gradient"
+    if node.op == FUSED:
+        return "gradient"
+    if node.op in (FUSED_RS, FUSED_AG):
+        return node.attrs["reason"]
+    return "backward" if node.backward else None
+
+
+def _move_records(attrs, value, extra):
+    """The collectives the executor's ``_move`` records for one MOVE node."""
+    src, dst, kind = attrs["src"], attrs["dst"], attrs["kind"]
+    if kind in ("view", "gridview", "slice"):
+        return
+    itemsize = value.dtype.itemsize
+    cause = attrs["cause"]
+    with pending_sum(src.partial_op) if src is not None and src.partial else \
+            contextlib.nullcontext():
+        plan = attrs["plan"]
+        if kind == "grid":
+            if src is None:
+                return
+            if plan is None:
+                _move_stack_records(src, dst, value, cause, attrs["reason"])
+            elif len(plan) and (dst.partial or plan.communicates):
+                with comm_cause(cause, attrs["reason"]):
+                    _record_steps(plan, itemsize)
+            return
+        if kind == "resolve":
+            b = _local_bytes(src, value)
+            group = math.prod(src.device_matrix[a] for a in src.partial)
+            with comm_cause(cause, _reason(extra)):
+                _record("AllReduce", group, src.device_num // group, b, b)
+            return
+        if kind == "gather":
+            with comm_cause(cause, _reason(extra)):
+                _gather_records(src, value, cause)
+            return
+        if plan is not None:
+            with comm_cause(cause, attrs["reason"]):
+                _record_steps(plan, itemsize)
+            return
+        _move_stack_records(src, dst, value, cause, attrs["reason"])
+
+
+def _gather_records(src, value, cause):
+    """What ``moves.gather_stack`` records for a value in `src` gathered whole."""
+    lay = src
+    if lay.partial:
+        b = _local_bytes(lay, value)
+        group = math.prod(lay.device_matrix[a] for a in lay.partial)
+        with comm_cause(cause, _reason(None)), pending_sum(lay.partial_op):
+            _record("AllReduce", group, lay.device_num // group, b, b)
+        lay = lay.without_partial()
+        if all(m == () for m in lay.tensor_map):
+            return
+    b = _local_bytes(lay, value)
+    with comm_cause(cause, "redistribution"):
+        if is_batch_layout(lay):
+            _record("AllGather", lay.device_num, 1, b, b * (lay.device_num + 1))
+        else:
+            group = math.prod(lay.device_matrix[a] for a in lay.split_axes)
+            _trace.record("AllGather", group, lay.device_num // group, b)
+
+
+def _move_stack_records(src, dst, value, cause, reason):
+    raise RuntimeError(f"dry_run: a move of a value of shape {value.shape} from {src!r} to "
+                       f"{dst!r} (for {cause}) has no redistribution plan; the dry run "
+                       f"cannot count its collectives")
+
+
+def _node_records(node, lays, extra):
+    """Record the collectives one lowered node makes when the executor runs it."""
+    a = node.attrs
+    if node.op == MOVE:
+        _move_records(a, node.outputs[0], extra)
+    elif node.op == REDUCE:
+        lay = a["layout"]
+        b = _local_bytes(lay, node.outputs[0])
+        group = math.prod(lay.device_matrix[x] for x in a["axes"])
+        with comm_cause(a["cause"], _reason(extra)):
+            _record("AllReduce", group, lay.device_num // group, b, b)
+    elif node.op == FUSED:
+        src = a["src"]
+        b = sum(_local_bytes(s, v) for s, v in zip(a["srcs"], node.outputs))
+        group = math.prod(src.device_matrix[x] for x in src.partial)
+        with comm_cause(a["cause"], _reason(extra)):
+            _record("AllReduce", group, src.device_num // group, b, b)
+    elif node.op in (FUSED_RS, FUSED_AG):
+        ins = [lays.get(x.id) for x in node.inputs]
+        b = sum(_local_bytes(lay, v) for lay, v in zip(ins, node.outputs))
+        out = sum(_local_bytes(lays.get(v.id), v) for v in node.outputs)
+        members = a["members"]
+        kind = "ReduceScatter" if node.op == FUSED_RS else "AllGather"
+        with comm_cause(a["cause"], _reason(extra)):
+            _record(kind, int(members.shape[1]), int(members.shape[0]), b, out)
+
+
+def _flops(node, lays, values) -> float:
+    """Floating-point operations of one op node on one device (its local shapes)."""
+    def shape_of(x):
+        if isinstance(x, Ref):
+            lay = lays.get(x.id)
+            return tuple(lay.local_shape) if lay is not None else values[x.id].shape
+        v = x.value
+        return tuple(v.shape) if isinstance(v, TensorBase) else np.shape(v)
+    ins = [shape_of(x) for x in node.inputs]
+    run_outs = node.run.outputs if node.run is not None and node.run.outputs else \
+        (None,) * len(node.outputs)
+    outs = [tuple(lay.local_shape) if lay is not None else v.shape
+            for lay, v in zip(run_outs, node.outputs)]
+    op = node.op
+    declared = op.extras.get("flops")
+    if declared is not None:
+        return float(declared(node.attrs, ins, outs))
+    fam = op.extras.get("family")
+    if fam and fam[0] == "contract" and (len(fam) < 3 or fam[2] == "mul"):
+        found = fam[1](node.attrs, tuple(len(s) for s in ins))
+        if found is not None:
+            sizes = {}
+            for sub, shape in zip(found[0], ins):
+                for letter, size in zip(sub, shape):
+                    sizes[letter] = max(sizes.get(letter, 1), int(size))
+            return 2.0 * math.prod(sizes.values())
+    return float(max([math.prod(s) for s in ins + outs if s is not None] or [0]))
+
+
+def _optimizer_states(call):
+    """``[(state Parameter, its weight), ...]`` of the optimizer whose update `call` (a
+    CALL node) records: the optimizer is what the recorded update closes over."""
+    fn = call.attrs.get("fn")
+    weights = call.attrs.get("params") or ()
+    for cell in getattr(fn, "__closure__", None) or ():
+        opt = cell.cell_contents
+        names = getattr(opt, "__dict__", {}).get("_state_names")
+        if names:
+            return [(st, w) for name in names for st, w in zip(getattr(opt, name), weights)]
+    return []
+
+
+def _walk(compiled, report):
+    """Fill `report` from the lowered graph of `compiled`."""
+    prog = compiled.program
+    g = prog.graph
+    lays = g.meta["layouts"]
+    plans = g.meta["params"]
+    values = g.values()
+    report.parameter_bytes = sum(_local_bytes(plans[v.id].layout, v) for _, v in g.params)
+    by_weight = {id(p): plans[v.id].layout for p, v in g.params}
+    states = []
+    for node in g.nodes:
+        if node.op == CALL:
+            states += _optimizer_states(node)
+            report.gradient_bytes += sum(_local_bytes(lays.get(x.id), values[x.id])
+                                         for x in node.inputs if isinstance(x, Ref))
+    seen = set()
+    for st, w in states:
+        if id(st) not in seen:
+            seen.add(id(st))
+            lay = by_weight.get(id(w))
+            shape = tuple(st.shape) if lay is None else tuple(lay.local_shape)
+            report.optimizer_state_bytes += math.prod(shape) * np.dtype(st.dtype).itemsize
+    # live values: the arguments, then each node's outputs until their last reader
+    size = {}
+    for v in g.args:
+        size[v.id] = _local_bytes(lays.get(v.id), v)
+    for _, v in g.params:
+        size[v.id] = 0                               # counted as parameter storage
+    live = sum(size[v.id] for v in g.args)
+    peak = live
+    saved = list(_trace._STATE.reports)
+    _trace._STATE.reports[:] = [report]
+    try:
+        for node, done in zip(g.nodes, _releases(g)):
+            extra = _step_reason(node)
+            _node_records(node, lays, extra)
+            for v in node.outputs:
+                aliased = node.op == MOVE and node.attrs["kind"] in ("view", "gridview")
+                size[v.id] = 0 if aliased else _local_bytes(lays.get(v.id), v)
+                live += size[v.id]
+            peak = max(peak, live)
+            for vid in done:
+                live -= size.pop(vid, 0)
+            if node.op not in (MOVE, REDUCE, FUSED, FUSED_RS, FUSED_AG, CALL):
+                report.flops += _flops(node, lays, values)
+    finally:
+        _trace._STATE.reports[:] = saved
+    report.activation_bytes = peak
+    storage = report.parameter_bytes + report.optimizer_state_bytes
+    report.peak_memory = storage + peak
+    report.parameter_memory = storage
+    report.comm_peak_memory = storage + report._buffers
