@@ -99,6 +99,7 @@ class AutoParallelConfig:
     strategy_ckpt_save_file: Optional[str] = None
     strategy_ckpt_load_file: Optional[str] = None
     enable_parallel_optimizer: bool = False
+    parallel_optimizer_config: Mapping[str, Any] = field(default_factory=dict)
     pipeline_stages: int = 1
 
 
@@ -487,12 +488,65 @@ def _unsupported(default: Any, what: str) -> Callable[[str, str, Any], Any]:
     return check
 
 
+#: parallel_optimizer_config's keys: (default, what a value must be)
+PARALLEL_OPTIMIZER_KEYS = {
+    "parallel_optimizer_threshold": (64, "an int >= 0 (KB: smaller parameters are not "
+                                         "sharded)"),
+    "optimizer_weight_shard_size": (-1, "-1 (every data-parallel replica) or an int > 1 "
+                                        "dividing the data-parallel size"),
+    "gradient_accumulation_shard": (False, "False (gradient accumulation is not sharded)"),
+}
+
+
+def _check_parallel_optimizer_config(func: str, key: str, value: Any) -> Dict[str, Any]:
+    expected = ("a dict with keys among " + ", ".join(repr(k) for k in PARALLEL_OPTIMIZER_KEYS)
+                + ', e.g. {"parallel_optimizer_threshold": 64, '
+                  '"optimizer_weight_shard_size": 2}')
+    if not isinstance(value, Mapping):
+        raise _type_error(func, key, value, expected)
+    out: Dict[str, Any] = {}
+    for name, v in value.items():
+        if name not in PARALLEL_OPTIMIZER_KEYS:
+            raise ValueError(f"{func}: {key} has unknown key {name!r}; valid keys are "
+                             + ", ".join(PARALLEL_OPTIMIZER_KEYS))
+        where, what = f"{key}[{name!r}]", PARALLEL_OPTIMIZER_KEYS[name][1]
+        if name == "gradient_accumulation_shard":
+            if _check_bool(func, where, v):
+                raise ValueError(f"{func}: {where}=True is not supported: dualmode does not "
+                                 f"shard accumulated gradients; leave it False")
+        elif not _is_int(v):
+            raise _type_error(func, where, v, what)
+        elif name == "parallel_optimizer_threshold" and v < 0:
+            raise _value_error(func, where, v, what)
+        elif name == "optimizer_weight_shard_size" and v != -1 and v < 2:
+            raise _value_error(func, where, v, what)
+        out[name] = v if name == "gradient_accumulation_shard" else int(v)
+    return out
+
+
+def _check_parallel_optimizer_fits(func: str, cfg: "AutoParallelConfig") -> None:
+    """optimizer_weight_shard_size must divide the number of devices (the data-parallel
+    size when every device holds a replica); the parallel optimizer needs a mode whose
+    weights are global tensors."""
+    size = cfg.parallel_optimizer_config.get("optimizer_weight_shard_size", -1)
+    n = cfg.device_num if cfg.device_num is not None else _backend_device_num()
+    if size != -1 and n > 1 and n % size:
+        valid = [-1] + [d for d in range(2, n + 1) if n % d == 0]
+        raise ValueError(
+            f"{func}: parallel_optimizer_config['optimizer_weight_shard_size']={size} does "
+            f"not divide the {n} devices (the data-parallel size of a replicated weight); "
+            f"valid values: {valid}")
+    if cfg.enable_parallel_optimizer and cfg.parallel_mode == ParallelMode.HYBRID_PARALLEL:
+        raise ValueError(
+            f"{func}: enable_parallel_optimizer=True is not supported with "
+            f"parallel_mode='hybrid_parallel' (its weights are per-device slices); use "
+            f"data_parallel, semi_auto_parallel or auto_parallel")
+
+
+
 #: MindSpore keys dualmode knows but does not implement (default value accepted only)
 _UNSUPPORTED_AUTO_PARALLEL = {
-    "enable_parallel_optimizer": (False, "the parallel optimizer (optimizer state sharded "
-                                         "over data-parallel devices)"),
     "pipeline_stages": (1, "pipeline parallelism"),
-    "parallel_optimizer_config": ({}, "the parallel optimizer"),
     "optimizer_weight_shard_size": (-1, "the parallel optimizer"),
     "pipeline_config": ({}, "pipeline parallelism"),
     "auto_pipeline": (False, "pipeline parallelism"),
@@ -521,6 +575,8 @@ _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
     "comm_fusion": _check_comm_fusion,
     "strategy_ckpt_save_file": _check_path,
     "strategy_ckpt_load_file": _check_path,
+    "enable_parallel_optimizer": _check_bool,
+    "parallel_optimizer_config": _check_parallel_optimizer_config,
 }
 _AUTO_PARALLEL_CHECKERS.update({k: _unsupported(d, what)
                                 for k, (d, what) in _UNSUPPORTED_AUTO_PARALLEL.items()})
@@ -542,7 +598,7 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
         elif strategy is None and cur.dataset_strategy == "full_batch":
             updates["dataset_strategy"] = "data_parallel"
     for key in _UNSUPPORTED_AUTO_PARALLEL:
-        if key not in ("enable_parallel_optimizer", "pipeline_stages"):
+        if key not in ("pipeline_stages",):
             updates.pop(key, None)            # their default: nothing to store
     if "auto_parallel_search_mode" in updates:
         old_name = updates.pop("auto_parallel_search_mode")
@@ -573,7 +629,12 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
             merged = {}
             updates["all_reduce_fusion_config"] = None
         updates["comm_fusion"] = merged
+    if "parallel_optimizer_config" in updates:
+        merged = dict(cur.parallel_optimizer_config)
+        merged.update(updates["parallel_optimizer_config"])
+        updates["parallel_optimizer_config"] = merged
     new = dataclasses.replace(cur, **updates)
+    _check_parallel_optimizer_fits(func, new)
     if new.device_num is not None and new.global_rank is not None \
             and new.global_rank >= new.device_num:
         raise ValueError(
@@ -624,10 +685,20 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         nothing.
     strategy_ckpt_save_file, strategy_ckpt_load_file : str or None
         Paths of the strategy checkpoint.
-    enable_parallel_optimizer, pipeline_stages, ... : default only
-        MindSpore keys dualmode does not implement (the parallel optimizer, pipeline
-        parallelism, ...): their default value (``False``, ``1``, ...) is accepted, any
-        other raises ValueError naming the key; never silently ignored.
+    enable_parallel_optimizer : bool
+        The parallel optimizer (default False), in data_parallel, semi_auto_parallel and
+        auto_parallel: each weight replicated over some devices (and of at least
+        ``parallel_optimizer_threshold`` KB, its first dim divisible by the shard count)
+        has its optimizer states and update split over those devices: its gradient is
+        ReduceScattered to them, each updates its slice, the slices are AllGathered.
+    parallel_optimizer_config : dict
+        ``{"parallel_optimizer_threshold": KB (default 64), "optimizer_weight_shard_size":
+        n (default -1: every replica; n > 1 must divide the number of devices)}``, merged
+        with the earlier setting; ``"gradient_accumulation_shard"`` accepts False only.
+    pipeline_stages, ... : default only
+        MindSpore keys dualmode does not implement (pipeline parallelism, ...): their
+        default value (``1``, ...) is accepted, any other raises ValueError naming the
+        key; never silently ignored.
 
     Raises
     ------
@@ -688,6 +759,8 @@ def get_auto_parallel_context(key: str) -> Any:
     if key == "comm_fusion":
         return {op: {"mode": mode, "config": copy.deepcopy(config)}
                 for op, (mode, config) in cfg.comm_fusion.items()}
+    if key == "parallel_optimizer_config":
+        return dict(cfg.parallel_optimizer_config)
     if not hasattr(cfg, key):
         return copy.deepcopy(_UNSUPPORTED_AUTO_PARALLEL[key][0])
     return getattr(cfg, key)

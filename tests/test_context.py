@@ -230,8 +230,8 @@ MODES = "'stand_alone', 'data_parallel', 'semi_auto_parallel', 'auto_parallel', 
     ({"strategy_ckpt_save_file": 3}, TypeError,
      r"strategy_ckpt_save_file=3 has type int; expected a file path \(str\) or None"),
     ({"strategy_ckpt_load_file": b"x"}, TypeError, r"strategy_ckpt_load_file=b'x' has type bytes"),
-    ({"enable_parallel_optimizer": None}, ValueError,
-     r"enable_parallel_optimizer=None is not supported"),
+    ({"enable_parallel_optimizer": None}, TypeError,
+     r"enable_parallel_optimizer=None has type NoneType; expected a bool"),
     ({"pipeline_stages": 0}, ValueError, r"pipeline_stages=0 is not supported"),
     ({"pipeline_stages": True}, ValueError, r"pipeline_stages=True is not supported"),
     ({"full_batch": True, "dataset_strategy": "data_parallel"}, ValueError,
@@ -427,12 +427,7 @@ def test_reset_context_restores_everything():
 
 @pytest.mark.parametrize("key, value, what", [
     ("pipeline_stages", 2, "pipeline parallelism; leave pipeline_stages at its default 1"),
-    ("enable_parallel_optimizer", True, "the parallel optimizer (optimizer state sharded over "
-                                        "data-parallel devices); leave "
-                                        "enable_parallel_optimizer at its default False"),
     ("optimizer_weight_shard_size", 2, "the parallel optimizer"),
-    ("parallel_optimizer_config", {"gradient_accumulation_shard": True},
-     "the parallel optimizer"),
     ("pipeline_config", {"pipeline_interleave": True}, "pipeline parallelism"),
     ("enable_alltoall", True, "AlltoAll"),
     ("gradient_fp32_sync", False, "fp16 gradient AllReduce"),
@@ -453,8 +448,10 @@ def test_unimplemented_key_refused_by_name_state_unchanged(key, value, what):
 def test_unknown_key_lists_supported_and_default_only_keys():
     with pytest.raises(ValueError, match=re.escape(
             "set_auto_parallel_context: unknown key 'pipeline_stage'; valid keys are "
-            "all_reduce_fusion_config, auto_parallel_search_mode, comm_fusion, dataset_strategy, device_num, full_batch, "
-            "global_rank, gradients_mean, parallel_mode, parameter_broadcast, search_mode, "
+            "all_reduce_fusion_config, auto_parallel_search_mode, comm_fusion, dataset_strategy, device_num, "
+            "enable_parallel_optimizer, full_batch, "
+            "global_rank, gradients_mean, parallel_mode, parallel_optimizer_config, "
+            "parameter_broadcast, search_mode, "
             "sharding_propagation, strategy_ckpt_load_file, strategy_ckpt_save_file; accepted at their default value "
             "only (not implemented): auto_pipeline, ")):
         context.set_auto_parallel_context(pipeline_stage=2)

@@ -79,7 +79,8 @@ __all__ = ["KINDS", "REASONS", "LINKS", "CommRecord", "TraceState", "comm_cause"
 
 KINDS = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "Reduce",
          "Scatter", "Gather", "Send/Recv", "Push", "Pull")
-REASONS = ("forward", "backward", "gradient", "redistribution", "parameter_broadcast", "user")
+REASONS = ("forward", "backward", "gradient", "redistribution", "parameter_broadcast", "user",
+           "parallel_optimizer")
 
 #: ``link=`` presets of the alpha-beta model: name -> (alpha seconds per message,
 #: beta seconds per byte). 10GbE: 1.25 GB/s and 20 us per message (TCP); 100GbE:

@@ -18,6 +18,7 @@ from ...parallel.grad_reduce import fuse_gradient_moves, reduce_gradients
 from ...parallel.graph.trace import current_trace
 from ...parallel.tensor_layout import TensorLayout
 from ...parallel.moves import redistribute_grid, redistribute_tensor
+from ...parallel import optimizer_shard
 from ...parallel.replicas import replica_blocks, store_blocks
 from ...parallel.strategy import is_sharded_layout
 from ...ps.optim import register_optimizer_class
@@ -256,19 +257,27 @@ class Optimizer(Cell):
         if distributed is None:
             return True
         worker = active_worker()
+        # the parallel optimizer: the weights whose states and update are split over
+        # their replicas (None: none is)
+        shards = optimizer_shard.plan(self) if distributed and worker is None else None
         if distributed:
+            targets = params
+            if shards is not None:
+                gradients = shards.scatter(gradients)      # their ReduceScatters
+                targets = shards.targets
             if worker is None:
                 # the sharded weights' gradient ReduceScatters and AllReduces, in fused
                 # buckets per comm_fusion (as a compiled step fuses them); the others
                 # move one by one below
-                gradients = fuse_gradient_moves(gradients, params)
-            gradients = reduce_gradients(gradients, params)   # data-parallel AllReduce
+                gradients = fuse_gradient_moves(gradients, targets)
+            gradients = reduce_gradients(gradients, targets)   # data-parallel AllReduce
         # parameter server mode: the servers update the weights they hold (push the
         # gradients, pull the new values); this optimizer updates the others
         on_servers = worker.step(self, gradients) if worker is not None else ()
         step = self.global_step
         scale = self._inv_scale
         decay = self._decay
+        updated = {}                    # the parallel optimizer's updated slices
         for group in self._groups:
             lr = group.lr(step)
             for i in range(group.start, group.stop):
@@ -276,6 +285,18 @@ class Optimizer(Cell):
                 if not p.requires_grad or i in on_servers:
                     continue
                 g = gradients[i]
+                if shards is not None and shards.sharded(i):
+                    # the parallel optimizer: this device's slice of the weight and of
+                    # its states, updated with the ReduceScattered gradient
+                    shards.match_states(self, i)
+                    w, g = shards.weight_slice(i), g._data
+                    if scale != 1.0:
+                        g = g * scale
+                    if decay[i]:
+                        g = g + decay[i] * w
+                    self._update(i, w, g, lr)
+                    updated[i] = w
+                    continue
                 if p._layout is not None and is_sharded_layout(p._layout):
                     # a sharded weight: its gradient moves into the weight's layout (the
                     # gradient communication) and the update runs on the local shards
@@ -315,6 +336,8 @@ class Optimizer(Cell):
                 if decay[i]:
                     g = g + decay[i] * w
                 self._update(i, w, g, lr)
+        if updated:
+            shards.gather(updated)      # the updated slices AllGathered into the weights
         self.global_step = step + 1
         return True
 

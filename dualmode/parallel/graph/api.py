@@ -89,12 +89,12 @@ TRAIN_EPOCH = [0]
 def _context_key():
     st = context._STATE
     ap = st.auto_parallel
-    # the parallel mode, gradients_mean and the fusion settings shape the gradient nodes of
-    # a train step (grad_reduce.replica_gradient_scale, fuse.py)
+    # the parallel mode, gradients_mean, the fusion settings and the parallel optimizer's
+    # shape the gradient nodes of a train step (grad_reduce.replica_gradient_scale, fuse.py)
     return (ap.parallel_mode, device_num(), ap.search_mode, ap.dataset_strategy,
             st.algo.fully_use_devices, st.run.mode, _primitive.STRATEGY_EPOCH[0],
             ap.gradients_mean, repr(ap.comm_fusion), repr(ap.all_reduce_fusion_config),
-            TRAIN_EPOCH[0])
+            TRAIN_EPOCH[0], ap.enable_parallel_optimizer, repr(ap.parallel_optimizer_config))
 
 
 class _ModeOverride:

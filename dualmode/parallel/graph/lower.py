@@ -38,6 +38,7 @@ import numpy as np
 
 from ..._core._tensor import TensorBase
 from ..grad_reduce import is_dp_partial, replica_gradient_scale, resolves_pending
+from ..optimizer_shard import shard_layout
 from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribution.planner import plan_redistribution
@@ -335,7 +336,14 @@ class _Lowering:
             if lay is None or plan is None or p.layerwise_parallel or not p.requires_grad:
                 continue
             target = plan.layout
-            if target is not None and is_sharded_layout(target):
+            sliced = shard_layout(p, target)
+            if sliced is not None:
+                # the parallel optimizer: into the weight's optimizer slices (its
+                # ReduceScatter), where the update reads it. (Graphs are compiled in
+                # semi_auto/auto parallel, where replica_gradient_scale is None.)
+                if lay != sliced:
+                    ins[i] = self.move(x, sliced, p.name, reason="gradient", backward=True)
+            elif target is not None and is_sharded_layout(target):
                 if lay != target:
                     ins[i] = self.move(x, target, p.name, reason="gradient", backward=True)
             elif target is None and is_dp_partial(lay):
