@@ -98,6 +98,9 @@ class AutoParallelConfig:
     comm_fusion: Mapping[str, Tuple[str, Any]] = field(default_factory=dict)
     strategy_ckpt_save_file: Optional[str] = None
     strategy_ckpt_load_file: Optional[str] = None
+    strategy_ckpt_only_trainable_params: bool = True
+    group_ckpt_save_file: Optional[str] = None
+    enable_alltoall: bool = True
     enable_parallel_optimizer: bool = False
     parallel_optimizer_config: Mapping[str, Any] = field(default_factory=dict)
     pipeline_stages: int = 1
@@ -543,6 +546,28 @@ def _check_parallel_optimizer_fits(func: str, cfg: "AutoParallelConfig") -> None
             f"data_parallel, semi_auto_parallel or auto_parallel")
 
 
+#: strategy_ckpt_config's keys and the config fields they set
+_STRATEGY_CKPT_KEYS = {"save_file": "strategy_ckpt_save_file",
+                       "load_file": "strategy_ckpt_load_file",
+                       "only_trainable_params": "strategy_ckpt_only_trainable_params"}
+
+
+def _check_strategy_ckpt_config(func: str, key: str, value: Any) -> Dict[str, Any]:
+    """MindSpore's newer form of the strategy file keys: {"save_file": path, "load_file":
+    path, "only_trainable_params": bool}; only the keys given change."""
+    if not isinstance(value, Mapping):
+        raise _type_error(func, key, value, 'a dict with keys among "save_file", '
+                          '"load_file", "only_trainable_params"')
+    out: Dict[str, Any] = {}
+    for name, v in value.items():
+        if name not in _STRATEGY_CKPT_KEYS:
+            raise ValueError(f"{func}: {key} has unknown key {name!r}; valid keys are "
+                             + ", ".join(repr(k) for k in _STRATEGY_CKPT_KEYS))
+        where = f"{key}[{name!r}]"
+        out[name] = _check_bool(func, where, v) if name == "only_trainable_params" \
+            else _check_path(func, where, v)
+    return out
+
 
 #: MindSpore keys dualmode knows but does not implement (default value accepted only)
 _UNSUPPORTED_AUTO_PARALLEL = {
@@ -550,13 +575,8 @@ _UNSUPPORTED_AUTO_PARALLEL = {
     "optimizer_weight_shard_size": (-1, "the parallel optimizer"),
     "pipeline_config": ({}, "pipeline parallelism"),
     "auto_pipeline": (False, "pipeline parallelism"),
-    "enable_alltoall": (False, "AlltoAll in place of AllGather for redistribution "
-                               "switches"),
     "gradient_fp32_sync": (True, "fp16 gradient AllReduce"),
     "loss_repeated_mean": (True, "loss_repeated_mean=False"),
-    "group_ckpt_save_file": (None, "group checkpoints"),
-    "strategy_ckpt_config": ({}, "strategy_ckpt_config (use strategy_ckpt_save_file / "
-                                 "strategy_ckpt_load_file)"),
 }
 
 _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
@@ -575,6 +595,9 @@ _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
     "comm_fusion": _check_comm_fusion,
     "strategy_ckpt_save_file": _check_path,
     "strategy_ckpt_load_file": _check_path,
+    "strategy_ckpt_config": _check_strategy_ckpt_config,
+    "group_ckpt_save_file": _check_path,
+    "enable_alltoall": _check_bool,
     "enable_parallel_optimizer": _check_bool,
     "parallel_optimizer_config": _check_parallel_optimizer_config,
 }
@@ -600,6 +623,15 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
     for key in _UNSUPPORTED_AUTO_PARALLEL:
         if key not in ("pipeline_stages",):
             updates.pop(key, None)            # their default: nothing to store
+    if "strategy_ckpt_config" in updates:
+        for name, value in updates.pop("strategy_ckpt_config").items():
+            field_name = _STRATEGY_CKPT_KEYS[name]
+            if field_name in updates and updates[field_name] != value:
+                raise ValueError(
+                    f"{func}: strategy_ckpt_config[{name!r}]={value!r} contradicts "
+                    f"{field_name}={updates[field_name]!r}; they are one setting (the "
+                    f"second is its older form): give only one of them")
+            updates[field_name] = value
     if "auto_parallel_search_mode" in updates:
         old_name = updates.pop("auto_parallel_search_mode")
         if updates.get("search_mode", old_name) != old_name:
@@ -685,6 +717,20 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         nothing.
     strategy_ckpt_save_file, strategy_ckpt_load_file : str or None
         Paths of the strategy checkpoint.
+    strategy_ckpt_config : dict
+        MindSpore's newer form of the two keys above: ``{"save_file": path, "load_file":
+        path, "only_trainable_params": bool}`` (only the keys given change; the same file
+        either way). ``only_trainable_params`` (default True) saves and loads the
+        layouts of trainable parameters only. A value contradicting
+        ``strategy_ckpt_save_file`` / ``strategy_ckpt_load_file`` in the same call is an
+        error.
+    group_ckpt_save_file : str or None
+        A JSON file listing the communication groups (rank lists) of the collectives run
+        since the key was set, rewritten when a new group appears.
+    enable_alltoall : bool
+        True (dualmode's default): redistributions may move a split from one dim to
+        another with one AlltoAll where that is cheapest. False: as MindSpore's default,
+        an AllGather then a local slice instead of every AlltoAll.
     enable_parallel_optimizer : bool
         The parallel optimizer (default False), in data_parallel, semi_auto_parallel and
         auto_parallel: each weight replicated over some devices (and of at least
@@ -759,6 +805,8 @@ def get_auto_parallel_context(key: str) -> Any:
     if key == "comm_fusion":
         return {op: {"mode": mode, "config": copy.deepcopy(config)}
                 for op, (mode, config) in cfg.comm_fusion.items()}
+    if key == "strategy_ckpt_config":
+        return {name: getattr(cfg, f) for name, f in _STRATEGY_CKPT_KEYS.items()}
     if key == "parallel_optimizer_config":
         return dict(cfg.parallel_optimizer_config)
     if not hasattr(cfg, key):

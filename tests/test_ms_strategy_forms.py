@@ -256,3 +256,167 @@ def test_layout_none_in_tuple_matmul_matches_single_device(mode):
     np.testing.assert_allclose(gw, x.T @ sens, rtol=1e-5, atol=1e-5)
     if mode == "pynative":
         assert net.w.layout.dim_parts == (2, 2)
+
+
+# ------------------------------------------------------------------ context keys
+
+class _TwoWeights(nn.Cell):
+    """A trainable and a frozen weight, both stored sharded by their strategies."""
+
+    def __init__(self):
+        super().__init__()
+        self.mm1 = P.MatMul().shard(((2, 1), (1, 4)))
+        self.mm2 = P.MatMul().shard(((2, 4), (4, 1)))
+        self.w = Parameter(Tensor(_normal(8, 16)), "w")
+        self.frozen = Parameter(Tensor(_normal(16, 8)), "frozen", requires_grad=False)
+
+    def construct(self, x):
+        return self.mm2(self.mm1(x, self.w), self.frozen)
+
+
+def _saved(path):
+    with open(path) as f:
+        return json.load(f)["parameters"]
+
+
+def test_strategy_ckpt_config_save_file_is_strategy_ckpt_save_file(tmp_path):
+    """Both forms write the same file; only_trainable_params (default True, as in
+    MindSpore) leaves the frozen weight out, False keeps it."""
+    x = Tensor(_normal(4, 8))
+    files = {}
+    for form in ("old", "config", "config_all"):
+        path = str(tmp_path / form / "strategy.json")
+        if form == "old":
+            _semi(8, strategy_ckpt_save_file=path)
+        elif form == "config":
+            _semi(8, strategy_ckpt_config={"save_file": path})
+        else:
+            _semi(8, strategy_ckpt_config={"save_file": path, "only_trainable_params": False})
+        net = _TwoWeights()
+        expected = x.asnumpy() @ net.w.asnumpy() @ net.frozen.asnumpy()
+        np.testing.assert_allclose(net(x).asnumpy(), expected, rtol=1e-5, atol=1e-5)
+        assert dm.get_auto_parallel_context("strategy_ckpt_save_file") == path
+        files[form] = _saved(path)
+        dm.reset_auto_parallel_context()
+    assert files["old"] == files["config"]
+    assert set(files["config"]) == {"w"}
+    assert files["config"]["w"]["tensor_map"] == [-1, 0]
+    assert set(files["config_all"]) == {"w", "frozen"}
+    assert files["config_all"]["w"] == files["config"]["w"]
+
+
+def test_strategy_ckpt_config_load_file(tmp_path):
+    path = str(tmp_path / "strategy.json")
+    _semi(8, strategy_ckpt_save_file=path)
+    x = Tensor(_normal(4, 8))
+    _TwoWeights()(x)
+    dm.reset_auto_parallel_context()
+    _semi(8, strategy_ckpt_config={"load_file": path})
+    assert dm.get_auto_parallel_context("strategy_ckpt_load_file") == path
+    assert dm.get_auto_parallel_context("strategy_ckpt_config") == {
+        "save_file": None, "load_file": path, "only_trainable_params": True}
+    net = _TwoWeights()
+    expected = x.asnumpy() @ net.w.asnumpy() @ net.frozen.asnumpy()
+    np.testing.assert_allclose(net(x).asnumpy(), expected, rtol=1e-5, atol=1e-5)
+    assert net.w.layout.dim_parts == (1, 4)
+
+
+@pytest.mark.parametrize("kwargs,err,msg", [
+    ({"strategy_ckpt_config": {"save_file": "a.json"}, "strategy_ckpt_save_file": "b.json"},
+     ValueError, r"set_auto_parallel_context: strategy_ckpt_config\['save_file'\]='a\.json' "
+                 r"contradicts strategy_ckpt_save_file='b\.json'; they are one setting"),
+    ({"strategy_ckpt_config": {"load_file": "a.json"}, "strategy_ckpt_load_file": "b.json"},
+     ValueError, r"strategy_ckpt_config\['load_file'\]='a\.json' contradicts "
+                 r"strategy_ckpt_load_file='b\.json'"),
+    ({"strategy_ckpt_config": {"save": "a.json"}}, ValueError,
+     r"strategy_ckpt_config has unknown key 'save'; valid keys are 'save_file', "
+     r"'load_file', 'only_trainable_params'"),
+    ({"strategy_ckpt_config": {"save_file": 3}}, TypeError,
+     r"strategy_ckpt_config\['save_file'\]"),
+    ({"strategy_ckpt_config": {"only_trainable_params": 1}}, TypeError,
+     r"strategy_ckpt_config\['only_trainable_params'\]"),
+    ({"strategy_ckpt_config": "a.json"}, TypeError, r"strategy_ckpt_config"),
+    ({"group_ckpt_save_file": 3}, TypeError, r"group_ckpt_save_file"),
+    ({"enable_alltoall": "yes"}, TypeError, r"enable_alltoall"),
+])
+def test_context_keys_refused_by_name_state_unchanged(kwargs, err, msg):
+    dm.set_auto_parallel_context(strategy_ckpt_save_file="keep.json", enable_alltoall=False)
+    before = {k: dm.get_auto_parallel_context(k) for k in (
+        "strategy_ckpt_config", "strategy_ckpt_save_file", "strategy_ckpt_load_file",
+        "group_ckpt_save_file", "enable_alltoall", "device_num")}
+    with pytest.raises(err, match=msg):
+        dm.set_auto_parallel_context(device_num=4, **kwargs)
+    assert {k: dm.get_auto_parallel_context(k) for k in before} == before
+
+
+def test_strategy_ckpt_config_same_value_in_both_forms_is_accepted():
+    dm.set_auto_parallel_context(strategy_ckpt_config={"save_file": "a.json"},
+                                 strategy_ckpt_save_file="a.json")
+    assert dm.get_auto_parallel_context("strategy_ckpt_save_file") == "a.json"
+    # only the keys given change, as MindSpore
+    dm.set_auto_parallel_context(strategy_ckpt_config={"only_trainable_params": False})
+    assert dm.get_auto_parallel_context("strategy_ckpt_config") == {
+        "save_file": "a.json", "load_file": None, "only_trainable_params": False}
+
+
+def test_group_ckpt_save_file_lists_the_groups_used(mode, tmp_path):
+    """MatMul ((4, 2), (4, 2)) on 8 devices gathers x over the pairs of axis 1 and w over
+    the four-device groups of axis 0: exactly those groups are in the file."""
+    from dualmode.train.group_file import group_name, load_group_file
+    path = tmp_path / "sub" / "groups.json"
+    _semi(8, group_ckpt_save_file=str(path))
+    x, w = _normal(16, 8), _normal(8, 16)
+    np.testing.assert_allclose(_MatMulNet(w, ((4, 2), (4, 2)))(Tensor(x)).asnumpy(), x @ w,
+                               rtol=1e-5, atol=1e-5)
+    groups = load_group_file(path)
+    expected = [[0, 1], [2, 3], [4, 5], [6, 7], [0, 2, 4, 6], [1, 3, 5, 7]]
+    assert sorted(groups.values()) == sorted(expected)
+    assert all(name == group_name(ranks) for name, ranks in groups.items())
+    with pytest.raises(FileNotFoundError, match=r"group file .* does not exist"):
+        load_group_file(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_enable_alltoall(mode, enable):
+    """A split moved from dim 0 to dim 1: one AlltoAll (True, dualmode's default), or
+    as MindSpore's default False an AllGather and a local slice (k times the bytes)."""
+    _semi(8, enable_alltoall=enable)
+    assert dm.get_auto_parallel_context("enable_alltoall") is enable
+    lay = Layout((8,), ("tp",))
+    xn = _normal(16, 16)
+    x = dm.reshard(Tensor(xn), lay("tp", "None"))
+    with CommReport() as comm:
+        y = dm.reshard(x, lay("None", "tp"))
+    np.testing.assert_array_equal(y.asnumpy(), xn)
+    assert y.layout.tensor_map == ((), (0,))
+    piece = 2 * 16 * 4                           # bytes of one device's (2, 16) block
+    if enable:
+        assert [r.kind for r in comm.records] == ["AlltoAll"]
+        assert comm.bytes() == 7 / 8 * piece
+    else:
+        assert [r.kind for r in comm.records] == ["AllGather"]
+        assert comm.bytes() == 7 * piece
+
+
+def test_enable_alltoall_false_matmul_two_layouts_matches_single_device(mode):
+    """The pending test's network (layout_extend_moe) shape: a GeLU then a BatchMatMul
+    with layouts that switch the split dim, with AlltoAll off, against numpy."""
+    _semi(16, enable_alltoall=False)
+    layout = Layout((2, 2, 4), ("vp", "dp", "mp"))
+    x, w = _normal(8, 16, 16), _normal(8, 16, 16)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.bmm = P.BatchMatMul().shard(in_strategy=(
+                layout(("dp", "vp"), "None", "None"), layout(("dp", "vp"), "None", "mp")))
+            self.neg = P.Neg().shard(in_strategy=(layout("None", ("dp", "vp"), "None"),))
+            self.w = Parameter(Tensor(w), "w")
+
+        def construct(self, y):
+            return self.bmm(self.neg(y), self.w)
+
+    with CommReport() as comm:
+        out = Net()(Tensor(x))
+    np.testing.assert_allclose(out.asnumpy(), np.matmul(-x, w), rtol=1e-5, atol=1e-5)
+    assert comm.count("AlltoAll") == 0

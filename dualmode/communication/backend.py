@@ -208,6 +208,8 @@ class Backend(abc.ABC):
 
     def _record(self, kind: str, plan: GroupPlan, stack: np.ndarray, out: np.ndarray,
                 total_bytes: Optional[int] = None) -> None:
+        if trace.GROUP_SINKS:
+            trace.note_groups(plan.members)
         if trace._STATE.reports:
             trace.record(kind, plan.group_size, plan.num_groups, self._device_bytes(stack),
                          total_bytes)
@@ -264,6 +266,8 @@ class Backend(abc.ABC):
 
     def _record_fused(self, kind: str, plan: GroupPlan, stacks, outs) -> None:
         """One record of `kind` for a fused collective: the summed input bytes."""
+        if trace.GROUP_SINKS:
+            trace.note_groups(plan.members)
         if trace._STATE.reports:
             nbytes = sum(self._device_bytes(s) for s in stacks)
             trace.record(kind, plan.group_size, plan.num_groups, nbytes, None)

@@ -245,6 +245,18 @@ def record(kind: str, group_size: int, num_groups: int, buffer_bytes: int,
         report._add_record(rec)
 
 
+#: functions given the member ranks ``(G, n)`` of every collective run, whether or not a
+#: report is active (the writer of ``group_ckpt_save_file`` installs one)
+GROUP_SINKS: list = []
+
+
+def note_groups(members) -> None:
+    """Offer the groups (an int array ``(G, n)``: one row of ranks per group) of one
+    collective to every sink of :data:`GROUP_SINKS`."""
+    for sink in GROUP_SINKS:
+        sink(members)
+
+
 def note_memory(bytes_per_device: int) -> None:
     """Offer a per-device live-memory figure (bytes) to every active report; each keeps
     the largest it was offered as its ``peak_memory``."""

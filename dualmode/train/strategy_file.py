@@ -39,6 +39,7 @@ from ..parallel import strategy_ckpt
 from ..parallel.devices import device_num
 from ..parallel.strategy import is_sharded_layout
 from ..parallel.tensor_layout import LayoutError, TensorLayout
+from ..tensor import live_parameters
 from .safetensors_io import CheckpointError, atomic_write_bytes
 
 __all__ = ["layout_to_dict", "layout_from_dict", "layout_entry", "layout_from_entry",
@@ -218,6 +219,9 @@ def record_layouts(layouts, dtypes=None) -> Optional[str]:
     changed = not _SAVED["written"]
     items = layouts.items() if isinstance(layouts, dict) else \
         [(p.name, lay) for p, lay in layouts]
+    if context._STATE.auto_parallel.strategy_ckpt_only_trainable_params:
+        frozen = _frozen_names(layouts)
+        items = [(name, lay) for name, lay in items if name not in frozen]
     dtypes = dict(dtypes or {})
     if not isinstance(layouts, dict):
         dtypes.update({p.name: p.dtype for p, _ in layouts})
@@ -237,6 +241,18 @@ def record_layouts(layouts, dtypes=None) -> Optional[str]:
     return path
 
 
+def _frozen_names(layouts) -> set:
+    """The names in `layouts` of parameters that are not trainable (``requires_grad``
+    False): given as Parameters, or named in a dict and every live Parameter of that
+    name frozen."""
+    if not isinstance(layouts, dict):
+        return {p.name for p, _ in layouts if not p.requires_grad}
+    live = {}
+    for p in live_parameters():
+        live.setdefault(p.name, []).append(p.requires_grad)
+    return {name for name in layouts if name in live and not any(live[name])}
+
+
 def _loaded_layouts(path, owner) -> Dict[str, TensorLayout]:
     """The layouts of the strategy file at `path`, parsed once per version on disk."""
     try:
@@ -254,8 +270,9 @@ def context_layout(param, owner) -> Optional[TensorLayout]:
     """`param`'s layout from ``strategy_ckpt_load_file`` (None: the key is not set, or
     the file does not name the parameter or stores it whole). A layout for another
     shape or device count is an error naming the file and the parameter."""
-    path = context._STATE.auto_parallel.strategy_ckpt_load_file
-    if path is None:
+    cfg = context._STATE.auto_parallel
+    path = cfg.strategy_ckpt_load_file
+    if path is None or (cfg.strategy_ckpt_only_trainable_params and not param.requires_grad):
         return None
     path = os.fspath(path)
     lay = _loaded_layouts(path, f"{owner}: strategy_ckpt_load_file").get(param.name)

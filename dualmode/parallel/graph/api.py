@@ -94,7 +94,8 @@ def _context_key():
     return (ap.parallel_mode, device_num(), ap.search_mode, ap.dataset_strategy,
             st.algo.fully_use_devices, st.run.mode, _primitive.STRATEGY_EPOCH[0],
             ap.gradients_mean, repr(ap.comm_fusion), repr(ap.all_reduce_fusion_config),
-            TRAIN_EPOCH[0], ap.enable_parallel_optimizer, repr(ap.parallel_optimizer_config))
+            TRAIN_EPOCH[0], ap.enable_parallel_optimizer, repr(ap.parallel_optimizer_config),
+            ap.enable_alltoall)
 
 
 class _ModeOverride:

@@ -136,6 +136,13 @@ def _record_steps(plan: Plan, itemsize: int) -> None:
     """Record ``plan``'s collectives exactly as :func:`run_plan` makes the backend record
     them (kind, group size, groups, input bytes per device, and input plus output bytes
     as the memory note), without running them."""
+    if trace.GROUP_SINKS:
+        mesh = plan._mesh(plan.device_matrix)
+        for step in plan:
+            if step[0] == "Remesh":
+                mesh = plan._mesh(step.device_matrix)
+            elif step.communicates:
+                trace.note_groups(mesh.group_members(step[2]))
     if not trace._STATE.reports:
         return
     n = plan.src.device_num
@@ -207,7 +214,7 @@ def run_plan_direct(plan: Plan, stack: np.ndarray, backend=None, *,
     if stack.shape != src.stack_shape:
         raise ValueError(f"redistribute: the stack has shape {np.shape(stack)}, expected "
                          f"{src.stack_shape} (local devices, *local shape of {src!r})")
-    if trace._STATE.reports:
+    if trace._STATE.reports or trace.GROUP_SINKS:
         with comm_cause(op_name, reason):
             _record_steps(plan, stack.itemsize)
     totals = known_totals(stack, src.device_matrix, src.partial)
@@ -248,7 +255,7 @@ def run_plan_grid(plan: Plan, stack: np.ndarray, backend=None, *,
         if known is not None and not dst.partial:
             return known                    # the blocks of a known value, as a grid
         return as_stack(stack).reshape(dst.device_matrix + dst.local_shape)
-    if trace._STATE.reports:
+    if trace._STATE.reports or trace.GROUP_SINKS:
         with comm_cause(op_name, reason):
             _record_steps(plan, stack.itemsize)
     return dst.local_blocks_grid(global_value(stack, src))

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 from typing import Dict, Tuple, Union
 
+from ... import context
 from ..._core import _redist
 from .._layout_checks import LayoutError
 from ..layout_spec import LayoutSpec
 from ..tensor_layout import TensorLayout
 from .reference import _reference_raw
-from .steps import _BY_NAME, SEARCH_BUDGET, Plan, RedistributionError, Remesh
+from .steps import (_BY_NAME, SEARCH_BUDGET, AllGather, LocalSlice, Plan, RedistributionError,
+                    Remesh)
 
 
 # ============================================================================ errors
@@ -61,7 +63,26 @@ def _partial_error(src, dst):
 
 def _build(raw, src, dst, itemsize) -> Plan:
     new, kinds = tuple.__new__, _BY_NAME
-    return Plan([new(kinds[r[0]], r) for r in raw[2]], src, dst, raw[1], itemsize)
+    steps = [new(kinds[r[0]], r) for r in raw[2]]
+    if not context._STATE.auto_parallel.enable_alltoall:
+        steps = _without_alltoall(steps)
+    return Plan(steps, src, dst, raw[1], itemsize)
+
+
+def _without_alltoall(steps) -> list:
+    """`steps` with every AllToAll replaced by an AllGather of its source dim and a
+    LocalSlice of its destination dim over the same axes (``enable_alltoall=False``, as
+    MindSpore circumvents AlltoAll). The AllGather moves ``(k - 1) S`` bytes where the
+    AllToAll moved ``(k - 1) / k S``: ``k`` times as many."""
+    out = []
+    for st in steps:
+        if st[0] == "AllToAll":
+            (a, b), axes, k, nbytes = st[1], st[2], st[3], st[4]
+            out.append(AllGather(a, axes, k, nbytes * k))
+            out.append(LocalSlice(b, axes, k))
+        else:
+            out.append(st)
+    return out
 
 
 def _plan(src, dst, itemsize, planner) -> Plan:
@@ -123,16 +144,17 @@ def plan_redistribution(src: TensorLayout, dst: Union[TensorLayout, LayoutSpec],
         does not divide its dim, or destination partial sums not pending in the source.
     """
     # the entry holds src and dst, so their ids cannot be reused while it lives
-    hit = _BY_ID.get((id(src), id(dst), itemsize))
+    a2a = context._STATE.auto_parallel.enable_alltoall
+    hit = _BY_ID.get((id(src), id(dst), itemsize, a2a))
     if hit is not None:
         _STATS[0] += 1
         return hit[2]
     # equal layouts: keyed by their fields, cheaper to hash and compare than the layouts
     if type(src) is TensorLayout and type(dst) is TensorLayout:
         key = (src.device_matrix, src.tensor_map, src.shape, src.partial, dst.device_matrix,
-               dst.tensor_map, dst.shape, dst.partial, itemsize)
+               dst.tensor_map, dst.shape, dst.partial, itemsize, a2a)
     else:                           # an applied Layout, or not layouts at all
-        key = (src, dst, itemsize)
+        key = (src, dst, itemsize, a2a)
     try:
         plan = _CACHE.get(key)
     except TypeError:               # unhashable: not layouts; let validation say so
@@ -146,7 +168,7 @@ def plan_redistribution(src: TensorLayout, dst: Union[TensorLayout, LayoutSpec],
         _CACHE.clear()
         _BY_ID.clear()
     _CACHE[key] = plan
-    _BY_ID[(id(src), id(dst), itemsize)] = (src, dst, plan)
+    _BY_ID[(id(src), id(dst), itemsize, a2a)] = (src, dst, plan)
     return plan
 
 
