@@ -58,3 +58,6 @@ __all__ += ["shard", "reshard"]
 from .dry_run import DryRunReport, abstract, dry_run  # noqa: E402
 
 __all__ += ["dry_run", "abstract", "DryRunReport"]
+from .optimizer_shard import OptimizerMemory, optimizer_memory  # noqa: E402
+
+__all__ += ["optimizer_memory", "OptimizerMemory"]
