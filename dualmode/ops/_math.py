@@ -200,11 +200,13 @@ def greater_equal(x, y):
 # elementwise unary
 # ---------------------------------------------------------------------------
 def _sigmoid_kernel(x):
-    # exp(-log(1 + exp(-x))): stable for large |x|
+    # 1 / (1 + exp(-x)): exp(-x) overflows to inf only where the result is below the
+    # dtype's smallest normal number, and 1 / inf is 0 there (one exp, no log)
     out = np.negative(x, out=np.empty_like(x))     # out= keeps 0-d results arrays
-    np.logaddexp(0, out, out=out)
-    np.negative(out, out=out)
-    return np.exp(out, out=out)
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out += 1
+    return np.reciprocal(out, out=out)
 
 
 def _relu_kernel(x):
@@ -813,9 +815,21 @@ def _gelu_kernel(x):
 def _gelu_grad_kernel(x, dy):
     """dy * d GeLU / dx: s + 2 x s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 x^2), with
     s = sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))."""
-    x2 = x * x
-    s = _sigmoid_kernel(2 * _SQRT_2_OVER_PI * x * (1 + _GELU_CUBIC * x2))
-    return dy * (s + 2 * _SQRT_2_OVER_PI * x * s * (1 - s) * (1 + 3 * _GELU_CUBIC * x2))
+    x2 = np.multiply(x, x, out=np.empty_like(x))     # out= keeps 0-d results arrays
+    z = np.multiply(x2, _GELU_CUBIC, out=np.empty_like(x))
+    z += 1
+    z *= x
+    z *= 2 * _SQRT_2_OVER_PI
+    s = _sigmoid_kernel(z)
+    t = np.multiply(x2, 3 * _GELU_CUBIC, out=x2)
+    t += 1
+    t *= x
+    t *= 2 * _SQRT_2_OVER_PI
+    t *= s
+    np.subtract(1, s, out=z)
+    t *= z
+    t += s
+    return np.multiply(t, dy, out=t)
 
 
 def _fast_gelu_kernel(x):
