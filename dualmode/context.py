@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import numbers
 import os
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -52,6 +53,9 @@ GRAPH_MODE = 0
 PYNATIVE_MODE = 1
 
 _MAX_DEVICE_NUM = 4096
+#: pipeline_config's default (MindSpore's): one stage per device group, 1F1B order
+_PIPELINE_DEFAULTS = types.MappingProxyType({"pipeline_interleave": False,
+                                             "pipeline_scheduler": "1f1b"})
 
 
 class ParallelMode:
@@ -89,6 +93,10 @@ class AutoParallelConfig:
 
     parallel_mode: str = ParallelMode.STAND_ALONE
     device_num: Optional[int] = None
+    #: pipeline parallelism's settings: ``{"pipeline_interleave": False,
+    #: "pipeline_scheduler": "1f1b" | "gpipe"}`` (read-only); the stage count is
+    #: ``pipeline_stages`` below
+    pipeline_config: Mapping[str, Any] = field(default_factory=lambda: _PIPELINE_DEFAULTS)
     global_rank: Optional[int] = None
     gradients_mean: bool = False
     parameter_broadcast: bool = False
@@ -188,6 +196,15 @@ def reset_context() -> None:
     for f in dataclasses.fields(ContextState):
         if f.name not in ("comm", "ps_role"):
             setattr(_STATE, f.name, getattr(fresh, f.name))
+    _leave_pipeline_stage()
+
+
+def _leave_pipeline_stage() -> None:
+    """After a reset (pipeline_stages back to 1) the parallel layer runs on the whole
+    job's backend again, not on a pipeline stage's."""
+    b = _STATE.comm.backend
+    if b is not None and getattr(b, "world", None) is not None:
+        _STATE.comm.backend = b.world
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -401,6 +418,37 @@ def _check_device_num(func: str, key: str, value: Any) -> Optional[int]:
     return _check_int_range(func, key, value, 1, _MAX_DEVICE_NUM)
 
 
+def _check_pipeline_stages(func: str, key: str, value: Any) -> int:
+    return _check_int_range(func, key, value, 1, _MAX_DEVICE_NUM)
+
+
+_PIPELINE_SCHEDULERS = ("1f1b", "gpipe")
+
+
+def _check_pipeline_config(func: str, key: str, value: Any) -> Mapping[str, Any]:
+    """``{"pipeline_scheduler": "1f1b" | "gpipe", "pipeline_interleave": False}``; the
+    keys not given take their defaults. Stored read-only."""
+    if not isinstance(value, Mapping):
+        raise _type_error(func, key, value, 'a dict such as {"pipeline_scheduler": '
+                          '"1f1b"}')
+    out = dict(_PIPELINE_DEFAULTS)
+    for name, v in value.items():
+        if name == "pipeline_scheduler":
+            if not isinstance(v, str) or v not in _PIPELINE_SCHEDULERS:
+                raise ValueError(f"{func}: {key}['pipeline_scheduler']={v!r} is not valid; "
+                                 f"expected {_fmt_choices(_PIPELINE_SCHEDULERS)}")
+        elif name == "pipeline_interleave":
+            if v is not False:
+                raise ValueError(f"{func}: {key}['pipeline_interleave']={v!r} is not "
+                                 f"supported: dualmode does not implement interleaved "
+                                 f"(virtual) pipeline stages; leave it False")
+        else:
+            raise ValueError(f"{func}: {key} has unknown key {name!r}; valid keys are "
+                             f"'pipeline_scheduler' and 'pipeline_interleave'")
+        out[name] = v
+    return types.MappingProxyType(out)
+
+
 def _check_global_rank(func: str, key: str, value: Any) -> Optional[int]:
     if value is None:
         return None
@@ -571,9 +619,7 @@ def _check_strategy_ckpt_config(func: str, key: str, value: Any) -> Dict[str, An
 
 #: MindSpore keys dualmode knows but does not implement (default value accepted only)
 _UNSUPPORTED_AUTO_PARALLEL = {
-    "pipeline_stages": (1, "pipeline parallelism"),
     "optimizer_weight_shard_size": (-1, "the parallel optimizer"),
-    "pipeline_config": ({}, "pipeline parallelism"),
     "auto_pipeline": (False, "pipeline parallelism"),
     "gradient_fp32_sync": (True, "fp16 gradient AllReduce"),
     "loss_repeated_mean": (True, "loss_repeated_mean=False"),
@@ -603,6 +649,8 @@ _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
 }
 _AUTO_PARALLEL_CHECKERS.update({k: _unsupported(d, what)
                                 for k, (d, what) in _UNSUPPORTED_AUTO_PARALLEL.items()})
+_AUTO_PARALLEL_CHECKERS.update({"pipeline_stages": _check_pipeline_stages,
+                                "pipeline_config": _check_pipeline_config})
 
 
 def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfig:
@@ -767,6 +815,7 @@ def _process_backend():
     """The live backend when it is one device per process ("mpi"), else None: a "sim"
     backend follows ``device_num`` rather than defining it."""
     b = _STATE.comm.backend
+    b = getattr(b, "world", None) or b        # a pipeline stage's: the whole job's
     return b if b is not None and len(b.local_ranks) == 1 and b.world_size > 1 else None
 
 
@@ -817,6 +866,7 @@ def get_auto_parallel_context(key: str) -> Any:
 def reset_auto_parallel_context() -> None:
     """Restore every :func:`set_auto_parallel_context` key to its default."""
     _STATE.auto_parallel = AutoParallelConfig()
+    _leave_pipeline_stage()
 
 
 # -------------------------------------------------------------- algo parameters

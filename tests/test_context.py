@@ -232,8 +232,9 @@ MODES = "'stand_alone', 'data_parallel', 'semi_auto_parallel', 'auto_parallel', 
     ({"strategy_ckpt_load_file": b"x"}, TypeError, r"strategy_ckpt_load_file=b'x' has type bytes"),
     ({"enable_parallel_optimizer": None}, TypeError,
      r"enable_parallel_optimizer=None has type NoneType; expected a bool"),
-    ({"pipeline_stages": 0}, ValueError, r"pipeline_stages=0 is not supported"),
-    ({"pipeline_stages": True}, ValueError, r"pipeline_stages=True is not supported"),
+    ({"pipeline_stages": 0}, ValueError, r"pipeline_stages=0 is not valid; expected an int "
+                                         r"in \[1, 4096\]"),
+    ({"pipeline_stages": True}, TypeError, r"pipeline_stages=True has type bool"),
     ({"full_batch": True, "dataset_strategy": "data_parallel"}, ValueError,
      r"full_batch=True contradicts dataset_strategy='data_parallel'"),
     ({"device_nums": 8}, ValueError,
@@ -426,9 +427,7 @@ def test_reset_context_restores_everything():
 
 
 @pytest.mark.parametrize("key, value, what", [
-    ("pipeline_stages", 2, "pipeline parallelism; leave pipeline_stages at its default 1"),
     ("optimizer_weight_shard_size", 2, "the parallel optimizer"),
-    ("pipeline_config", {"pipeline_interleave": True}, "pipeline parallelism"),
     ("gradient_fp32_sync", False, "fp16 gradient AllReduce"),
     ("loss_repeated_mean", False, "loss_repeated_mean=False"),
     ("auto_pipeline", True, "pipeline parallelism"),

@@ -95,6 +95,8 @@ _NOT_FUZZED = {
     "Broadcast": "user collective (hybrid parallel): tests/test_hybrid_parallel.py",
     "ReduceScatter": "user collective (hybrid parallel): tests/test_hybrid_parallel.py",
     "Redistribute": "inserted by the library itself for every strategy",
+    "PipelineTransfer": "inserted by nn.PipelineCell between pipeline stages: "
+                        "tests/test_pipeline.py",
     "Zeros": "a constant: no inputs to shard",
     "Dropout": "random: compared with one device in tests/test_sharding_rules.py",
     "Cast": "a dtype change: tests/test_operator_parallel.py",

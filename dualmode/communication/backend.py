@@ -512,6 +512,73 @@ class Backend(abc.ABC):
     def barrier(self) -> None:
         """Wait until every device reaches this point."""
 
+    # ------------------------------------------------- pipeline stages
+
+    #: a pipeline stage's backend (see :meth:`stage_view`): the whole job's backend,
+    #: the number of stages and this process's stage (None: every stage runs here)
+    world: Optional["Backend"] = None
+    stages: int = 1
+    stage: Optional[int] = None
+
+    def stage_view(self, stages: int) -> "Backend":
+        """The backend one pipeline stage runs on: ``world_size // stages`` devices, the
+        stage's own (stage ``s`` holds world ranks ``s * n .. s * n + n - 1``), with
+        ``world`` this backend. Made once per stage count."""
+        views = self.__dict__.setdefault("_stage_views", {})
+        view = views.get(stages)
+        if view is None:
+            if not _is_int(stages) or stages < 1 or self._world_size % stages:
+                raise ValueError(f"stage_view: stages={stages!r} is not valid for "
+                                 f"world_size={self._world_size}; expected a divisor of "
+                                 f"{self._world_size}")
+            view = self._stage_view(int(stages))
+            view.world, view.stages = self, int(stages)
+            views[stages] = view
+        return view
+
+    def _stage_view(self, stages: int) -> "Backend":
+        raise ValueError(f"pipeline parallelism: the {self.name!r} backend cannot run "
+                         f"pipeline stages; use backend 'sim' or 'mpi'")
+
+    def _check_peer(self, func: str, stage) -> int:
+        if self.world is None:
+            raise RuntimeError(f"{func}: this backend is not a pipeline stage's (make one "
+                               f"with world.stage_view(stages))")
+        if not _is_int(stage) or not 0 <= stage < self.stages:
+            raise ValueError(f"{func}: stage={stage!r} is out of range for {self.stages} "
+                             f"pipeline stages; expected an int in [0, {self.stages})")
+        return int(stage)
+
+    def send(self, stack: np.ndarray, stage: int, tag: int) -> None:
+        """Send each device's buffer to the same device (same rank within the stage) of
+        pipeline stage `stage`; `tag` (an int >= 0) names the message, which
+        :meth:`recv` on that stage takes. Recorded as "Send" (the buffer's bytes per
+        device). Only on a stage's backend (:meth:`stage_view`)."""
+        f = "send"
+        stage = self._check_peer(f, stage)
+        stack = self._check_stack(f, stack)
+        self._send(stack, stage, int(tag))
+        if trace._STATE.reports:
+            trace.record("Send", 2, self._world_size, self._device_bytes(stack))
+
+    def recv(self, stage: int, tag: int) -> np.ndarray:
+        """The stack of buffers that the same devices of pipeline stage `stage` sent
+        with `tag` (see :meth:`send`). Recorded as "Receive"."""
+        f = "recv"
+        stage = self._check_peer(f, stage)
+        out = self._recv(stage, int(tag))
+        if trace._STATE.reports:
+            trace.record("Receive", 2, self._world_size, self._device_bytes(out))
+        return out
+
+    def _send(self, stack, stage: int, tag: int) -> None:
+        raise RuntimeError(f"send: the {self.name!r} backend has no point-to-point "
+                           f"transfers between pipeline stages")
+
+    def _recv(self, stage: int, tag: int) -> np.ndarray:
+        raise RuntimeError(f"recv: the {self.name!r} backend has no point-to-point "
+                           f"transfers between pipeline stages")
+
     def _check_pairs(self, func: str, pairs) -> Tuple[np.ndarray, np.ndarray]:
         expected = "a sequence of (src_rank, dst_rank) int pairs"
         try:

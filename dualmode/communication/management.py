@@ -194,9 +194,9 @@ def _install(backend: Backend) -> None:
                          f"match this process's rank {backend.local_ranks[0]} in the "
                          f"{backend.name} backend; leave global_rank unset under "
                          f"{backend.name!r}")
-    if _STATE.backend is not backend:
-        _close(_STATE.backend)
-    _STATE.backend = backend
+    if world_backend() is not backend:
+        _close(world_backend())
+    _STATE.backend = stage_backend(backend, context._STATE.auto_parallel)
     _STATE.groups = {HCCL_WORLD_COMM_GROUP: tuple(range(backend.world_size))}
     _STATE.member_arrays = {}
     GlobalComm.BACKEND = backend.name
@@ -207,17 +207,54 @@ def _follow_context(cfg) -> None:
     """Called by :func:`dualmode.set_auto_parallel_context` before it applies ``cfg``:
     a live "sim" backend is rebuilt for a new ``device_num`` (MindSpore's order:
     ``init()`` first, then the context), keeping the named groups that still fit."""
-    b = _STATE.backend
+    b = world_backend()
+    _check_stages(cfg, b)
     if b is None or b.name != "sim" or cfg.device_num is None or cfg.device_num == b.world_size:
+        _STATE.backend = stage_backend(b, cfg)
         return
     backend = backend_factory("sim")(cfg.device_num)
     keep = {k: v for k, v in _STATE.groups.items()
             if k != HCCL_WORLD_COMM_GROUP and max(v) < cfg.device_num}
     _install(backend)
+    _STATE.backend = stage_backend(backend, cfg)
     _STATE.groups.update(keep)
 
 
 context._AUTO_PARALLEL_HOOKS.append(_follow_context)
+
+_PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
+
+
+def world_backend() -> Optional[Backend]:
+    """The whole job's backend (None before :func:`init`): the live backend, or the one
+    it is a pipeline stage of."""
+    b = _STATE.backend
+    return b.world if b is not None and b.world is not None else b
+
+
+def stage_backend(world: Optional[Backend], cfg) -> Optional[Backend]:
+    """The backend the parallel layer runs on: `world`, or, under pipeline parallelism
+    (``pipeline_stages`` > 1 in semi_auto_parallel / auto_parallel), one stage's
+    (``world.stage_view``): each stage runs its cells sharded over its
+    ``device_num // pipeline_stages`` devices."""
+    stages = cfg.pipeline_stages
+    if world is None or stages <= 1 or cfg.parallel_mode not in _PIPELINE_MODES \
+            or world.world_size % stages:
+        return world
+    return world.stage_view(stages)
+
+
+def _check_stages(cfg, world: Optional[Backend]) -> None:
+    """``pipeline_stages`` must divide the device count (the configured one, else the
+    MPI world's: a "sim" backend follows ``device_num`` rather than defining it)."""
+    n = cfg.device_num
+    if n is None and world is not None and len(world.local_ranks) < world.world_size:
+        n = world.world_size
+    if cfg.pipeline_stages > 1 and n is not None and n % cfg.pipeline_stages:
+        raise ValueError(f"set_auto_parallel_context: pipeline_stages="
+                         f"{cfg.pipeline_stages} does not divide device_num={n}; each "
+                         f"stage runs on device_num / pipeline_stages devices, so "
+                         f"pipeline_stages must be a divisor of {n}")
 
 
 def ensure_init(func: str) -> Backend:
@@ -278,7 +315,7 @@ def _close(backend: Optional[Backend]) -> None:
 
 def release() -> None:
     """Stop the backend and forget every group (``init()`` starts again)."""
-    _close(_STATE.backend)
+    _close(world_backend())
     _STATE.backend = None
     _STATE.groups = {}
     _STATE.member_arrays = {}
@@ -286,15 +323,17 @@ def release() -> None:
 
 
 def get_backend() -> Backend:
-    """The live backend; RuntimeError before :func:`init`."""
-    return _backend("get_backend")
+    """The live backend (under pipeline parallelism, this process's stage's); RuntimeError
+    before :func:`init`."""
+    _backend("get_backend")
+    return _STATE.backend
 
 
 def _backend(func: str) -> Backend:
     if _STATE.backend is None:
         raise RuntimeError(f"{func}: the communication backend is not initialised; call "
                            "dualmode.communication.init() first")
-    return _STATE.backend
+    return world_backend()
 
 
 def _live_backend() -> Optional[Backend]:
@@ -305,13 +344,13 @@ def _live_backend() -> Optional[Backend]:
 def _current_device_num() -> Optional[int]:
     """The live backend's device count, or None before :func:`init` (the hook
     ``dualmode.context._backend_device_num`` can read)."""
-    return None if _STATE.backend is None else _STATE.backend.world_size
+    return None if _STATE.backend is None else world_backend().world_size
 
 
 def _current_rank() -> Optional[int]:
     """The first rank this process holds, or None before :func:`init` (the hook
     ``dualmode.context._backend_global_rank`` can read)."""
-    return None if _STATE.backend is None else _STATE.backend.local_ranks[0]
+    return None if _STATE.backend is None else world_backend().local_ranks[0]
 
 
 # ------------------------------------------------------------------ ranks
@@ -359,7 +398,7 @@ def get_rank(group: str = HCCL_WORLD_COMM_GROUP) -> int:
 def _node_members(func: str, group: str) -> Tuple[int, ...]:
     """The ranks of ``group`` on this process's node, in group order."""
     ranks = _ranks(func, group)
-    nodes = getattr(_STATE.backend, "node_ids", None)
+    nodes = getattr(world_backend(), "node_ids", None)
     if nodes is None:                      # every device in this process: one node
         return ranks
     mine = nodes[_my_rank(func)]
@@ -370,7 +409,7 @@ def _node_members(func: str, group: str) -> Tuple[int, ...]:
 def get_local_rank(group: str = HCCL_WORLD_COMM_GROUP) -> int:
     """This process's rank among the ranks of ``group`` on its node; under "sim" every
     device is on this node, so it equals :func:`get_rank`."""
-    if getattr(_STATE.backend, "node_ids", None) is None:
+    if getattr(world_backend(), "node_ids", None) is None:
         return get_rank(group)
     rank = _my_rank("get_local_rank")
     local = _node_members("get_local_rank", group)

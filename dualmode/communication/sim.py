@@ -455,5 +455,25 @@ class SimBackend(Backend):
             out[dst] = stack[src]
         return out
 
+    # ------------------------------------------------- pipeline stages
+    # Every stage runs in this process, on one stage view of world_size // stages
+    # devices: a Send leaves the stack in a mailbox (no copy) until the Receive of the
+    # other stage takes it.
+
+    def _stage_view(self, stages: int) -> "SimBackend":
+        view = SimBackend(self.world_size // stages)
+        view._mail = {}
+        return view
+
+    def _send(self, stack, stage: int, tag: int) -> None:
+        self._mail[tag] = stack
+
+    def _recv(self, stage: int, tag: int) -> np.ndarray:
+        out = self._mail.pop(tag, None)
+        if out is None:
+            raise RuntimeError(f"recv: no message with tag {tag} was sent from stage "
+                               f"{stage}")
+        return out
+
 
 register_backend("sim", SimBackend)

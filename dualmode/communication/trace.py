@@ -91,6 +91,12 @@ LINKS = {
     "nvlink": (1e-6, 1.0 / 300e9),
 }
 
+#: point-to-point transfers between pipeline stages: device i of one stage sends its
+#: buffer (an activation, or its gradient) to device i of another (``Send`` on the
+#: sending devices, ``Receive`` on the receiving ones, each ``S`` bytes per device)
+KINDS += ("Send", "Receive")
+REASONS += ("pipeline",)
+
 
 @dataclass(frozen=True)
 class CommRecord:
@@ -168,7 +174,7 @@ def bytes_per_device(kind: str, group_size: int, buffer_bytes: int,
         return (n - 1) * s
     if kind in ("ReduceScatter", "AlltoAll"):
         return (n - 1) * s / n
-    if kind in ("Broadcast", "Reduce", "Send/Recv", "Push", "Pull"):
+    if kind in ("Broadcast", "Reduce", "Send/Recv", "Send", "Receive", "Push", "Pull"):
         return s
     if kind in ("Scatter", "Gather"):
         total = n * s if total_bytes is None else float(total_bytes)

@@ -13,6 +13,7 @@ from .normalization import BatchNorm1d, BatchNorm2d, LayerNorm
 from .pooling import AvgPool2d, MaxPool2d
 from .optim import LARS, SGD, Adam, Momentum, Optimizer
 from .wrap import TrainOneStepCell, WithLossCell
+from .pipeline import MicroBatchInterleaved, PipelineCell
 
 __all__ = [
     "Cell", "SequentialCell", "CellList", "Dense", "Flatten", "Dropout", "ReLU", "Tanh",
@@ -21,4 +22,5 @@ __all__ = [
     "SGD", "Momentum", "Adam", "LARS", "WithLossCell", "TrainOneStepCell", "utils",
     "Conv2d", "BatchNorm1d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
     "GELU", "FastGelu", "PReLU",
+    "PipelineCell", "MicroBatchInterleaved",
 ]

@@ -146,6 +146,24 @@ class Cell:
         return fn
 
     @property
+    def pipeline_stage(self) -> int:
+        """The pipeline stage this cell runs on (``-1``: not set; then it runs on the
+        stage of the cell around it, or, outside every staged cell, on the stage whose
+        output it reads). See ``nn.PipelineCell`` and the context key
+        ``pipeline_stages``."""
+        return self.__dict__.get("_pipeline_stage", -1)
+
+    @pipeline_stage.setter
+    def pipeline_stage(self, value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{self.cls_name}: pipeline_stage must be an int, got "
+                            f"{type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"{self.cls_name}: pipeline_stage={value} is not valid; "
+                             f"expected an int >= 0 (a stage index below pipeline_stages)")
+        self.__dict__["_pipeline_stage"] = value
+
+    @property
     def cls_name(self) -> str:
         """The class name (MindSpore's ``Cell.cls_name``)."""
         return type(self).__name__

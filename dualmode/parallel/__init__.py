@@ -48,6 +48,9 @@ __all__ += ["check_equivalence", "EquivalenceReport"]
 from .visualize import visualize  # noqa: E402
 
 __all__ += ["visualize"]
+from .pipeline import PipelineSchedule, pipeline_schedule  # noqa: E402
+
+__all__ += ["pipeline_schedule", "PipelineSchedule"]
 
 from . import auto_parallel  # noqa: E402,F401  (dm.parallel.auto_parallel.AutoParallel)
 # the module dualmode.parallel.shard (MindSpore's path of Layout); dm.parallel.shard and

@@ -1,0 +1,129 @@
+"""PipelineCell and MicroBatchInterleaved: a network run over micro-batches (MindSpore's
+``nn.PipelineCell`` / ``nn.MicroBatchInterleaved``)."""
+from __future__ import annotations
+
+from .. import context
+from ..parallel.pipeline import PipelineRun, active_stages, micro_batches, staged_cells
+from .cell import Cell
+
+__all__ = ["PipelineCell", "MicroBatchInterleaved"]
+
+
+def _check_args(owner, network, name, value):
+    if not isinstance(network, Cell):
+        raise TypeError(f"{owner}: network must be a Cell, got {type(network).__name__}")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} "
+                        f"{value!r}")
+    if value <= 0:
+        raise ValueError(f"{owner}: {name}={value} is not valid; expected an int >= 1")
+
+
+def _add(total, out):
+    if total is None:
+        return out
+    if isinstance(out, tuple):
+        return tuple(a + b for a, b in zip(total, out))
+    return total + out
+
+
+class PipelineCell(Cell):
+    """Cut the batch into `micro_size` micro-batches and run `network` on each; returns
+    the sum of the network's outputs over the micro-batches (as MindSpore: with a mean
+    loss, `micro_size` times the mean over the batch), so the weights' gradients are
+    accumulated over the micro-batches and the optimizer steps once per batch.
+
+    Under pipeline parallelism (``set_auto_parallel_context(pipeline_stages=S)`` in
+    ``semi_auto_parallel`` or ``auto_parallel``) the cells of `network` with
+    ``cell.pipeline_stage = k`` run on stage ``k``'s ``device_num / S`` devices, and the
+    values that pass from one stage to the next move as point-to-point transfers
+    (``Send`` / ``Receive`` in ``CommReport``, reason ``"pipeline"``), forward and, for
+    their gradients, backward. ``dualmode.parallel.pipeline_schedule(S, micro_size)``
+    prints which stage runs which micro-batch when (1F1B or GPipe, per
+    ``pipeline_config``).
+
+    A distributed input is cut on each device (each device's rows are split into
+    `micro_size` parts), a plain one into consecutive rows.
+
+    Parameters
+    ----------
+    network : Cell
+        The network with its loss (e.g. ``WithLossCell``).
+    micro_size : int
+        Micro-batches per batch (>= 1; MindSpore asks for at least ``pipeline_stages``,
+        dualmode accepts fewer: the schedule then has more idle slots). It must divide
+        each device's rows of the batch.
+    stage_config : dict, optional
+        ``{cell name: stage}``: sets ``pipeline_stage`` on the named cells of `network`
+        (names as ``network.cells_and_names()`` gives them).
+    """
+
+    def __init__(self, network, micro_size, stage_config=None):
+        super().__init__(auto_prefix=False)
+        owner = "PipelineCell"
+        _check_args(owner, network, "micro_size", micro_size)
+        if stage_config is not None:
+            if not isinstance(stage_config, dict):
+                raise TypeError(f"{owner}: stage_config must be a dict {{cell name: "
+                                f"stage}}, got {type(stage_config).__name__}")
+            cells = dict(network.cells_and_names())
+            unknown = [n for n in stage_config if n not in cells or not n]
+            if unknown:
+                raise KeyError(f"{owner}: stage_config names {unknown[0]!r}, which is not "
+                               f"a cell of the network; its cells are "
+                               + ", ".join(repr(n) for n in cells if n))
+            for name, stage in stage_config.items():     # each checked before any is set
+                if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+                    raise ValueError(f"{owner}: stage_config[{name!r}]={stage!r} is not "
+                                     f"valid; expected an int >= 0")
+            for name, stage in stage_config.items():
+                cells[name].pipeline_stage = stage
+        self.network = network
+        self.micro_size = micro_size
+
+    def construct(self, *inputs):
+        owner = "PipelineCell"
+        stages = active_stages(owner)
+        if stages > 1 and context._STATE.run.mode == context.GRAPH_MODE:
+            raise RuntimeError(f"{owner}: pipeline parallelism (pipeline_stages={stages}) "
+                               f"runs in PyNative mode only; call "
+                               f"set_context(mode=PYNATIVE_MODE) before training")
+        micros = micro_batches(inputs, self.micro_size, owner)
+        if stages == 1:
+            total = None
+            for mi in micros:
+                total = _add(total, self.network(*mi))
+            return total
+        staged = staged_cells(self.network, stages, owner)
+        total = None
+        with PipelineRun(staged, owner):
+            for mi in micros:
+                total = _add(total, self.network(*mi))
+        return total
+
+
+class MicroBatchInterleaved(Cell):
+    """Cut the batch into `interleave_num` parts and run `network` on each; returns the
+    sum of the outputs (MindSpore's ``nn.MicroBatchInterleaved``: on a device the parts
+    let one part's communication overlap the next part's computation; the numbers are
+    those of the parts run one after the other). Inputs are cut as
+    :class:`PipelineCell` cuts them.
+
+    Parameters
+    ----------
+    network : Cell
+    interleave_num : int
+        Parts per batch (default 2).
+    """
+
+    def __init__(self, network, interleave_num=2):
+        super().__init__(auto_prefix=False)
+        _check_args("MicroBatchInterleaved", network, "interleave_num", interleave_num)
+        self.network = network
+        self.interleave_num = interleave_num
+
+    def construct(self, *inputs):
+        total = None
+        for part in micro_batches(inputs, self.interleave_num, "MicroBatchInterleaved"):
+            total = _add(total, self.network(*part))
+        return total

@@ -1,0 +1,406 @@
+"""Pipeline parallelism: stages on disjoint device groups, micro-batches, the schedule.
+
+``set_auto_parallel_context(pipeline_stages=S)`` (in semi_auto_parallel or
+auto_parallel) cuts the ``N`` devices into ``S`` stages of ``N / S`` devices; stage ``s``
+holds world ranks ``s * N/S .. (s + 1) * N/S - 1``. The parallel layer then runs on one
+stage's devices (the communication layer's *stage view*, ``Backend.stage_view``): every
+layout, strategy and collective is over ``N / S`` devices, which is what each stage
+runs. Under "sim" every stage runs in this process on that view, one after another;
+under "mpi" each rank runs its own stage.
+
+A cell with ``cell.pipeline_stage = k`` runs on stage ``k``. While ``nn.PipelineCell``
+runs its network, each staged cell's ``construct`` is wrapped (:class:`PipelineRun`):
+its outputs are marked with its stage, and an input made by an earlier stage is moved
+to this one first — device ``i`` of the sending stage to device ``i`` of the receiving
+one, as the backend's ``send`` / ``recv`` (``Send`` and ``Receive`` in ``CommReport``,
+reason ``"pipeline"``), each device its own shard. The move is one op on the tape
+(``PipelineTransfer``), whose backward moves the gradient back the same way. Code
+outside staged cells runs on the stage of the values it reads.
+
+:func:`pipeline_schedule` gives the time table of a schedule ("1f1b", MindSpore's
+default, or "gpipe"): which stage runs which micro-batch's forward or backward in each
+time slot, idle slots (bubbles) included.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .. import context
+from .._core import _tensor as _core
+from .._core._tensor import TensorBase
+from ..communication.sim import replicated_view
+from ..communication.trace import comm_cause
+from ..ops._registry import register, same_as_input
+from .devices import live_backend, parallel_active
+from .tensor_layout import TensorLayout
+
+__all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
+           "micro_batches", "PipelineRun", "TRANSFER", "SCHEDULERS"]
+
+SCHEDULERS = ("1f1b", "gpipe")
+_PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
+
+
+# ------------------------------------------------------------------ the schedule
+
+
+class PipelineSchedule:
+    """The time table of a pipeline schedule.
+
+    Attributes
+    ----------
+    scheduler : str
+        ``"1f1b"`` or ``"gpipe"``.
+    stages, micro_size : int
+    table : list of lists
+        ``table[s][t]`` is ``("F", m)`` (stage ``s`` runs the forward of micro-batch
+        ``m`` in time slot ``t``), ``("B", m)`` (its backward) or None (idle: a bubble).
+        Every forward and every backward takes one slot; a stage starts a micro-batch's
+        forward once the stage before has sent it, and its backward once the stage after
+        has sent the gradient.
+    """
+
+    def __init__(self, scheduler: str, stages: int, micro_size: int, table):
+        self.scheduler, self.stages, self.micro_size = scheduler, stages, micro_size
+        self.table = table
+
+    @property
+    def num_slots(self) -> int:
+        """Time slots from the first forward to the last backward."""
+        return len(self.table[0]) if self.table else 0
+
+    @property
+    def bubbles(self) -> int:
+        """Idle (stage, slot) pairs."""
+        return sum(e is None for row in self.table for e in row)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the stages' time: ``bubbles / (stages * num_slots)``."""
+        return self.bubbles / (self.stages * self.num_slots)
+
+    @property
+    def in_flight(self) -> Tuple[int, ...]:
+        """Per stage, the most micro-batches whose forward ran and backward did not yet
+        (the activations it keeps at once): ``micro_size`` for every stage under GPipe,
+        at most ``stages - s`` for stage ``s`` under 1F1B."""
+        out = []
+        for row in self.table:
+            live = peak = 0
+            for e in row:
+                if e is not None:
+                    live += 1 if e[0] == "F" else -1
+                    peak = max(peak, live)
+            out.append(peak)
+        return tuple(out)
+
+    def rows(self) -> List[List[str]]:
+        """The table as text: ``"F0"``, ``"B3"``, ``"."`` (idle), one row per stage."""
+        return [["." if e is None else f"{e[0]}{e[1]}" for e in row] for row in self.table]
+
+    def __str__(self) -> str:
+        rows = self.rows()
+        width = max(3, max(len(c) for r in rows for c in r) + 1)
+        name = {"1f1b": "1F1B", "gpipe": "GPipe"}[self.scheduler]
+        head = (f"pipeline schedule {name}: {self.stages} stages, {self.micro_size} "
+                f"micro-batches, {self.num_slots} time slots, {self.bubbles} idle "
+                f"({self.bubble_fraction:.0%}); Fm / Bm = forward / backward of "
+                f"micro-batch m, . = idle")
+        lines = [head, "time    " + "".join(f"{t:<{width}}" for t in range(self.num_slots))]
+        for s, r in enumerate(rows):
+            lines.append(f"stage {s:<2}" + "".join(f"{c:<{width}}" for c in r))
+        lines.append("micro-batches in flight per stage (activations kept): "
+                     + ", ".join(str(n) for n in self.in_flight))
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __repr__(self) -> str:
+        return (f"PipelineSchedule({self.scheduler!r}, stages={self.stages}, "
+                f"micro_size={self.micro_size}, slots={self.num_slots}, "
+                f"bubbles={self.bubbles})")
+
+
+def _stage_order(scheduler: str, stages: int, micro: int, s: int) -> List[Tuple[str, int]]:
+    """What stage `s` runs, in order."""
+    if scheduler == "gpipe":          # every forward, then every backward
+        return [("F", m) for m in range(micro)] + [("B", m) for m in range(micro)]
+    warmup = min(stages - s - 1, micro)   # 1F1B: forwards in flight, then alternate
+    order = [("F", m) for m in range(warmup)]
+    for i in range(micro - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", m) for m in range(micro - warmup, micro)]
+
+
+def _check_int(func, name, value, low):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{func}: {name}={value!r} is not valid; expected an int >= {low}")
+    return int(value)
+
+
+def pipeline_schedule(stages: Optional[int] = None, micro_size: int = 1,
+                      scheduler: Optional[str] = None) -> PipelineSchedule:
+    """The time table of a pipeline schedule; ``print`` it to see it.
+
+    Parameters
+    ----------
+    stages : int, optional
+        Pipeline stages (default: the context's ``pipeline_stages``).
+    micro_size : int
+        Micro-batches per batch (``nn.PipelineCell``'s ``micro_size``).
+    scheduler : str, optional
+        ``"1f1b"`` or ``"gpipe"`` (default: the context's
+        ``pipeline_config["pipeline_scheduler"]``, itself ``"1f1b"`` by default).
+    """
+    func = "pipeline_schedule"
+    cfg = context._STATE.auto_parallel
+    stages = _check_int(func, "stages", cfg.pipeline_stages if stages is None else stages, 1)
+    micro = _check_int(func, "micro_size", micro_size, 1)
+    if scheduler is None:
+        scheduler = cfg.pipeline_config["pipeline_scheduler"]
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"{func}: scheduler={scheduler!r} is not valid; expected one of "
+                         + ", ".join(repr(s) for s in SCHEDULERS))
+    orders = [_stage_order(scheduler, stages, micro, s) for s in range(stages)]
+    done = {}                         # (kind, stage, m) -> end slot
+    free = [0] * stages
+    pos = [0] * stages
+    placed = [[] for _ in range(stages)]  # (start slot, entry)
+    left = 2 * stages * micro
+    while left:
+        progressed = False
+        for s in range(stages):
+            if pos[s] == len(orders[s]):
+                continue
+            kind, m = orders[s][pos[s]]
+            if kind == "F":
+                dep = [("F", s - 1, m)] if s else []
+            else:
+                dep = [("B", s + 1, m)] if s < stages - 1 else [("F", s, m)]
+            if any(d not in done for d in dep):
+                continue
+            start = max([free[s]] + [done[d] for d in dep])
+            done[(kind, s, m)] = free[s] = start + 1
+            placed[s].append((start, (kind, m)))
+            pos[s] += 1
+            left -= 1
+            progressed = True
+        if not progressed:            # cannot happen for these two orders
+            raise RuntimeError(f"{func}: the {scheduler} order deadlocks")
+    slots = max(free)
+    table = [[None] * slots for _ in range(stages)]
+    for s in range(stages):
+        for start, entry in placed[s]:
+            table[s][start] = entry
+    return PipelineSchedule(scheduler, stages, micro, table)
+
+
+# ------------------------------------------------------------- stages and cells
+
+
+def active_stages(owner: str) -> int:
+    """The number of pipeline stages the network runs on now: 1 unless
+    ``pipeline_stages`` > 1 in a parallel mode (a ValueError names the key when the mode
+    or the device count does not allow it)."""
+    cfg = context._STATE.auto_parallel
+    stages = cfg.pipeline_stages
+    if stages <= 1 or cfg.parallel_mode == "stand_alone":
+        return 1
+    if cfg.parallel_mode not in _PIPELINE_MODES:
+        raise ValueError(f"{owner}: pipeline_stages={stages} needs parallel_mode "
+                         f"'semi_auto_parallel' or 'auto_parallel', not "
+                         f"{cfg.parallel_mode!r} (set_auto_parallel_context)")
+    parallel_active()                 # starts the backend init() would make
+    b = live_backend()
+    if b is None or b.world is None or b.stages != stages:
+        n = b.world_size if b is not None else cfg.device_num
+        raise ValueError(f"{owner}: pipeline_stages={stages} does not divide device_num="
+                         f"{n}; each stage runs on device_num / pipeline_stages devices")
+    return stages
+
+
+def staged_cells(network, stages: int, owner: str):
+    """``[(name, cell, stage)]`` for the cells of `network` with a ``pipeline_stage``,
+    checked: every stage below `stages` has a cell, none is at or past `stages`."""
+    found = []
+    for name, cell in network.cells_and_names():
+        k = getattr(cell, "pipeline_stage", -1)
+        if k < 0:
+            continue
+        label = name or type(cell).__name__
+        if k >= stages:
+            raise ValueError(f"{owner}: cell {label!r} has pipeline_stage={k}, but "
+                             f"pipeline_stages={stages}; valid stages are 0 .. "
+                             f"{stages - 1}")
+        if "_shard_fn" in cell.__dict__:
+            raise ValueError(f"{owner}: cell {label!r} (pipeline_stage={k}) runs as a "
+                             f"compiled graph (Cell.shard); a pipeline stage's cells run "
+                             f"in PyNative mode, give its ops strategies with "
+                             f"Primitive.shard instead")
+        found.append((label, cell, k))
+    have = {k for _, _, k in found}
+    missing = [k for k in range(stages) if k not in have]
+    if missing:
+        listed = ", ".join(f"{n!r}: {k}" for n, _, k in found) or "none"
+        raise ValueError(f"{owner}: pipeline stage {missing[0]} has no cell: "
+                         f"pipeline_stages={stages} needs cells with pipeline_stage = "
+                         f"0 .. {stages - 1} (cells with a stage: {listed}); set "
+                         f"cell.pipeline_stage = {missing[0]} on the cells it runs")
+    return found
+
+
+def micro_batches(inputs, micro_size: int, owner: str) -> List[tuple]:
+    """`inputs` cut into `micro_size` micro-batches along dim 0. A distributed input
+    is cut on each device (device ``d``'s rows are split in `micro_size` parts, part
+    ``m`` goes to micro-batch ``m``), as MindSpore does, without moving data; a plain
+    one into consecutive rows. Non-Tensor and 0-d inputs go to every micro-batch."""
+    cols = []
+    for i, x in enumerate(inputs):
+        if not isinstance(x, TensorBase) or x.ndim == 0:
+            cols.append([x] * micro_size)
+            continue
+        layout = x._layout
+        if getattr(layout, "abstract", False):
+            layout = None             # a graph being traced: a value of the global batch
+        if layout is not None and not isinstance(layout, TensorLayout):
+            raise ValueError(f"{owner}: input {i} holds per-device values "
+                             f"({type(layout).__name__}); micro-batches are cut from "
+                             f"batch data")
+        batch = x.shape[0]
+        parts = 1 if layout is None else layout.parts(0)
+        rows = batch // parts
+        if batch % parts or rows % micro_size:
+            where = "" if parts == 1 else f", {rows} on each of the {parts} devices " \
+                                          f"that split it"
+            raise ValueError(f"{owner}: micro_size={micro_size} does not divide the "
+                             f"batch of input {i} (shape {tuple(x.shape)}: {batch} "
+                             f"rows{where}); the batch must be a multiple of micro_size"
+                             + ("" if parts == 1 else " times the devices splitting it"))
+        step = rows // micro_size
+        if layout is None:
+            cols.append([x[m * step:(m + 1) * step] for m in range(micro_size)])
+            continue
+        if x._node is not None and _core.recording():
+            raise ValueError(f"{owner}: input {i} is differentiated (grad_position); "
+                             f"PipelineCell gives gradients of the weights only")
+        stack = x._data
+        shape = (batch // micro_size,) + tuple(x.shape[1:])
+        sub = layout.replace(shape=shape)
+        cols.append([_core.wrap_dist(stack[:, m * step:(m + 1) * step], sub)
+                     for m in range(micro_size)])
+    return [tuple(c[m] for c in cols) for m in range(micro_size)]
+
+
+# --------------------------------------------------------------- the transfers
+
+
+def _transfer_backward(node, g):
+    attrs = node.attrs
+    return (attrs["run"].move(g, attrs["dst"], attrs["src"], attrs["cell"]),)
+
+
+#: an activation moved from one stage's devices to another's: the value is unchanged
+#: (each device's shard goes to the same device of the next stage); the backward moves
+#: the gradient back. Made by PipelineRun only (never dispatched).
+TRANSFER = register("PipelineTransfer", infer=same_as_input,
+                    kernel=lambda attrs, x: x, backward=_transfer_backward)
+
+
+class PipelineRun:
+    """The staged cells of one network call: inside the ``with`` block each one's
+    ``construct`` moves inputs made by earlier stages to its own stage and marks its
+    outputs with its stage."""
+
+    def __init__(self, staged, owner: str):
+        self.staged, self.owner = staged, owner
+        self.view = live_backend()
+        self._marks = {}              # id(tensor) -> (tensor, stage)
+        self._moved = {}              # (id(tensor), stage) -> moved tensor
+        self._tag = 0
+        self._saved = []
+
+    def __enter__(self) -> "PipelineRun":
+        for name, cell, k in self.staged:
+            d = cell.__dict__
+            self._saved.append((d, d.get("construct")))
+            d["construct"] = self._wrap(name, cell, k)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for d, old in self._saved:
+            if old is None:
+                d.pop("construct", None)
+            else:
+                d["construct"] = old
+        self._saved.clear()
+        self._marks.clear()
+        self._moved.clear()
+        return False
+
+    def _wrap(self, name, cell, k):
+        construct = type(cell).construct
+
+        def staged(*args, **kwargs):
+            args = tuple(self._arrive(a, k, name) for a in args)
+            kwargs = {key: self._arrive(v, k, name) for key, v in kwargs.items()}
+            out = construct(cell, *args, **kwargs)
+            self._mark(out, k)
+            return out
+        return staged
+
+    def _mark(self, out, k):
+        if isinstance(out, TensorBase):
+            self._marks[id(out)] = (out, k)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                self._mark(o, k)
+
+    def _arrive(self, x, k, name):
+        if isinstance(x, (tuple, list)):
+            return type(x)(self._arrive(v, k, name) for v in x)
+        if not isinstance(x, TensorBase):
+            return x
+        hit = self._marks.get(id(x))
+        if hit is None or hit[0] is not x or hit[1] == k:
+            return x
+        j = hit[1]
+        if j > k:
+            raise ValueError(f"{self.owner}: cell {name!r} (pipeline_stage {k}) takes an "
+                             f"output of pipeline stage {j}, a later stage; a cell reads "
+                             f"values of its own stage or of earlier ones")
+        y = self._moved.get((id(x), k))
+        if y is None:
+            y = self._forward(x, j, k, name)
+            self._moved[(id(x), k)] = y
+            self._marks[id(y)] = (y, k)
+        return y
+
+    def _next_tag(self) -> int:
+        self._tag += 1
+        return self._tag
+
+    def move(self, x, src: int, dst: int, cell: str):
+        """`x` (a Tensor of stage `src`) as stage `dst` has it: each device's stack
+        sent to the same device of `dst` (recorded Send and Receive)."""
+        view = self.view
+        layout = x._layout
+        if layout is None:
+            value = np.asarray(x._value())
+            stack = replicated_view(value, view.world_size)
+        else:
+            stack = x._data
+        tag = self._next_tag()
+        with comm_cause(cell, "pipeline"):
+            view.send(stack, dst, tag)
+            got = view.recv(src, tag)
+        if got is stack:              # "sim": the same buffers, now the next stage's
+            return x
+        return _core.wrap_dist(got[0] if layout is None else got, layout)
+
+    def _forward(self, x, j, k, name):
+        moved = self.move(x, j, k, name)
+        rec = x._node is not None and _core.recording()
+        layout = x._layout
+        data = moved._value() if layout is None else moved._data
+        return _core.finish(TRANSFER, {"src": j, "dst": k, "run": self, "cell": name},
+                            (x,), data, rec, None if layout is None else (layout,))
