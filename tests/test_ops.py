@@ -885,6 +885,10 @@ INFER_TABLE = {
     "TruncateMod": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
     "Xdivy": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
     "Xlogy": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "BitwiseAnd": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "BitwiseOr": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "BitwiseXor": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
+    "MaskedFill": (None, lambda d: (_arr((3, 1), d), _arr((4,), np.bool_, 1), _arr((), d, 2))),
     # image ops (tests/test_conv_ops.py checks them against direct references)
     "Conv2D": ({"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((4, 3, 3, 3), d, 1))),
     "Conv2DBackpropInput": ({**{"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, "in_hw": (5, 5)},
@@ -984,3 +988,11 @@ case("truncate_mod", F.truncate_mod, np.fmod, [np.array([-7.5, 5.5, 2.25], np.fl
      ["truncate_mod"])
 case("xdivy", F.xdivy, lambda a, b: a / b, [(3, 4), away_from_zero((4,))], ["xdivy"])
 case("xlogy", F.xlogy, lambda a, b: a * np.log(b), [(3, 4), positive((4,))], ["xlogy"])
+for _name, _ref in (("bitwise_and", np.bitwise_and), ("bitwise_or", np.bitwise_or),
+                   ("bitwise_xor", np.bitwise_xor)):
+    case(_name, getattr(F, _name), _ref, [np.array([[5, -3, 12]], np.int32),
+                                          np.array([[3], [-8]], np.int32)], [_name],
+         grad=False)
+case("masked_fill", lambda x: F.masked_fill(x, Tensor(np.array([True, False, False, True])), 0.5),
+     lambda x: np.where([True, False, False, True], np.float32(0.5), x), [(3, 4)],
+     ["masked_fill"])

@@ -302,3 +302,208 @@ def test_div_rounding_mode_sharded_every_mode(mode, strategy):
     b = _away((16, 8) if len(strategy[1]) == 2 else (8,), 14, 0.7)
     _check_modes(lambda prims, x, y: prims[0](x, y) + x * y, lambda: [_DivPrim(mode)],
                  strategy, [a, b], (0, 1))
+
+
+# ---------------------------------------------------------------------------
+# BitwiseAnd / BitwiseOr / BitwiseXor (integer and bool tensors, no gradient)
+# ---------------------------------------------------------------------------
+BITWISE = {"BitwiseAnd": (ops.bitwise_and, np.bitwise_and),
+           "BitwiseOr": (ops.bitwise_or, np.bitwise_or),
+           "BitwiseXor": (ops.bitwise_xor, np.bitwise_xor)}
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name", sorted(BITWISE))
+def test_bitwise_against_numpy(name, dtype):
+    fn, ref = BITWISE[name]
+    rng = np.random.default_rng(5)
+    hi = 2 if dtype == np.bool_ else 100
+    a = rng.integers(0, hi, (3, 1, 4)).astype(dtype)
+    b = rng.integers(0, hi, (2, 4)).astype(dtype)
+    if np.dtype(dtype).kind == "i":
+        a[0, 0, :2] = -a[0, 0, :2] - 1        # negative values: two's complement bits
+    for out in (getattr(P, name)()(Tensor(a), Tensor(b)), fn(Tensor(a), Tensor(b))):
+        assert out.dtype == dtype and out.shape == (3, 2, 4)
+        np.testing.assert_array_equal(out.asnumpy(), ref(a, b))
+
+
+def test_bitwise_mindspore_example_scalars_and_promotion():
+    x = Tensor(np.array([0, 0, 1, -1, 1, 1, 1], np.int16))
+    y = Tensor(np.array([0, 1, 1, -1, -1, 2, 3], np.int16))
+    np.testing.assert_array_equal(P.BitwiseAnd()(x, y).asnumpy(), [0, 0, 1, -1, 1, 0, 1])
+    np.testing.assert_array_equal(P.BitwiseOr()(x, y).asnumpy(), [0, 1, 1, -1, -1, 3, 3])
+    np.testing.assert_array_equal(P.BitwiseXor()(x, y).asnumpy(), [0, 1, 0, 0, -2, 3, 2])
+    out = ops.bitwise_and(x, 6)                 # a Python int takes the tensor's dtype
+    assert out.dtype == dm.int16
+    np.testing.assert_array_equal(out.asnumpy(), np.bitwise_and(x.asnumpy(), 6))
+    np.testing.assert_array_equal(ops.bitwise_xor(5, x).asnumpy(),
+                                  np.bitwise_xor(5, x.asnumpy()))
+    wide = ops.bitwise_or(x, Tensor(np.array([1 << 20], np.int64)))   # promoted to int64
+    assert wide.dtype == dm.int64
+    np.testing.assert_array_equal(wide.asnumpy(), np.bitwise_or(x.asnumpy().astype(np.int64),
+                                                                1 << 20))
+
+
+def test_bitwise_errors_name_the_op():
+    f = Tensor(np.ones((2, 3), np.float32))
+    i = Tensor(np.ones((2, 3), np.int32))
+    for name, (fn, _) in BITWISE.items():
+        with pytest.raises(TypeError, match=rf"{name}: input 0 has dtype float32; supported "
+                                            rf"dtypes: int8, .* and bool"):
+            fn(f, f)
+        with pytest.raises(TypeError, match=rf"{name}: input \d has dtype float32"):
+            getattr(P, name)()(i, 1.5)          # a float operand promotes to float
+        with pytest.raises(ValueError, match=rf"{name}: input 0 has shape \(2, 3\) but input 1 "
+                                             rf"has shape \(2,\)"):
+            fn(i, Tensor(np.ones(2, np.int32)))
+    from dualmode._core import _tensor as core
+    with pytest.raises(TypeError, match=r"BitwiseAnd: input 0 has dtype int32 but input 1 has "
+                                        r"dtype int64"):
+        core.apply(ops.REGISTRY["BitwiseAnd"], None,
+                   (np.ones(2, np.int32), np.ones(2, np.int64)))
+
+
+def test_bitwise_has_no_gradient():
+    """Nothing flows back through a bitwise op (integer outputs); the other term's
+    gradient is kept."""
+    x = Tensor(np.array([1.5, -2.5, 0.5], np.float32))
+
+    def f(t):
+        m = ops.bitwise_and(ops.cast(ops.greater(t, 0.0), dm.int32) * 3, 1)
+        return ops.reduce_sum(t * ops.cast(m, dm.float32) + t)
+    np.testing.assert_array_equal(dm.grad(f)(x).asnumpy(), [2.0, 1.0, 2.0])
+
+
+def _bitwise_body(prims, x, y):
+    a = ops.cast(ops.greater(x, 0.0), dm.int32) * 3          # {0, 3}
+    b = ops.cast(ops.greater(y, 0.0), dm.int32) + 1          # {1, 2}
+    return x * ops.cast(prims[0](a, b), dm.float32) + y
+
+
+@pytest.mark.parametrize("shapes,strategy", [
+    (((16, 8), (16, 8)), ((2, 4), (2, 4))),
+    (((16, 1), (1, 8)), ((8, 1), (1, 1))),
+    (((16, 8), (8,)), ((4, 2), (2,))),
+], ids=str)
+@pytest.mark.parametrize("name", sorted(BITWISE))
+def test_bitwise_sharded_every_mode(name, shapes, strategy):
+    _check_modes(_bitwise_body, lambda: [getattr(P, name)()], strategy,
+                 [_f32(shapes[0], seed=31), _f32(shapes[1], seed=32)], (0, 1))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["pynative", "graph"])
+@pytest.mark.parametrize("name", sorted(BITWISE))
+def test_bitwise_int_broadcast_sharded_equals_numpy(name, graph):
+    """Integer inputs broadcast (16, 1) with (1, 16), split (2, 1) and (1, 4): the output
+    is in slices and equal to numpy's."""
+    rng = np.random.default_rng(6)
+    a = rng.integers(-8, 8, (16, 1)).astype(np.int32)
+    b = rng.integers(-8, 8, (1, 16)).astype(np.int32)
+    with devices(8, full_batch=True):
+        if graph:
+            dm.set_context(mode=dm.GRAPH_MODE)
+        prim = getattr(P, name)().shard(((2, 1), (1, 4)))
+        out = _BitwiseCell(prim)(Tensor(a), Tensor(b))
+        assert max(out.layout.dim_parts) > 1
+        got = out.asnumpy()
+    np.testing.assert_array_equal(got, BITWISE[name][1](a, b))
+
+
+class _BitwiseCell(dm.nn.Cell):
+    def __init__(self, prim):
+        super().__init__()
+        self.prim = prim
+
+    def construct(self, x, y):
+        return self.prim(x, y)
+
+
+# ---------------------------------------------------------------------------
+# MaskedFill(input_x, mask, value)
+# ---------------------------------------------------------------------------
+def test_masked_fill_mindspore_example_and_forms():
+    x = Tensor(np.array([1.0, 2.0, 3.0, 4.0], np.float32))
+    mask = Tensor(np.array([True, True, False, True]))
+    np.testing.assert_array_equal(P.MaskedFill()(x, mask, 0.5).asnumpy(), [0.5, 0.5, 3.0, 0.5])
+    np.testing.assert_array_equal(ops.masked_fill(x, mask, Tensor(np.float32(-1))).asnumpy(),
+                                  [-1.0, -1.0, 3.0, -1.0])
+    # broadcasting: the output has the broadcast shape
+    a = np.arange(6, dtype=np.float32).reshape(6, 1)
+    m = np.array([[True, False, True]])
+    out = ops.masked_fill(Tensor(a), Tensor(m), 9.0)
+    assert out.shape == (6, 3) and out.dtype == dm.float32
+    np.testing.assert_array_equal(out.asnumpy(), np.where(m, np.float32(9.0), a))
+    # an int input: a Python number takes its dtype
+    i = np.array([[1, 2], [3, 4]], np.int32)
+    out = ops.masked_fill(Tensor(i), Tensor(np.array([False, True])), 7)
+    assert out.dtype == dm.int32
+    np.testing.assert_array_equal(out.asnumpy(), [[1, 7], [3, 7]])
+    h = ops.masked_fill(Tensor(np.ones(3, np.float16)), Tensor(np.array([True, False, True])),
+                        0.25)
+    assert h.dtype == dm.float16
+    np.testing.assert_array_equal(h.asnumpy(), np.array([0.25, 1.0, 0.25], np.float16))
+
+
+def test_masked_fill_errors():
+    x = Tensor(np.ones((2, 3), np.float32))
+    m = Tensor(np.ones((2, 3), bool))
+    with pytest.raises(TypeError, match=r"MaskedFill: mask \(input 1\) has dtype float32; "
+                                        r"expected bool"):
+        ops.masked_fill(x, x, 0.0)
+    with pytest.raises(ValueError, match=r"MaskedFill: value \(input 2\) has shape \(1,\); "
+                                         r"expected a 0-d tensor or a Python number"):
+        P.MaskedFill()(x, m, Tensor(np.ones(1, np.float32)))
+    with pytest.raises(TypeError, match=r"MaskedFill: value \(input 2\) has dtype float64 but "
+                                        r"input 0 has dtype float32"):
+        ops.masked_fill(x, m, Tensor(np.float64(1.0)))
+    with pytest.raises(TypeError, match=r"MaskedFill: value must be a Python number or a 0-d "
+                                        r"Tensor, got str"):
+        ops.masked_fill(x, m, "1")
+    with pytest.raises(ValueError, match=r"MaskedFill: input 0 has shape \(2, 3\) but mask has "
+                                         r"shape \(2,\); they cannot be broadcast together"):
+        ops.masked_fill(x, Tensor(np.ones(2, bool)), 1.0)
+
+
+def _mask(shape, seed):
+    return np.random.default_rng(seed).random(shape) < 0.4
+
+
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((3, 1), (1, 4)), ((2, 3, 4), (4,)),
+                                    ((4,), (3, 4))], ids=str)
+def test_masked_fill_forward_and_gradient(shapes):
+    """Gradients (finite differences): to input_x where the mask is False (summed over
+    broadcast dims) and to a tensor value, summed where it is True."""
+    m = _mask(shapes[1], 3)
+    check_op(lambda x, v: ops.masked_fill(x, Tensor(m), v),
+             lambda x, v: np.where(m, v, x), [shapes[0], np.array(0.7, np.float32)],
+             expect_ops=["MaskedFill"])
+    check_op(lambda x: P.MaskedFill()(x, Tensor(m), -1.5),
+             lambda x: np.where(m, np.float32(-1.5), x), [shapes[0]])
+
+
+@pytest.mark.parametrize("value", ["tensor", 0.5])
+@pytest.mark.parametrize("shapes,strategy", [
+    (((16, 8), (16, 8)), ((2, 4), (2, 4))),
+    (((16, 1), (1, 8)), ((4, 1), (1, 2))),
+    (((16, 8), (8,)), ((8, 1), (1,))),
+], ids=str)
+@pytest.mark.parametrize("value_entry", [False, True], ids=["no-value-entry", "value-entry"])
+def test_masked_fill_sharded_every_mode(shapes, strategy, value, value_entry):
+    """The value is a Python float or a 0-d Tensor computed in the program (its gradient
+    checked); the primitive's strategy has an entry () for it or none."""
+    mask = _mask(shapes[1], 40)
+    x = _f32(shapes[0], seed=41)
+    if value == "tensor":
+        def body(prims, x, m, v):
+            return prims[0](x * x, m, v * 2.0)
+        inputs, grad_pos = [x, mask, np.array(0.3, np.float32)], (0, 2)
+    else:
+        def body(prims, x, m):
+            return prims[0](x * x, m, value)
+        inputs, grad_pos = [x, mask], 0
+    st = strategy + ((),) if value_entry else strategy
+    for mode in ("eager", "ops.shard", "graph"):
+        # ops.shard's in_strategy covers the function's inputs (x, mask and the value)
+        outer = strategy + ((),) * (len(inputs) - 2) if mode == "ops.shard" else st
+        _check_modes(body, lambda: [P.MaskedFill()], outer, inputs, grad_pos, modes=[mode])

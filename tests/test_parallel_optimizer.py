@@ -321,6 +321,97 @@ def test_fused_per_bucket(graph):
         assert r.bytes_per_device == (N - 1) / N * total
 
 
+class _Wide(nn.Cell):
+    """One MatMul (1, 4) x (4, 1): its 256 x 256 weight split over 4 devices by rows and
+    replicated over 2, a stack large enough to be stored once per distinct block."""
+
+    def __init__(self):
+        super().__init__()
+        w = np.random.default_rng(6).standard_normal((256, 256)) * 0.05
+        self.w = Parameter(Tensor(w.astype(np.float32)), name="w")
+        self.mm = ops.MatMul().shard(((1, 4), (4, 1)))
+
+    def construct(self, x):
+        return self.mm(x, self.w)
+
+
+def test_weight_stored_once_per_distinct_block():
+    """A weight whose replicas are stored once (one block per row split) is updated on
+    its optimizer slices like any other: equal to the single device."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, 256)).astype(np.float32)
+    y = rng.standard_normal((16, 256)).astype(np.float32)
+    found = []
+    for settings in ({}, {"enable_parallel_optimizer": True}):
+        with devices(N if settings else None, **settings):
+            net = _Wide()
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
+                                       nn.Momentum(net.trainable_params(), 0.1, 0.9))
+            with CommReport() as report:
+                for _ in range(3):
+                    step(Tensor(x), Tensor(y))
+            found.append(net.w.asnumpy())
+    np.testing.assert_allclose(found[1], found[0], rtol=1e-4, atol=1e-6)
+    ag, = _records(report, "AllGather", "w")[:1]
+    assert (ag.group_size, ag.num_groups, ag.reason) == (2, 4, "parallel_optimizer")
+
+
+class _TwoReplicaAxes(nn.Cell):
+    """On 12 devices as (a=2, b=3, c=2): x split by a, w (24 x 8) split by c, so w is
+    replicated over a and b (6 replicas; b the inner replica axis)."""
+
+    def __init__(self):
+        super().__init__()
+        w = np.random.default_rng(8).standard_normal((24, 8)) * 0.1
+        self.w = Parameter(Tensor(w.astype(np.float32)), name="w")
+        layout = dm.parallel.Layout((2, 3, 2), ("a", "b", "c"))
+        self.mm = ops.MatMul().shard(in_strategy=(layout("a", "None"), layout("None", "c")))
+
+    def construct(self, x):
+        return self.mm(x, self.w)
+
+
+def _two_replica_axes(**settings):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((12, 24)).astype(np.float32)
+    y = rng.standard_normal((12, 8)).astype(np.float32)
+    with devices(12 if settings else None, **settings):
+        net = _TwoReplicaAxes()
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
+                                   nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        with CommReport() as report:
+            for _ in range(2):
+                step(Tensor(x), Tensor(y))
+    return net.w.asnumpy(), [(r.kind, r.group_size, r.num_groups)
+                             for r in report.records if r.op == "w"][:2]
+
+
+@pytest.mark.parametrize("size, records", [
+    # the gradient is pending over a only (b's replicas computed the same values): one
+    # ReduceScatter over a, the slice over b cut locally; gathered over all 6
+    (-1, [("ReduceScatter", 2, 6), ("AllGather", 6, 2)]),
+    (6, [("ReduceScatter", 2, 6), ("AllGather", 6, 2)]),
+    # groups of 3 along b: the gradient AllReduced over a (the groups' other replicas)
+    (3, [("AllReduce", 2, 6), ("AllGather", 3, 4)]),
+])
+def test_two_replica_axes(size, records):
+    want, _ = _two_replica_axes()
+    got, found = _two_replica_axes(enable_parallel_optimizer=True, parallel_optimizer_config={
+        "parallel_optimizer_threshold": 0, "optimizer_weight_shard_size": size})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert found == records
+
+
+def test_shard_size_across_replica_axes_is_refused():
+    """Groups of 2 consecutive replicas would straddle the b axis (3 devices): refused
+    naming the key and the parameter."""
+    with pytest.raises(ValueError, match=re.escape(
+            "parallel_optimizer_config['optimizer_weight_shard_size']=2 cannot be cut from "
+            "the replica axes (2, 3) of parameter 'w'")):
+        _two_replica_axes(enable_parallel_optimizer=True, parallel_optimizer_config={
+            "parallel_optimizer_threshold": 0, "optimizer_weight_shard_size": 2})
+
+
 # ---- memory ----------------------------------------------------------------------------
 
 def test_memory_of_states_and_updated_slices_drops_by_the_shard_count():

@@ -33,6 +33,8 @@ from .primitives import (AddN, Erf, FastGeLU, FloorDiv, FloorMod, GeLU,  # noqa:
 # guarded and two-argument binary ops
 from .primitives import (Atan2, DivNoNan, MulNoNan, TruncateMod, Xdivy,  # noqa: E402
                          Xlogy)
+from .primitives import BitwiseAnd, BitwiseOr, BitwiseXor  # noqa: E402
+from .primitives import MaskedFill  # noqa: E402
 
 _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAST, _promote)
 
@@ -54,6 +56,8 @@ __all__ += ["AddN", "Erf", "FastGeLU", "FloorDiv", "FloorMod", "GeLU", "LogicalA
             "LogicalNot", "LogicalOr", "Mod", "PReLU", "Reciprocal", "Rsqrt", "Select",
             "SquaredDifference", "TruncateDiv"]
 __all__ += ["Atan2", "DivNoNan", "MulNoNan", "TruncateMod", "Xdivy", "Xlogy"]
+__all__ += ["BitwiseAnd", "BitwiseOr", "BitwiseXor"]
+__all__ += ["MaskedFill"]
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="CPU", level=0):

@@ -1378,3 +1378,104 @@ def xdivy(x, y):
 def xlogy(x, y):
     """x * log(y), and 0 where x == 0 (even where y == 0)."""
     return binary(XLOGY, x, y, False)
+
+
+# bitwise ops: integer (or bool) in, the same dtype out (not differentiable)
+def _make_bitwise_infer(name):
+    cache = {}
+
+    def infer(attrs, x, y):
+        key = (x.shape, y.shape, x.dtype, y.dtype)
+        return checked_once(cache, key, check, x, y)
+
+    def check(x, y):
+        for i, t in enumerate((x, y)):
+            if t.dtype.kind not in "iub":
+                raise TypeError(f"{name}: input {i} has dtype {t.dtype}; supported dtypes: "
+                                f"int8, int16, int32, int64, uint8 and bool (use ops.cast)")
+        check_same_dtype(name, (x, y))
+        return ((broadcast_shapes(name, tuple(x.shape), tuple(y.shape)), x.dtype),)
+    return infer
+
+
+BITWISE_AND = register("BitwiseAnd", family=("elementwise",),
+                       infer=_make_bitwise_infer("BitwiseAnd"),
+                       kernel=lambda attrs, x, y: np.bitwise_and(x, y))
+BITWISE_OR = register("BitwiseOr", family=("elementwise",),
+                      infer=_make_bitwise_infer("BitwiseOr"),
+                      kernel=lambda attrs, x, y: np.bitwise_or(x, y))
+BITWISE_XOR = register("BitwiseXor", family=("elementwise",),
+                       infer=_make_bitwise_infer("BitwiseXor"),
+                       kernel=lambda attrs, x, y: np.bitwise_xor(x, y))
+
+
+def bitwise_and(x, y):
+    """x & y, elementwise, on integer (or bool) tensors; a Python int takes the tensor's
+    dtype."""
+    return binary(BITWISE_AND, x, y, False)
+
+
+def bitwise_or(x, y):
+    """x | y, elementwise, on integer (or bool) tensors."""
+    return binary(BITWISE_OR, x, y, False)
+
+
+def bitwise_xor(x, y):
+    """x ^ y, elementwise, on integer (or bool) tensors."""
+    return binary(BITWISE_XOR, x, y, False)
+
+
+# MaskedFill(x, mask, value): value where mask, else x (x and mask broadcast together;
+# value a 0-d tensor of x's dtype)
+#: (shapes, dtypes) of MaskedFills already validated -> their output meta
+_MASKED_FILL_SEEN: dict = {}
+
+
+def _infer_masked_fill(attrs, x, mask, value):
+    key = (x.shape, mask.shape, value.shape, x.dtype, mask.dtype, value.dtype)
+    return checked_once(_MASKED_FILL_SEEN, key, _check_masked_fill, x, mask, value)
+
+
+def _check_masked_fill(x, mask, value):
+    if mask.dtype != np.bool_:
+        raise TypeError(f"MaskedFill: mask (input 1) has dtype {mask.dtype}; expected bool")
+    if value.ndim != 0:
+        raise ValueError(f"MaskedFill: value (input 2) has shape {tuple(value.shape)}; "
+                         f"expected a 0-d tensor or a Python number")
+    if value.dtype != x.dtype:
+        raise TypeError(f"MaskedFill: value (input 2) has dtype {value.dtype} but input 0 has "
+                        f"dtype {x.dtype}; they must be the same (use ops.cast)")
+    try:
+        shape = broadcast_shapes("MaskedFill", tuple(x.shape), tuple(mask.shape))
+    except ValueError:
+        raise ValueError(f"MaskedFill: input 0 has shape {tuple(x.shape)} but mask has shape "
+                         f"{tuple(mask.shape)}; they cannot be broadcast together") from None
+    return ((shape, x.dtype),)
+
+
+def _bw_masked_fill(node, g):
+    x, mask, value = node.inputs
+    zero = np.zeros((), g.dtype)
+    gx = unbroadcast(select(mask, zero, g), tuple(x.shape)) if _needs(node, 0) else None
+    gv = reduce_sum(select(mask, g, zero)) if _needs(node, 2) else None
+    return gx, None, gv
+
+
+MASKED_FILL = register("MaskedFill", family=("elementwise",), infer=_infer_masked_fill,
+                       kernel=lambda attrs, x, mask, value: np.where(mask, value, x),
+                       backward=_bw_masked_fill)
+
+
+def masked_fill(input_x, mask, value):
+    """`value` where `mask` is True, else `input_x` (`input_x` and the bool `mask`
+    broadcast together); `value` is a Python number (taking input_x's dtype) or a 0-d
+    tensor of input_x's dtype. Gradients flow to input_x where mask is False and to a
+    tensor value (summed) where it is True."""
+    input_x = const(input_x, "MaskedFill")
+    if isinstance(value, bool) or not isinstance(value, (TensorBase, np.ndarray, int, float,
+                                                         np.number)):
+        raise TypeError(f"MaskedFill: value must be a Python number or a 0-d Tensor, got "
+                        f"{type(value).__name__}")
+    if not isinstance(value, (TensorBase, np.ndarray)):
+        value = const(value, "MaskedFill", input_x.dtype)
+    return apply(MASKED_FILL, None, (input_x, const(mask, "MaskedFill"), value))

@@ -68,3 +68,13 @@ __all__ += ["addn", "erf", "fast_gelu", "floor_div", "floor_mod", "fmod", "gelu"
 from ._math import atan2, div_no_nan, mul_no_nan, truncate_mod, xdivy, xlogy  # noqa: E402
 
 __all__ += ["atan2", "div_no_nan", "mul_no_nan", "truncate_mod", "xdivy", "xlogy"]
+
+# bitwise ops
+from ._math import bitwise_and, bitwise_or, bitwise_xor  # noqa: E402
+
+__all__ += ["bitwise_and", "bitwise_or", "bitwise_xor"]
+
+# MaskedFill
+from ._math import masked_fill  # noqa: E402
+
+__all__ += ["masked_fill"]

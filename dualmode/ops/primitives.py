@@ -13,6 +13,7 @@ from ._nn import (DROPOUT, softmax_cross_entropy_pair, sparse_softmax_cross_entr
 from . import interpreter
 from ._array import (OUTPUT_STRATEGY_LAYOUTS, arg_reduce, assign_operand, assigned_value,
                      check_multiples, is_traced, tile, write_parameters)
+from .._core._tensor import TensorBase
 from ._registry import apply, const, remember
 from .primitive import Primitive
 from ._norm import l2_normalize, l2_normalize_axes, layer_norm_axes, layer_norm_op
@@ -724,3 +725,25 @@ TruncateMod = _elementwise("TruncateMod", F.truncate_mod,
                            "x - trunc(x / y) * y: the remainder with the sign of x.")
 Xdivy = _elementwise("Xdivy", F.xdivy, "x / y, and 0 where x == 0.")
 Xlogy = _elementwise("Xlogy", F.xlogy, "x * log(y), and 0 where x == 0.")
+
+# bitwise ops
+BitwiseAnd = _elementwise("BitwiseAnd", F.bitwise_and, "x & y (integer or bool tensors).")
+BitwiseOr = _elementwise("BitwiseOr", F.bitwise_or, "x | y (integer or bool tensors).")
+BitwiseXor = _elementwise("BitwiseXor", F.bitwise_xor, "x ^ y (integer or bool tensors).")
+
+
+class MaskedFill(Primitive):
+    """MaskedFill()(input_x, mask, value): value where mask, else input_x (input_x and
+    the bool mask broadcast together; value a Python number or a 0-d Tensor). A strategy
+    has entries for input_x and mask, and may have an entry ``()`` for the value."""
+    name = "MaskedFill"
+
+    def _tensor_strategy(self, args):
+        st = self.in_strategy
+        if len(args) == 3 and len(st) == 2 and isinstance(args[2], TensorBase) \
+                and not args[2].shape:
+            return st + ((),), [a for a in args if isinstance(a, (TensorBase, np.ndarray))]
+        return super()._tensor_strategy(args)
+
+    def construct(self, input_x, mask, value):
+        return F.masked_fill(input_x, mask, value)

@@ -55,7 +55,6 @@ from .grad_reduce import (bucket_name, fuse_gradient_moves, fused_bucket, groupe
                           is_dp_partial, replica_gradient_scale, single_step, step_group)
 from .moves import move_stack, redistribute_tensor
 from .redistribution.planner import plan_redistribution
-from .replicas import replica_blocks
 from .tensor_layout import TensorLayout
 
 __all__ = ["shard_layout", "settings", "plan", "ParameterShards", "optimizer_memory",
@@ -138,10 +137,11 @@ def _shard_layout(use, shape, dtype, name, threshold, size, world):
             shard_axes.insert(0, a + 1)
             need = 1
         else:
+            sizes = tuple(use.device_matrix[x] for x in reps)
             raise ValueError(
-                f"{key}={size} cannot be cut from the replica axes {tuple(use.device_matrix[x] for x in reps)} "
-                f"of parameter {name!r} (groups of consecutive ranks); use -1 or a "
-                f"product of the innermost replica axes")
+                f"{key}={size} cannot be cut from the replica axes {sizes} of parameter "
+                f"{name!r} (groups of consecutive ranks); use -1 or a product of the "
+                f"innermost replica axes")
     if use.local_shape[0] % n:
         return None                                  # first dim not divisible: as MindSpore
     tmap[0] = tmap[0] + tuple(shard_axes)
@@ -284,39 +284,27 @@ class ParameterShards:
             else:
                 outs = backend.all_gather_fused(stacks, members, axes)
             for k, out in zip(bucket, outs):
-                _store(self.params[order[k]], np.asarray(out), uses[k])
+                _store(self.params[order[k]], np.asarray(out))
                 done.add(k)
         for k, i in enumerate(order):
             if k in done:
                 continue
             p = self.params[i]
             out = move_stack(updated[i], self.layouts[i], uses[k], p.name, _REASON)
-            _store(p, np.asarray(out), uses[k])
+            _store(p, np.asarray(out))
 
 
-def _store(p, stack, layout):
-    """Write the gathered `stack` (this process's blocks in `layout`) into `p`'s storage,
-    in place where it can (every holder of the array sees the new value)."""
-    if use_layout(p) is None:
-        value = stack[0]
-        arr = p._data
-        if _writable_like(arr, value):
-            np.copyto(arr, value)
-        else:
-            p._data = np.array(value, dtype=p.dtype)
-        return
-    grid = replica_blocks(p)
-    if grid is not None:                 # replicas stored once: the first of each block
-        full = stack.reshape(layout.device_matrix + layout.local_shape)
-        nd = len(layout.device_matrix)
-        np.copyto(grid, full[tuple(slice(0, 1) if g == 1 else slice(None)
-                                   for g in grid.shape[:nd])])
-        return
+def _store(p, stack):
+    """Write the gathered `stack` (this process's blocks in the weight's layout) into
+    `p`'s storage, in place where it can (every holder of the array sees the new
+    value). A weight whose replicas were stored once (``parallel.replicas``) was written
+    as a stack when its slices were cut (:meth:`ParameterShards.weight_slice`)."""
+    value = stack[0] if use_layout(p) is None else stack
     arr = p._data
-    if _writable_like(arr, stack):
-        np.copyto(arr, stack)
+    if _writable_like(arr, value):
+        np.copyto(arr, value)
     else:
-        p._data = np.array(stack, dtype=p.dtype)
+        p._data = np.array(value, dtype=p.dtype)
 
 
 def _writable_like(arr, value) -> bool:
