@@ -25,13 +25,6 @@ def _mode(request, _fresh_context):
     """Every case runs eagerly and compiled (GRAPH_MODE, the mode MindSpore's tests
     compile in)."""
     if request.param == "graph":
-        if request.node.originalname == "test_tile_parameter_and_tensor" \
-                and not request.node.callspec.params["is_parameter"]:
-            # a compiled graph records no op for Tile of a constant Tensor, so the strategy
-            # is refused there ("has in_strategy ... but ... recorded no op")
-            request.applymarker(pytest.mark.xfail(
-                strict=True, reason="a strategy on Tile of a constant Tensor is refused in "
-                                    "a compiled graph"))
         dm.set_context(mode=dm.GRAPH_MODE)
     yield
 

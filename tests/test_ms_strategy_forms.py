@@ -420,3 +420,29 @@ def test_enable_alltoall_false_matmul_two_layouts_matches_single_device(mode):
         out = Net()(Tensor(x))
     np.testing.assert_allclose(out.asnumpy(), np.matmul(-x, w), rtol=1e-5, atol=1e-5)
     assert comm.count("AlltoAll") == 0
+
+
+# ------------------------------------------------- a strategy on an op of constants
+
+def test_tile_of_a_constant_tensor_with_strategy(mode):
+    """MindSpore's test_tile_tensor: Tile().shard(((2, 2, 2),)) of a constant Tensor (not
+    a Parameter) then a sharded Mul, against numpy; in a compiled graph the Tile of a
+    constant runs at trace time (no op to record) and its strategy places the result."""
+    _semi(8)
+    w, x, sens = _normal(2, 2, 4), _normal(16, 8, 8), _normal(16, 8, 8)
+
+    class TileMul(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.tile = P.Tile().shard(((2, 2, 2),))
+            self.mul = P.Mul().shard(((2, 2, 2), (2, 2, 2)))
+            self.w = Tensor(w)
+
+        def construct(self, x):
+            return self.mul(x, self.tile(self.w, (8, 4, 2)))
+
+    net = TileMul()
+    tiled = np.tile(w, (8, 4, 2))
+    np.testing.assert_allclose(net(Tensor(x)).asnumpy(), x * tiled, rtol=1e-6)
+    gx = dm.grad(lambda x: (net(x) * Tensor(sens)).sum())(Tensor(x))
+    np.testing.assert_allclose(gx.asnumpy(), sens * tiled, rtol=1e-6)

@@ -202,6 +202,9 @@ class _Trace:
         if prim.in_strategy is None and prim.out_strategy is None:
             return prim.construct(*args, **kwargs)
         check_strategy_for(prim, args)
+        # a call on constants only (Tile of a constant Tensor) runs at trace time: no op
+        # to record, its result a constant (moved by an out_strategy)
+        traced = any(isinstance(t, Tracer) for t in _flat(args))
         if prim.in_strategy is not None:
             args = self._moved_args(prim, args)
         self.scope.append([prim, None])
@@ -211,7 +214,7 @@ class _Trace:
             _, node = self.scope.pop()
         if prim.out_strategy is not None:
             out = self.move_outputs(out, prim.out_strategy, prim.name, "the op has")
-        if node is None and prim.in_strategy is not None:
+        if node is None and prim.in_strategy is not None and traced:
             raise TraceError(f"{prim.name}: has in_strategy={prim.in_strategy} but its call "
                              f"inside the traced function recorded no op on a traced tensor, "
                              f"so the strategy has nothing to apply to")
