@@ -189,6 +189,8 @@ class Block:
                     f"h = y + m * v")
         if k == "l2norm":
             return f"h = L2Normalize(axis={a}){shard}(h)"
+        if k in _MS_MORE:
+            return _ms_more_code(self, shard)
         return k
 
 
@@ -292,6 +294,8 @@ def _apply_block(blk, h, h0, params, idx):
     if k == "l2norm":
         l2 = ops.L2Normalize(axis=blk.arg)
         return (l2.shard(s) if s is not None else l2)(h)
+    if k in _MS_MORE:
+        return _ms_more_apply(blk, prim, h, h0, params)
     raise AssertionError(k)
 
 
@@ -325,8 +329,10 @@ def _block(draw, with_strategy):
     kinds = ["unary", "binary_param", "binary_skip", "matmul", "bias_add", "reduce",
              "softmax", "reshape", "transpose", "gather", "onehot",
              "slice_tile", "expand_squeeze", "arg", "layernorm", "l2norm"]
-    k = draw(st.sampled_from(kinds + _ELEMENTWISE_MORE))
+    k = draw(st.sampled_from(kinds + _ELEMENTWISE_MORE + _MS_MORE))
     sharded = with_strategy and draw(st.booleans())
+    if k in _MS_MORE:
+        return _ms_more_block(draw, k, sharded)
     if k in _ELEMENTWISE_MORE:
         return _elementwise_more_block(draw, k, sharded)
     if k == "unary":
@@ -417,6 +423,39 @@ def _elementwise_more_block(draw, k, sharded):
     if k == "addn":
         return Block(k, "AddN", (s, s, s) if sharded else None)
     return Block(k, "PReLU", (s, (s[1],)) if sharded else None)     # b: per channel
+
+
+#: blocks of the bitwise ops (on integer masks made from h and h0) and MaskedFill (a
+#: Python float or a 0-d tensor made from b, with or without a strategy entry for it)
+_MS_MORE = ["bitwise", "masked_fill"]
+
+
+def _ms_more_block(draw, k, sharded):
+    s = draw(_split((B, F))) if sharded else None
+    if k == "masked_fill":
+        value = draw(st.sampled_from(["float", "tensor"]))
+        entry = sharded and draw(st.booleans())
+        return Block(k, "MaskedFill", ((s, s, ()) if entry else (s, s)) if sharded else None,
+                     value)
+    op = draw(st.sampled_from(["BitwiseAnd", "BitwiseOr", "BitwiseXor"]))
+    return Block(k, op, (s, s) if sharded else None)
+
+
+def _ms_more_code(blk, shard):
+    if blk.kind == "masked_fill":
+        value = "ReduceMean()(b)" if blk.arg == "tensor" else "0.25"
+        return f"h = MaskedFill(){shard}(h, h0 > 0.5, {value})"
+    return (f"h = h * Cast({blk.op}(){shard}(Cast(h > 0, int32) * 3, Cast(h0 > 0, int32) + 1), "
+            f"float32)")
+
+
+def _ms_more_apply(blk, prim, h, h0, params):
+    if blk.kind == "masked_fill":
+        value = ops.reduce_mean(params["b"]) if blk.arg == "tensor" else 0.25
+        return prim("MaskedFill")(h, ops.greater(h0, 0.5), value)
+    a = ops.cast(ops.greater(h, 0.0), dm.int32) * 3           # {0, 3}
+    b = ops.cast(ops.greater(h0, 0.0), dm.int32) + 1          # {1, 2}
+    return h * ops.cast(prim(blk.op)(a, b), dm.float32)
 
 
 def _param_of(blk):
@@ -575,8 +614,10 @@ def test_random_program_equals_stand_alone(mode):
 
 
 # invalid strategies: refused by name, never a raw error or a wrong number
-def _corrupt(draw, strategy):
-    """`strategy` made invalid in one of the ways users get wrong."""
+def _corrupt(draw, strategy, extra_dims=1):
+    """`strategy` made invalid in one of the ways users get wrong (`extra_dims`: how many
+    entries "rank" adds to an input's entry: OneHot's (batch,) + (1,) is its valid output
+    form, so it takes two)."""
     entries = [list(e) for e in strategy]
     i = draw(st.sampled_from([k for k, e in enumerate(entries) if e] or [0]))
     how = draw(st.sampled_from(["indivisible", "too_many", "rank", "count", "zero", "float"]))
@@ -587,7 +628,7 @@ def _corrupt(draw, strategy):
     elif how == "too_many":
         entries[i] = [16] + entries[i][1:]
     elif how == "rank":
-        entries[i] = entries[i] + [1]
+        entries[i] = entries[i] + [1] * extra_dims
     elif how == "count":
         entries.append([1])
     elif how == "zero":
@@ -604,7 +645,8 @@ def bad_programs(draw):
     assume(sharded)
     k = draw(st.sampled_from(sharded))
     blk = program.blocks[k]
-    bad = Block(blk.kind, blk.op, _corrupt(draw, blk.strategy), blk.arg)
+    bad = Block(blk.kind, blk.op,
+                _corrupt(draw, blk.strategy, 2 if blk.kind == "onehot" else 1), blk.arg)
     blocks = program.blocks[:k] + (bad,) + program.blocks[k + 1:]
     return Program(blocks, program.loss, program.mode, program.outer, program.plan), bad
 
@@ -635,6 +677,7 @@ def test_every_registered_op_is_fuzzed_or_excused():
               "ArgMinWithValue", "Argmax", "Argmin",
               "SparseSoftmaxCrossEntropyWithLogits", "LayerNorm", "L2Normalize"}
     blocks |= {"Select", "LogicalAnd", "LogicalOr", "LogicalNot", "AddN", "PReLU"}
+    blocks |= {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "MaskedFill"}
     elementwise = set(UNARY) | set(BINARY)
     no_backward = {n for n, op in REGISTRY.items()
                    if op.kind in (KIND_UNARY, KIND_BINARY) and n not in elementwise}
