@@ -54,7 +54,9 @@ from .graph.executor import _releases
 from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Ref
 from .graph.trace import find_parameters
 from .inputs import input_layout
+from . import optimizer_shard
 from .redistribution.executor import _record_steps
+from .redistribution.planner import plan_redistribution
 from .report import CommReport, _fmt_bytes, _fmt_seconds, network_model
 from .stacks import is_batch_layout
 from .tensor_layout import TensorLayout
@@ -504,6 +506,29 @@ def _optimizer_states(call):
     return []
 
 
+def _update_records(call, planned, n):
+    """The collectives an optimizer update (a CALL node) makes itself: with the parallel
+    optimizer, each sharded weight's updated slices gathered back into the weight's
+    layout (reason "parallel_optimizer"), as ``ParameterShards.gather`` moves them."""
+    if optimizer_shard.settings() is None:
+        return
+    if "allgather" in (context.get_auto_parallel_context("comm_fusion") or {}):
+        raise RuntimeError("dry_run: the parallel optimizer's AllGathers fused per "
+                           "comm_fusion['allgather'] are not counted by the dry run yet; "
+                           "plan without the 'allgather' fusion entry")
+    for p in call.attrs.get("params") or ():
+        if id(p) not in planned or not p.requires_grad:
+            continue
+        use = planned[id(p)]
+        sliced = optimizer_shard.shard_layout(p, use)
+        if sliced is None:
+            continue
+        dst = use or TensorLayout.replicated(tuple(p.shape), n)
+        itemsize = np.dtype(p.dtype).itemsize
+        with comm_cause(p.name, "parallel_optimizer"):
+            _record_steps(plan_redistribution(sliced, dst, itemsize), itemsize)
+
+
 def _walk(compiled, report):
     """Fill `report` from the lowered graph of `compiled`."""
     prog = compiled.program
@@ -524,6 +549,7 @@ def _walk(compiled, report):
         if id(st) not in seen:
             seen.add(id(st))
             lay = by_weight.get(id(w))
+            lay = optimizer_shard.shard_layout(w, lay) or lay     # the parallel optimizer's
             shape = tuple(st.shape) if lay is None else tuple(lay.local_shape)
             report.optimizer_state_bytes += math.prod(shape) * np.dtype(st.dtype).itemsize
     # live values: the arguments, then each node's outputs until their last reader
@@ -540,6 +566,8 @@ def _walk(compiled, report):
         for node, done in zip(g.nodes, _releases(g)):
             extra = _step_reason(node)
             _node_records(node, lays, extra)
+            if node.op == CALL:
+                _update_records(node, by_weight, report.device_num)
             for v in node.outputs:
                 aliased = node.op == MOVE and node.attrs["kind"] in ("view", "gridview")
                 size[v.id] = 0 if aliased else _local_bytes(lays.get(v.id), v)
