@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dualmode as dm
-from dualmode.parallel import IndivisibleError, Layout, LayoutError, LayoutSpec, TensorLayout
+from dualmode.parallel import (EmptyShardError, IndivisibleError, Layout, LayoutError, LayoutSpec,
+                               TensorLayout)
 from dualmode.parallel.tensor_layout import format_table
 
 E = re.escape
@@ -384,18 +385,20 @@ ERRORS = [
     ("entry-empty", lambda: L3((), "None"), ValueError,
      E("dim 0 maps to an empty tuple; use 'None' to leave a dim unsplit")),
     # binding a spec to a shape
-    ("spec-indivisible", lambda: L3("mp", ("sp", "dp")).bind((8, 6)), IndivisibleError,
-     E("Layout: dim 1 (size 6) is not divisible by the 4 parts of ('sp', 'dp') (shape (8, 6))")),
-    ("spec-indivisible-one", lambda: L3("mp", "None").bind((3, 6)), ValueError,
-     E("Layout: dim 0 (size 3) is not divisible by the 2 parts of 'mp'")),
+    ("spec-empty", lambda: L3("mp", ("sp", "dp")).bind((8, 3)), EmptyShardError,
+     E("Layout: dim 1 (size 3) cannot be split into the 4 parts of ('sp', 'dp'): 1 device would "
+       "hold an empty piece (shape (8, 3)); a split may not exceed the dim (at most 3 parts)")),
+    ("spec-empty-one", lambda: L3("mp", "None").bind((1, 6)), ValueError,
+     E("Layout: dim 0 (size 1) cannot be split into the 2 parts of 'mp'")),
     ("spec-rank", lambda: L3("mp", "None").bind((8,)), ValueError,
      E("Layout: Layout((2, 2, 2), ('dp', 'sp', 'mp'))('mp', 'None') maps 2 dims but the tensor "
        "has rank 1 (shape (8,))")),
     ("spec-not-spec", lambda: TensorLayout.from_spec(L3, (8,)), TypeError,
      E("Layout: expected a Layout applied to dims, e.g. layout('dp', 'None')")),
     # strategies
-    ("strategy-divide", lambda: TensorLayout.from_strategy((2, 4), (8, 30), 8, "MatMul", 0),
-     IndivisibleError, E("MatMul: in_strategy[0][1]=4 does not divide dim 1 (size 30) of input 0")),
+    ("strategy-empty", lambda: TensorLayout.from_strategy((2, 4), (8, 3), 8, "MatMul", 0),
+     IndivisibleError, E("MatMul: in_strategy[0][1]=4 exceeds dim 1 (size 3) of input 0: 1 "
+                         "device would hold an empty piece; a split may not exceed the dim")),
     ("strategy-rank", lambda: TensorLayout.from_strategy((2, 4, 1), (8, 8), 8, "MatMul", 1),
      ValueError, E("MatMul: in_strategy[1]=(2, 4, 1) has 3 entries but input 1 has rank 2 "
                    "(shape (8, 8))")),
@@ -409,18 +412,19 @@ ERRORS = [
      E("ReLU: in_strategy[0][0]=0 must be a positive int")),
     ("strategy-type", lambda: TensorLayout.from_strategy((2.0, 1), (6, 8), 8, "ReLU"), TypeError,
      E("ReLU: in_strategy[0]=(2.0, 1) must be a tuple of ints, one per dim of input 0")),
-    ("strategy-out", lambda: TensorLayout.from_strategy((4,), (6,), 4, "Add", 0, "out_strategy"),
-     ValueError, E("Add: out_strategy[0][0]=4 does not divide dim 0 (size 6) of output 0")),
+    ("strategy-out", lambda: TensorLayout.from_strategy((4,), (2,), 4, "Add", 0, "out_strategy"),
+     ValueError, E("Add: out_strategy[0][0]=4 exceeds dim 0 (size 2) of output 0: 2 devices")),
     ("strategy-device-num", lambda: TensorLayout.from_strategy((1,), (6,), 0, "Add"), ValueError,
      E("Add: device_num must be a positive int; got 0")),
     ("strategy-layout-devices", lambda: TensorLayout.from_strategy(L3("mp"), (8,), 16, "MatMul"),
      ValueError, E("MatMul: in_strategy[0]: Layout((2, 2, 2), ('dp', 'sp', 'mp'))('mp') has 8 "
                    "devices but device_num is 16")),
-    ("strategy-layout-divide", lambda: TensorLayout.from_strategy(L3("mp"), (5,), 8, "MatMul"),
-     ValueError, E("MatMul: in_strategy[0]: dim 0 (size 5) is not divisible by the 2 parts of "
-                   "'mp'")),
-    ("batch-split", lambda: TensorLayout.batch_split((10, 3), 4), IndivisibleError,
-     E("batch_split over 4 devices: dim 0 (size 10) is not divisible by the 4 parts of axis 0")),
+    ("strategy-layout-empty", lambda: TensorLayout.from_strategy(L3(("dp", "sp", "mp")), (5,), 8,
+                                                                 "MatMul"),
+     ValueError, E("MatMul: in_strategy[0]: dim 0 (size 5) cannot be split into the 8 parts of "
+                   "('dp', 'sp', 'mp'): 3 devices would hold an empty piece")),
+    ("batch-split", lambda: TensorLayout.batch_split((3, 3), 4), EmptyShardError,
+     E("batch_split over 4 devices: dim 0 (size 3) cannot be split into the 4 parts of axis 0")),
     ("batch-split-dim", lambda: TensorLayout.batch_split((10, 3), 2, dim=2), ValueError,
      E("batch_split: dim=2 is out of range for shape (10, 3)")),
     # TensorLayout fields
@@ -430,8 +434,8 @@ ERRORS = [
      E("TensorLayout: tensor_map[0] names device axis 1, but the device matrix has axes 0..0")),
     ("tl-axis-twice", lambda: TensorLayout((2, 2), ((0,), (0,)), (4, 4)), ValueError,
      E("TensorLayout: axis 0 splits both dim 0 and dim 1")),
-    ("tl-indivisible", lambda: TensorLayout((2, 3), ((), (1, 0)), (4, 9)), IndivisibleError,
-     E("TensorLayout: dim 1 (size 9) is not divisible by the 6 parts of axes (1, 0)")),
+    ("tl-empty", lambda: TensorLayout((2, 3), ((), (1, 0)), (4, 5)), IndivisibleError,
+     E("TensorLayout: dim 1 (size 5) cannot be split into the 6 parts of axes (1, 0)")),
     ("tl-partial-split", lambda: TensorLayout((2, 2), ((0,),), (4,), partial=(0,)), ValueError,
      E("TensorLayout: axis 0 both splits a dim and holds partial sums")),
     ("tl-partial-range", lambda: TensorLayout((2,), ((),), (4,), partial=(3,)), ValueError,

@@ -293,11 +293,12 @@ def test_error_partial_destination():
 
 
 def test_error_destination_split_does_not_divide():
-    src = T.replicated((6, 8), 8)
+    src = T.replicated((3, 8), 8)
     dst = L3(("dp", "sp"), "None")
     with pytest.raises(RedistributionError,
                        match=E(f"from {src!r} to {dst!r}: the destination splits dim 0 "
-                               "(size 6) into 4 parts (dp, sp), which does not divide it")):
+                               "(size 3) into 4 parts (dp, sp), more than it has rows: some "
+                               "pieces would be empty")):
         plan_redistribution(src, dst)
     with pytest.raises(RedistributionError, match="the destination does not fit: the "
                                                   "destination: .* maps 3 dims"):

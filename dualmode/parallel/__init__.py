@@ -1,6 +1,6 @@
 """dualmode.parallel: layouts, distributed tensors, gradient reduction, reports."""
 from ..context import get_algo_parameters, reset_algo_parameters, set_algo_parameters
-from ._layout_checks import IndivisibleError, LayoutError
+from ._layout_checks import EmptyShardError, IndivisibleError, LayoutError
 from .layout_spec import Layout, LayoutSpec
 from .tensor_layout import TensorLayout
 from . import dtensor  # noqa: F401  (registers the dispatcher's distributed hooks)
@@ -11,18 +11,26 @@ from .redistribution.planner import plan_redistribution
 from .redistribution.steps import RedistributionError
 
 
-def local_shape(tensor_or_parameter):
+def local_shape(tensor_or_parameter, rank=None):
     """The shape each device stores of `tensor_or_parameter` (its global shape when it
-    is not distributed)."""
+    is not distributed). When a split does not divide its dim the devices hold pieces
+    of two sizes (``numpy.array_split``: the first ``n % k`` parts one row longer): the
+    largest piece's shape, or with ``rank=r`` the shape of device ``r``'s own piece."""
     layout = getattr(tensor_or_parameter, "layout", None)
     if layout is None:
         return tuple(tensor_or_parameter.shape)
-    return tuple(layout.local_shape)
+    if rank is None:
+        return tuple(layout.local_shape)
+    shape_of = getattr(layout, "local_shape_of", None)
+    if shape_of is None:                      # per-device values: one shape on every device
+        return tuple(layout.local_shape)
+    return shape_of(rank)
 
 
 __all__ = ["set_algo_parameters", "get_algo_parameters", "reset_algo_parameters",
            "local_shape", "reduce_gradients", "plan_redistribution", "RedistributionError"]
-__all__ += ["Layout", "LayoutSpec", "TensorLayout", "LayoutError", "IndivisibleError"]
+__all__ += ["Layout", "LayoutSpec", "TensorLayout", "LayoutError", "IndivisibleError",
+            "EmptyShardError"]
 from .report import CommRecord, CommReport, comm_cause  # noqa: E402
 
 __all__ += ["CommReport", "CommRecord", "comm_cause"]

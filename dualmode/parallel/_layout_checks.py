@@ -4,7 +4,7 @@ entry points (``check_layout_args``, ``check_spec_entries``, ``check_tensor_layo
 
 Every message states the rule, then what was received, prefixed by the owner (the
 ``Layout``, the op, or ``TensorLayout``), e.g.
-``MatMul: in_strategy[0][1]=4 does not divide dim 1 (size 30) of input 0``.
+``MatMul: in_strategy[0][1]=4 exceeds dim 1 (size 3) of input 0: ...``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ class LayoutError(ValueError):
 
 
 class IndivisibleError(LayoutError):
-    """A tensor dim is not divisible by the number of parts it is split into."""
+    """A tensor dim cannot be cut into the number of parts asked for."""
+
+
+class EmptyShardError(IndivisibleError):
+    """A split into more parts than the dim has rows: some device's piece would be
+    empty. (A split that does not divide is allowed: numpy.array_split's pieces.)"""
 
 
 def _is_int(v) -> bool:
@@ -177,13 +182,19 @@ def _check_partial(owner, partial, tensor_map, naxes, alias):
     return tuple(sorted(partial))
 
 
-def _check_divisible(owner, shape, tensor_map, device_matrix, alias):
+def _devices(k) -> str:
+    return "1 device" if k == 1 else f"{k} devices"
+
+
+def _check_not_empty(owner, shape, tensor_map, device_matrix, alias):
     for d, axes in enumerate(tensor_map):
         parts = math.prod(device_matrix[a] for a in axes)
-        if shape[d] % parts:
+        if 0 < shape[d] < parts:
             what = axis_names(axes, alias, noun=False)
-            raise IndivisibleError(f"{owner}: dim {d} (size {shape[d]}) is not divisible by the "
-                                   f"{parts} parts of {what} (shape {shape})")
+            raise EmptyShardError(f"{owner}: dim {d} (size {shape[d]}) cannot be split into "
+                                  f"the {parts} parts of {what}: {_devices(parts - shape[d])} "
+                                  f"would hold an empty piece (shape {shape}); a split may "
+                                  f"not exceed the dim (at most {shape[d]} parts)")
 
 
 def _check_alias(owner, alias, naxes):
@@ -203,7 +214,7 @@ def check_tensor_layout(device_matrix, tensor_map, shape, partial, alias, owner=
     shape = _check_shape(owner, shape)
     tmap = _check_tensor_map(owner, tensor_map, shape, len(dm), alias)
     partial = _check_partial(owner, partial, tmap, len(dm), alias)
-    _check_divisible(owner, shape, tmap, dm, alias)
+    _check_not_empty(owner, shape, tmap, dm, alias)
     return dm, tmap, shape, partial, alias
 
 
@@ -234,9 +245,10 @@ def check_strategy(strategy, shape, device_num, op_name="", input_index=0, param
             raise LayoutError(f"{owner}: {where}[{j}]={v} must be a positive int (the number of "
                               f"parts dim {j} is split into)")
     for j, (v, n) in enumerate(zip(strategy, shape)):
-        if n % v:
-            raise IndivisibleError(f"{owner}: {where}[{j}]={v} does not divide dim {j} "
-                                   f"(size {n}) of {role} {input_index}")
+        if 0 < n < v:
+            raise EmptyShardError(f"{owner}: {where}[{j}]={v} exceeds dim {j} (size {n}) of "
+                                  f"{role} {input_index}: {_devices(v - n)} would hold an "
+                                  f"empty piece; a split may not exceed the dim (at most {n} parts)")
     total = math.prod(strategy)
     if total > device_num:
         raise LayoutError(f"{owner}: {where}={strategy} needs {total} devices but device_num is "

@@ -84,4 +84,11 @@ def input_layout(i, shape, k, strategy, n):
                              f"strategies but the network got more tensor inputs (input "
                              f"{i}); give one strategy per input")
         layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
+        if not layout.even:
+            d = layout.uneven_dims[0]
+            raise ValueError(
+                f"dataset_strategy={strategy!r}: entry {k} ({strategy[k]}) does not divide "
+                f"dim {d} (size {shape[d]}) of input {i} (shape {shape}): tiles of unequal "
+                f"size are not made for network inputs yet; use a shape the strategy "
+                f"divides")
     return layout

@@ -131,11 +131,15 @@ class LayoutSpec:
         return TensorLayout.from_spec(self, shape)
 
     def device_slices(self, shape: Sequence[int]) -> list:
-        """For each rank, the tuple of ``slice`` of the global tensor it holds."""
+        """For each rank, the tuple of ``slice`` of the global tensor it holds (a dim
+        that does not divide into its parts is cut as ``numpy.array_split`` cuts it)."""
         return self.bind(shape).device_slices()
 
-    def local_shape(self, shape: Sequence[int]) -> Tuple[int, ...]:
-        return self.bind(shape).local_shape
+    def local_shape(self, shape: Sequence[int], rank: Optional[int] = None) -> Tuple[int, ...]:
+        """The shape of the largest piece of a tensor of global ``shape`` (every device's
+        when the splits divide), or with ``rank`` that device's own piece."""
+        lay = self.bind(shape)
+        return lay.local_shape if rank is None else lay.local_shape_of(rank)
 
     def table(self, shape: Sequence[int], max_rows: Optional[int] = None) -> str:
         """The device-to-slice table for a tensor of global ``shape``."""

@@ -72,7 +72,7 @@ class ShardPlan:
 RULES: dict = {}
 
 
-def register_rule(*names, per_device=False, shared=None):
+def register_rule(*names, per_device=False, shared=None, uneven=False):
     """Register a sharding rule for the ops `names` (also in ``OpDef.extras["shard"]``).
 
     ``per_device=True`` declares the rule a pure per-device map: each device's outputs
@@ -80,10 +80,14 @@ def register_rule(*names, per_device=False, shared=None):
     (so devices holding equal blocks compute equal results, and a layout that repeats
     over some axes needs the computation only once per replica set). ``shared(prim, xs)``
     lists the dims its inputs share (:mod:`dualmode.parallel.shared_dims`): a strategy
-    must split them alike, and they sit on one axis of the op's device matrix."""
+    must split them alike, and they sit on one axis of the op's device matrix.
+    ``uneven=True`` declares that the rule handles splits that do not divide their dims
+    (pieces of two sizes, the short ones stored padded with zeros); other rules refuse
+    such inputs by name (:func:`check_even`)."""
     def deco(fn):
         fn.per_device = per_device
         fn.shared = shared
+        fn.uneven = uneven
         for name in names:
             RULES[name] = fn
             if name in REGISTRY:
@@ -331,10 +335,27 @@ _PLANS: dict = {}
 _PLANS_MAX = 4096
 
 
+def check_even(rule, name, lays):
+    """Refuse, naming the op and the input, layouts whose splits do not divide their
+    dims when `rule` does not handle pieces of unequal size."""
+    if getattr(rule, "uneven", False):
+        return
+    for i, lay in enumerate(lays):
+        if lay is not None and not lay.even:
+            d = lay.uneven_dims[0]
+            n, k = lay.shape[d], lay.dim_parts[d]
+            raise ValueError(
+                f"{name}: input {i} is split into pieces of unequal size (dim {d}, size {n}, "
+                f"in {k} parts: {-(-n // k)} or {n // k} rows each); {name} does not handle "
+                f"unequal pieces yet: use a split that divides the dim, or leave the dim whole")
+
+
 def _plan(rule, name, attrs, lays, dtypes):
     """`rule`'s plan for these layouts, cached when the attrs are hashable values: a
     plan is a function of (op, attrs, input layouts, dtypes) alone. Its outputs'
-    pending sums are marked as made by `name` (:func:`made_by`)."""
+    pending sums are marked as made by `name` (:func:`made_by`). Layouts whose splits
+    do not divide are refused unless the rule handles them (:func:`check_even`)."""
+    check_even(rule, name, lays)
     try:
         key = (name, tuple(attrs.items()) if attrs else (), tuple(lays), tuple(dtypes))
         hash(key)

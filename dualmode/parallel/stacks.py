@@ -24,10 +24,11 @@ __all__ = ["is_batch_layout", "local_rows", "distribute", "assemble"]
 
 
 def is_batch_layout(layout) -> bool:
-    """Split on dim 0 over a 1-axis device matrix, nothing else split or partial."""
+    """Split on dim 0 over a 1-axis device matrix into pieces of equal size, nothing
+    else split or partial (the stack, its first two axes merged, is the global value)."""
     return (layout is not None and len(layout.device_matrix) == 1 and not layout.partial
             and len(layout.tensor_map) > 0 and layout.tensor_map[0] == (0,)
-            and all(m == () for m in layout.tensor_map[1:]))
+            and all(m == () for m in layout.tensor_map[1:]) and layout.even)
 
 
 

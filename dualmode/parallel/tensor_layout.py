@@ -27,7 +27,7 @@ from ._layout_checks import (IndivisibleError, LayoutError, _is_int, check_devic
                              check_strategy, check_tensor_layout)
 
 __all__ = ["TensorLayout", "LayoutError", "IndivisibleError", "format_table", "stand_in",
-           "is_layout_spec"]
+           "is_layout_spec", "uneven_notes"]
 
 Axes = Tuple[int, ...]
 
@@ -297,8 +297,117 @@ class TensorLayout:
 
     @cached_property
     def local_shape(self) -> Tuple[int, ...]:
-        """The shape each device stores."""
-        return tuple(n // p for n, p in zip(self.shape, self.dim_parts))
+        """The shape of each device's slot in a stack: the largest piece. When a split
+        does not divide its dim (``n`` rows in ``k`` parts, as ``numpy.array_split``: the
+        first ``n % k`` parts have ``ceil(n/k)`` rows, the others ``floor(n/k)``) the
+        smaller pieces are stored padded with zeros to ``ceil(n/k)``; :attr:`local_shapes`
+        gives each device's own shape."""
+        return tuple(-(-n // p) for n, p in zip(self.shape, self.dim_parts))
+
+    @cached_property
+    def even(self) -> bool:
+        """Does every split divide its dim (every device's piece of one shape, no pads)?"""
+        return all(n % p == 0 for n, p in zip(self.shape, self.dim_parts))
+
+    @cached_property
+    def uneven_dims(self) -> Tuple[int, ...]:
+        """The dims whose split does not divide them."""
+        return tuple(d for d, (n, p) in enumerate(zip(self.shape, self.dim_parts)) if n % p)
+
+    @cached_property
+    def _part_sizes(self) -> Tuple[np.ndarray, ...]:
+        """Per dim, the rows of each of its parts (numpy.array_split's rule)."""
+        out = []
+        for n, p in zip(self.shape, self.dim_parts):
+            q, r = divmod(n, p)
+            out.append(_readonly(q + (np.arange(p, dtype=np.int64) < r)))
+        return tuple(out)
+
+    @cached_property
+    def local_shapes(self) -> np.ndarray:
+        """(device_num, ndim) int64: the shape of the piece each rank really holds (equal
+        to :attr:`local_shape` on every rank when the splits divide)."""
+        out = np.empty((self.device_num, self.ndim), np.int64)
+        for d, sizes in enumerate(self._part_sizes):
+            out[:, d] = sizes[self.block_index[:, d]]
+        return _readonly(out)
+
+    def local_shape_of(self, rank: int) -> Tuple[int, ...]:
+        """The shape of the piece ``rank`` holds (smaller than :attr:`local_shape` along a
+        dim that does not divide, on the last parts)."""
+        self._check_rank(rank)
+        return tuple(int(v) for v in self.local_shapes[rank])
+
+    @cached_property
+    def padded(self) -> "TensorLayout":
+        """The layout itself when its splits divide; else the same placement of a tensor
+        padded to ``ceil(n/k) * k`` along each uneven dim (which divides): a stack of this
+        layout is also a stack of that one, the pads at the end of each short piece."""
+        if self.even:
+            return self
+        shape = tuple(c * p for c, p in zip(self.local_shape, self.dim_parts))
+        return TensorLayout._checked(self.device_matrix, self.tensor_map, shape, self.partial,
+                                     self.alias)
+
+    def pad_global(self, array) -> np.ndarray:
+        """The global ``array`` spread to the padded shape (:attr:`padded`): each part's
+        rows at the start of its ``ceil(n/k)`` slot, zeros after them. The array itself
+        when the splits divide."""
+        x = np.asarray(array)
+        for d in self.uneven_dims:
+            n, p = self.shape[d], self.dim_parts[d]
+            q, r = divmod(n, p)
+            c, pre, rest = q + 1, x.shape[:d], x.shape[d + 1:]
+            out = np.zeros(pre + (p, c) + rest, x.dtype)
+            lead = (slice(None),) * d
+            out[lead + (slice(0, r),)] = x[lead + (slice(0, r * c),)].reshape(pre + (r, c) + rest)
+            out[lead + (slice(r, p), slice(0, q))] = \
+                x[lead + (slice(r * c, n),)].reshape(pre + (p - r, q) + rest)
+            x = out.reshape(pre + (p * c,) + rest)
+        return x
+
+    def unpad_global(self, array) -> np.ndarray:
+        """The inverse of :meth:`pad_global`: the real rows of a padded global value."""
+        x = np.asarray(array)
+        for d in self.uneven_dims:
+            n, p = self.shape[d], self.dim_parts[d]
+            q, r = divmod(n, p)
+            c, pre, rest = q + 1, x.shape[:d], x.shape[d + 1:]
+            y = x.reshape(pre + (p, c) + rest)
+            lead = (slice(None),) * d
+            x = np.concatenate((y[lead + (slice(0, r),)].reshape(pre + (r * c,) + rest),
+                                y[lead + (slice(r, p), slice(0, q))].reshape(
+                                    pre + ((p - r) * q,) + rest)), axis=d)
+        return x
+
+    @cached_property
+    def _pad_rows(self) -> tuple:
+        """Per uneven dim: (dim, ranks whose piece is one row short, the local index of
+        that row)."""
+        out = []
+        for d in self.uneven_dims:
+            q, r = divmod(self.shape[d], self.dim_parts[d])
+            ranks = np.flatnonzero(self.block_index[:, d] >= r)
+            out.append((d, _readonly(ranks), q))
+        return tuple(out)
+
+    def pad_ranks(self, ranks=None) -> tuple:
+        """Per uneven dim: ``(dim, positions, row)`` -- the positions in a stack of
+        ``ranks`` (default: every rank, in order) whose piece is one row short along
+        ``dim``, and the local index of the pad row there."""
+        if ranks is None:
+            return self._pad_rows
+        ranks = np.asarray(ranks, np.int64)
+        return tuple((d, np.flatnonzero(np.isin(ranks, short)), row)
+                     for d, short, row in self._pad_rows)
+
+    def zero_pads(self, stack, ranks=None) -> np.ndarray:
+        """Write zeros into the pads of a stack ``(len(ranks), *local_shape)`` of this
+        layout (in place; only the pad rows are written) and return it."""
+        for d, pos, row in self.pad_ranks(ranks):
+            if len(pos):
+                stack[(pos,) + (slice(None),) * d + (row,)] = 0
+        return stack
 
     @cached_property
     def stack_shape(self) -> Tuple[int, ...]:
@@ -398,10 +507,12 @@ class TensorLayout:
 
     @cached_property
     def _slices(self) -> tuple:
-        local = np.asarray(self.local_shape, np.int64)
-        starts = (self.block_index * local).tolist()
-        loc = self.local_shape
-        return tuple(tuple(slice(s, s + n) for s, n in zip(row, loc)) for row in starts)
+        q = np.asarray([n // p for n, p in zip(self.shape, self.dim_parts)], np.int64)
+        r = np.asarray([n % p for n, p in zip(self.shape, self.dim_parts)], np.int64)
+        b = self.block_index
+        starts = (b * q + np.minimum(b, r)).tolist()
+        stops = (np.asarray(starts, np.int64).reshape(b.shape) + self.local_shapes).tolist()
+        return tuple(tuple(slice(s, e) for s, e in zip(a, z)) for a, z in zip(starts, stops))
 
     def device_slices(self) -> list:
         """For each rank (list index), the tuple of ``slice`` per dim of the global tensor."""
@@ -416,6 +527,9 @@ class TensorLayout:
         """The stack ``(len(ranks), *local_shape)`` of the blocks of ``ranks`` only (the
         devices one process holds: ``backend.local_ranks``); the other blocks are never
         built. A fresh, writable copy."""
+        if not self.even:
+            return self.padded.local_blocks_of(self._padded_value(array, "local_blocks_of"),
+                                               ranks)
         y = self._blocks_grid(array, "local_blocks_of", broadcast=False)
         coords = self.rank_coords[np.asarray(ranks, np.int64)]
         index = tuple(coords[:, a] if y.shape[a] > 1 else np.zeros(len(coords), np.int64)
@@ -437,6 +551,8 @@ class TensorLayout:
         do not allow one (the blocks are not one strided grid)."""
         # for a C-contiguous array whether the blocks are one strided grid depends on
         # the layout alone: the answer is kept (a failed view costs an exception)
+        if not self.even:                       # the pads are written: never a view
+            return None
         contiguous = array.flags.c_contiguous if isinstance(array, np.ndarray) else False
         if contiguous and self.__dict__.get("_blocks_not_a_view"):
             return None
@@ -463,6 +579,16 @@ class TensorLayout:
         """The global array viewed as ``device_matrix + local_shape`` (no copy): the block
         of each device at its coordinates, stride 0 along axes that split nothing (size 1
         there when not ``broadcast``)."""
+        if not self.even:
+            return self.padded._blocks_grid(self._padded_value(array, what), what, broadcast)
+        x = self._global_value(array, what)
+        ext, order, grid = self._grid_plan
+        y = x.reshape(ext).transpose(order).reshape(grid)
+        if not broadcast or grid == self.device_matrix + self.local_shape:
+            return y
+        return broadcast_view(y, self.device_matrix + self.local_shape)
+
+    def _global_value(self, array, what) -> np.ndarray:
         x = np.asarray(array)
         if tuple(x.shape) != self.shape:
             raise LayoutError(f"{self!r}: {what} got an array of shape {x.shape}, expected "
@@ -470,11 +596,10 @@ class TensorLayout:
         if self.partial:
             raise LayoutError(f"{self!r}: a global value has no pending partial sums to split "
                               f"into; use without_partial() first")
-        ext, order, grid = self._grid_plan
-        y = x.reshape(ext).transpose(order).reshape(grid)
-        if not broadcast or grid == self.device_matrix + self.local_shape:
-            return y
-        return broadcast_view(y, self.device_matrix + self.local_shape)
+        return x
+
+    def _padded_value(self, array, what) -> np.ndarray:
+        return self.pad_global(self._global_value(array, what))
 
     @cached_property
     def _grid_plan(self):
@@ -503,6 +628,8 @@ class TensorLayout:
         s = s.reshape(self.device_matrix + self.local_shape)[index]
         if sum_axes:
             s = np.add.reduce(s, axis=sum_axes, dtype=s.dtype)
+        if not self.even:
+            return self.unpad_global(s.transpose(order).reshape(self.padded.shape))
         return s.transpose(order).reshape(self.shape)
 
     def assemble_totals(self, grid) -> np.ndarray:
@@ -524,6 +651,9 @@ class TensorLayout:
                                   f"the partial axes {self.partial}, then {self.local_shape}")
             first = seen[grid.shape] = tuple(0 if a in self.partial else i
                                              for a, i in enumerate(self._assemble_plan[0]))
+        if not self.even:
+            return self.unpad_global(
+                grid[first].transpose(self._assemble_plan[2]).reshape(self.padded.shape))
         return grid[first].transpose(self._assemble_plan[2]).reshape(self.shape)
 
     @cached_property
@@ -694,4 +824,17 @@ def format_table(layouts: dict, max_rows: Optional[int] = None) -> str:
     for name, lay in partial:
         axes = ", ".join(lay.axis_name(a) for a in lay.partial)
         lines.append(f"{name}: values are partial sums pending over ({axes})")
+    for name, lay in items:
+        lines += [(f"{name}: " if len(items) > 1 else "") + note for note in uneven_notes(lay)]
     return "\n".join(lines)
+
+
+def uneven_notes(layout) -> list:
+    """One line per dim whose split does not divide it: how many rows its parts hold."""
+    out = []
+    for d in layout.uneven_dims:
+        n, k = layout.shape[d], layout.dim_parts[d]
+        q, r = divmod(n, k)
+        out.append(f"unequal pieces: dim {d} has {n} rows in {k} parts, {q + 1} in the first "
+                   f"{r} and {q} in the other {k - r}")
+    return out

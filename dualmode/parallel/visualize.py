@@ -26,7 +26,7 @@ from .._core._tensor import TensorBase
 from .device_local import DeviceLocalLayout
 from .devices import device_num as _device_num
 from .layout_spec import LayoutSpec
-from .tensor_layout import TensorLayout
+from .tensor_layout import TensorLayout, uneven_notes
 
 __all__ = ["visualize", "layout_rows"]
 
@@ -91,9 +91,12 @@ def _table(layout) -> str:
     if isinstance(layout, DeviceLocalLayout):
         head.append("per-device values: every device holds its own tensor of shape "
                     f"{tuple(layout.shape)} (no global view)")
-    elif layout.partial:
-        axes = ", ".join(layout.axis_name(a) for a in layout.partial)
-        head.append(f"partial sums: the devices along ({axes}) hold summands of each block")
+    else:
+        if layout.partial:
+            axes = ", ".join(layout.axis_name(a) for a in layout.partial)
+            head.append(f"partial sums: the devices along ({axes}) hold summands of each "
+                        f"block")
+        head += uneven_notes(layout)
     cols = ["rank", "coords"] + [f"dim {d}" for d in range(ndim)] + ["note"]
     body = []
     for row in rows:

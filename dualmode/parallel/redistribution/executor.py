@@ -17,7 +17,7 @@ from ...communication.trace import comm_cause
 from ..layout_spec import LayoutSpec
 from ..tensor_layout import TensorLayout
 from .planner import plan_redistribution
-from .steps import Plan
+from .steps import Plan, RedistributionError
 
 
 # ============================================================================ executor
@@ -105,6 +105,8 @@ def run_plan(plan: Plan, stack: np.ndarray, backend=None, *,
                          f"{want} (local devices, *local shape of {src!r})")
     if not len(plan):
         return stack
+    if not (src.even and plan.dst.even):
+        return _run_uneven(plan, stack, backend, op_name, reason)
     x = stack
     mesh = plan._mesh(plan.device_matrix)
     with comm_cause(op_name, reason):
@@ -124,6 +126,34 @@ def run_plan(plan: Plan, stack: np.ndarray, backend=None, *,
             else:                                       # Remesh
                 mesh = plan._mesh(step.device_matrix)
     return x
+
+
+def _run_uneven(plan, stack, backend, op_name, reason):
+    """:func:`run_plan` for layouts whose splits do not all divide their dims. The
+    plan's collectives over intermediate layouts do not compose for pieces of unequal
+    size (gathering 2 of 4 pieces of 6 rows gives 4 rows, where a 2-way split holds 3),
+    so the move goes through the global value (every device in this process), recording
+    the plan's collectives with the bytes of the real pieces; pending sums kept by the
+    destination are stored whole on the first device of each sum."""
+    src, dst = plan.src, plan.dst
+    if len(backend.local_ranks) != src.device_num:
+        raise RedistributionError(
+            f"redistribution from {src!r} to {dst!r}: pieces of unequal size (a split that "
+            f"does not divide its dim) can be moved only when one process holds every "
+            f"device (the 'sim' backend); across processes use shapes that the splits "
+            f"divide")
+    if trace._STATE.reports or trace.GROUP_SINKS:
+        with comm_cause(op_name, reason):
+            _record_steps(plan, stack.itemsize)
+    value = global_value(stack, src)
+    if not dst.partial:
+        return dst.local_blocks(value)
+    whole = dst.without_partial()
+    out = np.array(whole.local_blocks(value), copy=True)
+    grid = out.reshape(dst.device_matrix + dst.local_shape)
+    for a in dst.partial:                  # the other shares of each sum are zeros
+        grid[(slice(None),) * a + (slice(1, None),)] = 0
+    return out
 
 
 # ============================================================================ direct executor
@@ -146,23 +176,45 @@ def _record_steps(plan: Plan, itemsize: int) -> None:
     if not trace._STATE.reports:
         return
     n = plan.src.device_num
-    local = list(plan.src.local_shape)
+    # a device's piece, as the number of parts of each dim: prod(n_d / parts_d) elements
+    # (the pieces of a split that does not divide differ by one row; that is their mean,
+    # so the recorded bytes averaged over the devices are exact)
+    shape, split = plan.src.shape, list(plan.src.dim_parts)
+
+    def piece():
+        b = itemsize * math.prod(d / p for d, p in zip(shape, split))
+        return int(b) if b == int(b) else b
+
+    exact = plan.src.even and plan.dst.even
+    scale = plan.itemsize and itemsize / plan.itemsize
+
     for step in plan:
         kind, dims, parts = step[0], step[1], step[3]
         if kind in ("LocalSlice", "Remesh"):
             if kind == "LocalSlice":
-                local[dims[0]] //= parts
+                split[dims[0]] *= parts
             continue
-        before = math.prod(local) * itemsize
+        # pieces of unequal size: the buffer whose formula bytes are the plan's exact mean
+        before = piece() if exact else _buffer_of(kind, parts, step[4] * scale)
         if kind == "AllGather":
-            local[dims[0]] *= parts
+            split[dims[0]] //= parts
         elif kind == "AllToAll":
-            local[dims[1]] //= parts
-            local[dims[0]] *= parts
+            split[dims[1]] *= parts
+            split[dims[0]] //= parts
         elif kind == "ReduceScatter":
-            local[dims[0]] //= parts
+            split[dims[0]] *= parts
         trace.record(_RECORD_KIND[kind], parts, n // parts, before)
-        trace.note_memory(before + math.prod(local) * itemsize)
+        trace.note_memory(before + piece())
+
+
+def _buffer_of(kind: str, parts: int, nbytes: float) -> float:
+    """The input buffer for which the trace formula of `kind` over `parts` devices gives
+    `nbytes` per device."""
+    if kind == "AllGather":
+        return nbytes / (parts - 1)
+    if kind == "AllReduce":
+        return nbytes * parts / (2 * (parts - 1))
+    return nbytes * parts / (parts - 1)
 
 
 def global_value(stack: np.ndarray, layout: TensorLayout) -> np.ndarray:

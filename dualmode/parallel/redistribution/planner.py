@@ -5,14 +5,18 @@ from __future__ import annotations
 import math
 from typing import Dict, Tuple, Union
 
+import numpy as np
+
 from ... import context
 from ..._core import _redist
+from ...communication.trace import bytes_per_device
 from .._layout_checks import LayoutError
 from ..layout_spec import LayoutSpec
 from ..tensor_layout import TensorLayout
 from .reference import _reference_raw
 from .steps import (_BY_NAME, SEARCH_BUDGET, AllGather, LocalSlice, Plan, RedistributionError,
                     Remesh)
+from .unify import _refine, unify_device_matrices
 
 
 # ============================================================================ errors
@@ -30,10 +34,10 @@ def _check_pair(src, dst):
         spec = dst
         for d, (n, axes) in enumerate(zip(src.shape, spec.tensor_map)):
             parts = math.prod(spec.device_matrix[a] for a in axes)
-            if n % parts:
+            if 0 < n < parts:
                 raise _fail(src, spec, f"the destination splits dim {d} (size {n}) into "
-                            f"{parts} parts ({', '.join(spec.spec[d])}), which does not "
-                            "divide it")
+                            f"{parts} parts ({', '.join(spec.spec[d])}), more than it has "
+                            "rows: some pieces would be empty")
         try:
             dst = TensorLayout.from_spec(spec, src.shape, owner="the destination")
         except LayoutError as e:
@@ -47,7 +51,7 @@ def _check_pair(src, dst):
     if src.device_num != dst.device_num:
         raise _fail(src, dst, f"the device counts differ ({src.device_num} vs "
                     f"{dst.device_num}); both layouts must cover the same devices")
-    return dst         # a TensorLayout's splits divide its dims (checked when it was built)
+    return dst         # a TensorLayout's splits leave no piece empty (checked when built)
 
 
 def _partial_error(src, dst):
@@ -66,6 +70,8 @@ def _build(raw, src, dst, itemsize) -> Plan:
     steps = [new(kinds[r[0]], r) for r in raw[2]]
     if not context._STATE.auto_parallel.enable_alltoall:
         steps = _without_alltoall(steps)
+    if not (src.even and dst.even):
+        steps = _real_steps(steps, src, raw[1], itemsize)
     return Plan(steps, src, dst, raw[1], itemsize)
 
 
@@ -85,9 +91,74 @@ def _without_alltoall(steps) -> list:
     return out
 
 
+def _proxy_shape(src, dst) -> tuple:
+    """The shape the steps between layouts that do not divide their dims are searched
+    for: each dim rounded up to a multiple of the device count (which every split of
+    it divides), so the steps and their costs are those of a shape within one row per
+    device of the real one."""
+    n = src.device_num
+    return tuple(-(-d // n) * n for d in src.shape)
+
+
+def _pieces(sizes, lists, shape):
+    """``(starts, stops)``, each ``(devices, ndim)`` int64: per rank (row-major over the
+    device matrix `sizes`) the rows of its piece along each dim when dim ``d`` is split
+    by the axes ``lists[d]`` (numpy.array_split's rule; a part may be empty)."""
+    n = math.prod(sizes)
+    coords = np.stack(np.unravel_index(np.arange(n, dtype=np.int64), sizes), 1)
+    starts = np.empty((n, len(shape)), np.int64)
+    stops = np.empty((n, len(shape)), np.int64)
+    for d, axes in enumerate(lists):
+        b, p = np.zeros(n, np.int64), 1
+        for a in axes:
+            b = b * sizes[a] + coords[:, a]
+            p *= sizes[a]
+        q, r = divmod(shape[d], p)
+        starts[:, d] = b * q + np.minimum(b, r)
+        stops[:, d] = starts[:, d] + q + (b < r)
+    return starts, stops
+
+
+def _real_steps(steps, src, sizes, itemsize) -> list:
+    """`steps` (searched for a proxy shape) with each one's bytes those of the real
+    pieces, averaged over the devices: an AllGather or AllToAll moves to each device
+    what its new piece holds beyond its old one (pieces of a split that does not divide
+    need not nest: rows 2-3 of 6 cut in 4 are not inside rows 0-2 of 6 cut in 2); a
+    ReduceScatter or AllReduce moves the formulas' bytes of its (equal) buffer."""
+    runs = unify_device_matrices(src.device_matrix, sizes)[1]
+    lists = list(_refine(src, runs)[0])
+    shape, out = src.shape, []
+    starts, stops = _pieces(sizes, lists, shape)
+    for st in steps:
+        kind, dims, axes, k = st[0], st[1], tuple(st[2]), st[3]
+        new = list(lists)
+        if kind in ("LocalSlice", "ReduceScatter"):
+            new[dims[0]] = new[dims[0]] + axes
+        elif kind == "AllGather":
+            new[dims[0]] = new[dims[0]][:len(new[dims[0]]) - len(axes)]
+        elif kind == "AllToAll":
+            new[dims[0]] = new[dims[0]][:len(new[dims[0]]) - len(axes)]
+            new[dims[1]] = new[dims[1]] + axes
+        s2, e2 = _pieces(sizes, new, shape)
+        before = itemsize * float(np.prod(stops - starts, axis=1).mean())
+        if kind in ("AllGather", "AllToAll"):
+            overlap = np.prod(np.clip(np.minimum(stops, e2) - np.maximum(starts, s2), 0,
+                                      None), axis=1)
+            moved = itemsize * float((np.prod(e2 - s2, axis=1) - overlap).mean())
+        elif kind in ("ReduceScatter", "AllReduce"):
+            moved = bytes_per_device(kind, k, before)
+        else:
+            moved = 0.0
+        out.append(tuple.__new__(type(st), tuple(st[:4]) + (moved,) + tuple(st[5:])))
+        lists, starts, stops = new, s2, e2
+    return out
+
+
 def _plan(src, dst, itemsize, planner) -> Plan:
+    uneven = not (src.even and dst.even)
+    shape = _proxy_shape(src, dst) if uneven else src.shape
     raw = planner(src.device_matrix, src.tensor_map, src.partial, dst.device_matrix,
-                  dst.tensor_map, dst.partial, src.shape, itemsize, SEARCH_BUDGET)
+                  dst.tensor_map, dst.partial, shape, itemsize, SEARCH_BUDGET)
     if raw[0] == 0:
         return _build(raw, src, dst, itemsize)
     if raw[0] == 2:
