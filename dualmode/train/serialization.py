@@ -265,6 +265,10 @@ def _save_sliced(path, entries, meta, n):
         if lay is not None and lay.device_num != n:
             raise ValueError(f"save_checkpoint: parameter {name!r} is laid out over "
                              f"{lay.device_num} devices but {n} are running")
+        if isinstance(lay, TensorLayout) and not lay.even:
+            raise ValueError(f"save_checkpoint: parameter {name!r} is split into pieces of "
+                             f"unequal size ({lay!r}); checkpoints of unequal pieces are not "
+                             f"written yet")
         if isinstance(lay, TensorLayout) or _is_device_local(v):
             per_device.append((name, v._data))
             if isinstance(lay, TensorLayout):
