@@ -549,29 +549,37 @@ class Backend(abc.ABC):
                              f"pipeline stages; expected an int in [0, {self.stages})")
         return int(stage)
 
-    def send(self, stack: np.ndarray, stage: int, tag: int) -> None:
+    def send(self, stack: np.ndarray, stage: int, tag: int, meta=None,
+             record: bool = True) -> None:
         """Send each device's buffer to the same device (same rank within the stage) of
         pipeline stage `stage`; `tag` (an int >= 0) names the message, which
-        :meth:`recv` on that stage takes. Recorded as "Send" (the buffer's bytes per
-        device). Only on a stage's backend (:meth:`stage_view`)."""
+        :meth:`recv` on that stage takes, with `meta` (a small picklable object that
+        describes it, e.g. its layout). Recorded as "Send" (the buffer's bytes per
+        device) unless not `record` (an observation, not the program's traffic). Only
+        on a stage's backend (:meth:`stage_view`)."""
         f = "send"
         stage = self._check_peer(f, stage)
         stack = self._check_stack(f, stack)
-        self._send(stack, stage, int(tag))
-        if trace._STATE.reports:
+        self._send(stack, stage, int(tag), meta)
+        if record and trace._STATE.reports:
             trace.record("Send", 2, self._world_size, self._device_bytes(stack))
 
-    def recv(self, stage: int, tag: int) -> np.ndarray:
-        """The stack of buffers that the same devices of pipeline stage `stage` sent
-        with `tag` (see :meth:`send`). Recorded as "Receive"."""
+    def recv(self, stage: int, tag: int, record: bool = True):
+        """``(stack, meta)``: the buffers that the same devices of pipeline stage `stage`
+        sent with `tag`, and the `meta` sent with them (see :meth:`send`). Recorded as
+        "Receive" unless not `record`."""
         f = "recv"
         stage = self._check_peer(f, stage)
-        out = self._recv(stage, int(tag))
-        if trace._STATE.reports:
+        out, meta = self._recv(stage, int(tag))
+        if record and trace._STATE.reports:
             trace.record("Receive", 2, self._world_size, self._device_bytes(out))
-        return out
+        return out, meta
 
-    def _send(self, stack, stage: int, tag: int) -> None:
+    def wait_sends(self) -> None:
+        """Wait until every buffer :meth:`send` handed over has left (a backend that
+        sends asynchronously waits here; the others have nothing to wait for)."""
+
+    def _send(self, stack, stage: int, tag: int, meta) -> None:
         raise RuntimeError(f"send: the {self.name!r} backend has no point-to-point "
                            f"transfers between pipeline stages")
 

@@ -302,12 +302,13 @@ class MPIBackend(Backend):
     name = "mpi"
     all_reduce_algorithms = ("direct", "ring")
 
-    def __init__(self, device_num: Optional[int] = None, comm=None):
+    def __init__(self, device_num: Optional[int] = None, comm=None, _stage_of=None):
         mpi = load_mpi()
         self._mpi = mpi
         self._comm = mpi.COMM_WORLD if comm is None else comm
         size, rank = self._comm.Get_size(), self._comm.Get_rank()
-        self._check_environment(device_num, size, rank)
+        if _stage_of is None:        # a pipeline stage's view: its world was checked
+            self._check_environment(device_num, size, rank)
         super().__init__(size, (rank,))
         self._rank = rank
         self._calls: Counter = Counter()
@@ -372,6 +373,10 @@ class MPIBackend(Backend):
     def close(self) -> None:
         """Free the shared fusion windows and the cached sub-communicators (collective:
         every rank calls it) and drop the fusion-buffer pool."""
+        for view in self.__dict__.pop("_stage_views", {}).values():
+            view.wait_sends()
+            view.close()
+            view._comm.Free()
         for hit in self._shared.values():
             hit.free()
         self._shared.clear()
@@ -795,6 +800,50 @@ class MPIBackend(Backend):
         local = send.shape
         shape = local[:axis] + (n * local[axis],) + local[axis + 1:]
         return np.zeros((1,) + shape, dtype=stack.dtype)
+
+    # ------------------------------------------------------------ pipeline stages
+    # A stage's view runs its collectives on the stage's sub-communicator; its Send /
+    # Receive go over the world communicator to the rank of the same position in the
+    # other stage: a pickled (shape, dtype) header, then the raw buffer (Isend, waited
+    # for by wait_sends before the buffer is reused or the job ends).
+
+    def _stage_view(self, stages: int) -> "MPIBackend":
+        n = self.world_size // stages
+        stage = self._rank // n
+        self._calls["Comm_split"] += 1
+        view = MPIBackend(comm=self._comm.Split(stage, self._rank), _stage_of=self)
+        view.stage = stage
+        view._pending = []
+        return view
+
+    def _peer(self, stage: int) -> int:
+        return stage * self.world_size + self._rank
+
+    def _send(self, stack, stage: int, tag: int, meta) -> None:
+        comm = self.world._comm
+        # (a 0-d buffer stays 0-d: ascontiguousarray would make it 1-d)
+        buf = np.ascontiguousarray(stack[0]) if stack.ndim > 1 else np.array(stack[0])
+        dst = self._peer(stage)
+        head = (buf.shape, buf.dtype.str, meta)
+        self._pending.append((comm.isend(head, dest=dst, tag=2 * tag), None))
+        self._pending.append((comm.Isend(buf, dest=dst, tag=2 * tag + 1), buf))
+        self._calls["Isend"] += 1
+
+    def _recv(self, stage: int, tag: int):
+        comm = self.world._comm
+        src = self._peer(stage)
+        shape, dtype, meta = comm.recv(source=src, tag=2 * tag)
+        out = np.empty((1,) + tuple(shape), dtype=np.dtype(dtype))
+        comm.Recv(out, source=src, tag=2 * tag + 1)     # (1, *shape): the same bytes
+        self._calls["Recv"] += 1
+        return out, meta
+
+    def wait_sends(self) -> None:
+        """Wait until every message this stage sent has left its buffer."""
+        pending = getattr(self, "_pending", None)
+        if pending:
+            self._mpi.Request.Waitall([req for req, _ in pending])
+            pending.clear()
 
     def _send_recv(self, stack, src, dst):
         if not len(src):

@@ -465,10 +465,10 @@ class SimBackend(Backend):
         view._mail = {}
         return view
 
-    def _send(self, stack, stage: int, tag: int) -> None:
-        self._mail[tag] = stack
+    def _send(self, stack, stage: int, tag: int, meta) -> None:
+        self._mail[tag] = (stack, meta)
 
-    def _recv(self, stage: int, tag: int) -> np.ndarray:
+    def _recv(self, stage: int, tag: int):
         out = self._mail.pop(tag, None)
         if out is None:
             raise RuntimeError(f"recv: no message with tag {tag} was sent from stage "

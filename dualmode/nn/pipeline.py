@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .. import context
-from ..parallel.pipeline import PipelineRun, active_stages, micro_batches, staged_cells
+from ..parallel.pipeline import (PipelineRun, Remote, active_stages, micro_batches,
+                                 staged_cells)
 from .cell import Cell
 
 __all__ = ["PipelineCell", "MicroBatchInterleaved"]
@@ -20,6 +21,8 @@ def _check_args(owner, network, name, value):
 
 
 def _add(total, out):
+    if isinstance(out, Remote):      # another process computes this stage's output
+        return total
     if total is None:
         return out
     if isinstance(out, tuple):
@@ -96,10 +99,10 @@ class PipelineCell(Cell):
             return total
         staged = staged_cells(self.network, stages, owner)
         total = None
-        with PipelineRun(staged, owner):
+        with PipelineRun(self.network, staged, owner) as run:
             for mi in micros:
                 total = _add(total, self.network(*mi))
-        return total
+            return run.output(total)
 
 
 class MicroBatchInterleaved(Cell):

@@ -37,7 +37,7 @@ from .devices import live_backend, parallel_active
 from .tensor_layout import TensorLayout
 
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
-           "micro_batches", "PipelineRun", "TRANSFER", "SCHEDULERS"]
+           "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -294,33 +294,72 @@ def micro_batches(inputs, micro_size: int, owner: str) -> List[tuple]:
 # --------------------------------------------------------------- the transfers
 
 
+class Remote:
+    """A value that another pipeline stage computes, on a process that does not run that
+    stage (backend "mpi"): it only stands for the value in the network's code."""
+
+    __slots__ = ("stage", "__weakref__")
+
+    def __init__(self, stage: int):
+        self.stage = stage
+
+    def __repr__(self) -> str:
+        return f"<value of pipeline stage {self.stage}, computed by another process>"
+
+
 def _transfer_backward(node, g):
-    attrs = node.attrs
-    return (attrs["run"].move(g, attrs["dst"], attrs["src"], attrs["cell"]),)
+    return node.attrs["run"].backward(node, g)
 
 
-#: an activation moved from one stage's devices to another's: the value is unchanged
-#: (each device's shard goes to the same device of the next stage); the backward moves
-#: the gradient back. Made by PipelineRun only (never dispatched).
+#: a value moved from one pipeline stage's devices to another's (kind "move": each
+#: device's shard goes to the same device of the other stage; the backward moves the
+#: gradient back), or, under "mpi", the output of a stage that does not compute the
+#: loss (kind "output": its inputs are the values the stage sent on; the backward
+#: receives their gradients). Made by PipelineRun only (never dispatched).
 TRANSFER = register("PipelineTransfer", infer=same_as_input,
-                    kernel=lambda attrs, x: x, backward=_transfer_backward)
+                    kernel=lambda attrs, *x: x[0], backward=_transfer_backward)
+
+#: the input of a transfer received from another process (a constant: no gradient)
+_ANCHOR = _core.wrap_dist(np.zeros((), np.float32), None)
+
+
+def _stack(x, n):
+    """``(stack, layout)`` of a Tensor to send: its shards, or a plain value once per
+    device (`n`: the devices of the stage this process holds)."""
+    layout = x._layout
+    if layout is None:
+        return replicated_view(np.asarray(x._value()), n), None
+    return x._data, layout
+
+
+def _unstack(stack, layout):
+    return _core.wrap_dist(stack[0] if layout is None else stack, layout)
 
 
 class PipelineRun:
-    """The staged cells of one network call: inside the ``with`` block each one's
-    ``construct`` moves inputs made by earlier stages to its own stage and marks its
-    outputs with its stage."""
+    """One network call over the micro-batches: inside the ``with`` block every cell's
+    ``construct`` runs on its stage (its ``pipeline_stage``, else the latest stage of
+    the values it reads), moving inputs made by earlier stages to it first and marking
+    its outputs with its stage. Under "mpi" a cell of another stage is not run: its
+    outputs are :class:`Remote`, and the values this stage made that it reads are sent
+    to it."""
 
-    def __init__(self, staged, owner: str):
-        self.staged, self.owner = staged, owner
+    def __init__(self, network, staged, owner: str):
+        self.owner = owner
         self.view = live_backend()
-        self._marks = {}              # id(tensor) -> (tensor, stage)
-        self._moved = {}              # (id(tensor), stage) -> moved tensor
-        self._tag = 0
+        self.here = self.view.stage          # None: every stage runs in this process
+        explicit = {id(cell): k for _, cell, k in staged}
+        self.cells = [(name or type(cell).__name__, cell, explicit.get(id(cell), -1))
+                      for name, cell in network.cells_and_names()]
+        self._marks = {}              # id(value) -> (value, stage)
+        self._moved = {}              # (id(value), stage) -> moved value
+        self._events = 0
         self._saved = []
+        self.sent = []                # under "mpi": (value, stage, event, cell) sent on
 
     def __enter__(self) -> "PipelineRun":
-        for name, cell, k in self.staged:
+        self.view.wait_sends()
+        for name, cell, k in self.cells:
             d = cell.__dict__
             self._saved.append((d, d.get("construct")))
             d["construct"] = self._wrap(name, cell, k)
@@ -337,19 +376,33 @@ class PipelineRun:
         self._moved.clear()
         return False
 
-    def _wrap(self, name, cell, k):
+    def _wrap(self, name, cell, explicit):
         construct = type(cell).construct
 
         def staged(*args, **kwargs):
+            k = explicit if explicit >= 0 else self._latest((args, kwargs))
+            if k is None:
+                return construct(cell, *args, **kwargs)
             args = tuple(self._arrive(a, k, name) for a in args)
             kwargs = {key: self._arrive(v, k, name) for key, v in kwargs.items()}
-            out = construct(cell, *args, **kwargs)
+            out = construct(cell, *args, **kwargs) if self.here in (None, k) else Remote(k)
             self._mark(out, k)
             return out
         return staged
 
+    def _latest(self, values):
+        """The latest stage among the marked values in `values` (None: none marked)."""
+        if isinstance(values, (tuple, list)):
+            found = [self._latest(v) for v in values]
+            found = [k for k in found if k is not None]
+            return max(found) if found else None
+        if isinstance(values, dict):
+            return self._latest(list(values.values()))
+        hit = self._marks.get(id(values))
+        return hit[1] if hit is not None and hit[0] is values else None
+
     def _mark(self, out, k):
-        if isinstance(out, TensorBase):
+        if isinstance(out, (TensorBase, Remote)):
             self._marks[id(out)] = (out, k)
         elif isinstance(out, (tuple, list)):
             for o in out:
@@ -358,7 +411,7 @@ class PipelineRun:
     def _arrive(self, x, k, name):
         if isinstance(x, (tuple, list)):
             return type(x)(self._arrive(v, k, name) for v in x)
-        if not isinstance(x, TensorBase):
+        if not isinstance(x, (TensorBase, Remote)):
             return x
         hit = self._marks.get(id(x))
         if hit is None or hit[0] is not x or hit[1] == k:
@@ -370,37 +423,78 @@ class PipelineRun:
                              f"values of its own stage or of earlier ones")
         y = self._moved.get((id(x), k))
         if y is None:
-            y = self._forward(x, j, k, name)
+            y = self._cross(x, j, k, name, self.next_event())
             self._moved[(id(x), k)] = y
             self._marks[id(y)] = (y, k)
         return y
 
-    def _next_tag(self) -> int:
-        self._tag += 1
-        return self._tag
+    def next_event(self) -> int:
+        """A new transfer's number (every process counts the same transfers in the same
+        order: its forward message has tag ``2 e``, its gradient's ``2 e + 1``)."""
+        self._events += 1
+        return self._events
 
-    def move(self, x, src: int, dst: int, cell: str):
-        """`x` (a Tensor of stage `src`) as stage `dst` has it: each device's stack
-        sent to the same device of `dst` (recorded Send and Receive)."""
-        view = self.view
-        layout = x._layout
-        if layout is None:
-            value = np.asarray(x._value())
-            stack = replicated_view(value, view.world_size)
-        else:
-            stack = x._data
-        tag = self._next_tag()
-        with comm_cause(cell, "pipeline"):
-            view.send(stack, dst, tag)
-            got = view.recv(src, tag)
-        if got is stack:              # "sim": the same buffers, now the next stage's
-            return x
-        return _core.wrap_dist(got[0] if layout is None else got, layout)
+    def _cross(self, x, j, k, name, event):
+        """`x`, made by stage `j`, as stage `k` reads it."""
+        here, view = self.here, self.view
+        if here is not None and here not in (j, k):
+            return Remote(k)
+        with comm_cause(name, "pipeline"):
+            if here in (None, j):
+                stack, layout = _stack(x, len(view.local_ranks))
+                view.send(stack, k, 2 * event, meta=layout)
+            if here == j:                             # "mpi": stage k receives it
+                self.sent.append((x, k, event, name))
+                return Remote(k)
+            got, layout = view.recv(j, 2 * event)
+        data = got[0] if layout is None else got
+        src = x if here is None else _ANCHOR
+        rec = _core.recording() and (here is not None or x._node is not None)
+        return _core.finish(TRANSFER, {"kind": "move", "src": j, "dst": k, "run": self,
+                                       "cell": name, "event": event},
+                            (src,), data, rec, None if layout is None else (layout,))
 
-    def _forward(self, x, j, k, name):
-        moved = self.move(x, j, k, name)
-        rec = x._node is not None and _core.recording()
-        layout = x._layout
-        data = moved._value() if layout is None else moved._data
-        return _core.finish(TRANSFER, {"src": j, "dst": k, "run": self, "cell": name},
-                            (x,), data, rec, None if layout is None else (layout,))
+    def output(self, total):
+        """The network's summed output as every stage sees it. Under "mpi" the stage
+        that computes it sends its value to the others' processes (not recorded: an
+        observation, as MindSpore's ``pipeline_result_broadcast``); a stage that sent
+        values on returns it as an op whose gradient receives theirs."""
+        here, view = self.here, self.view
+        if here is None:
+            return total
+        last = view.stages - 1
+        event = self.next_event()
+        if here == last:
+            value = np.asarray(total.asnumpy())
+            for s in range(last):
+                view.send(replicated_view(value, len(view.local_ranks)), s, 2 * event,
+                          record=False)
+            view.wait_sends()
+            return total
+        got, _ = view.recv(last, 2 * event, record=False)
+        value = np.array(got[0])
+        sent = tuple(x for x, _, _, _ in self.sent)
+        rec = _core.recording() and any(x._node is not None for x in sent)
+        if not rec:
+            return _core.wrap_dist(value, None)
+        return _core.finish(TRANSFER, {"kind": "output", "run": self}, sent, value, True,
+                            None)
+
+    def backward(self, node, g):
+        """The backward of a TRANSFER node."""
+        attrs, view = node.attrs, self.view
+        if attrs["kind"] == "output":                 # "mpi": the gradients sent back
+            grads = []
+            for x, k, event, name in self.sent:
+                with comm_cause(name, "pipeline"):
+                    got, layout = view.recv(k, 2 * event + 1)
+                grads.append(_unstack(got, layout))
+            return tuple(grads)
+        j, k, event = attrs["src"], attrs["dst"], attrs["event"]
+        with comm_cause(attrs["cell"], "pipeline"):
+            stack, layout = _stack(g, len(view.local_ranks))
+            view.send(stack, j, 2 * event + 1, meta=layout)
+            if self.here is None:
+                got, layout = view.recv(k, 2 * event + 1)
+                return (_unstack(got, layout),)
+        return (g,)                                   # for the constant input: unused

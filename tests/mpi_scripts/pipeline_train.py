@@ -1,0 +1,100 @@
+"""Pipeline-parallel training under any backend: run under mpiexec (backend "mpi", each
+rank running its own stage's cells) it writes each rank's losses, its stage's weights
+and its CommReport counts to OUT_DIR/rank<r>.npz; tests import it and run the same
+program on "sim" in-process to compare.
+
+    mpiexec -n N python pipeline_train.py OUT_DIR STAGES MICRO SCHEDULER OPTIMIZER SHARD
+"""
+import os
+import sys
+
+import numpy as np
+
+import dualmode as dm
+from dualmode import communication, nn, ops
+from dualmode.parallel import CommReport
+
+B, D, STEPS = 16, 8, 3
+
+
+class Block(nn.Cell):
+    def __init__(self, w, strategy=None):
+        super().__init__()
+        self.w = dm.Parameter(dm.Tensor(w), name="w")
+        self.b = dm.Parameter(dm.Tensor(np.full((D,), 0.1, np.float32)), name="b")
+        self.matmul = ops.MatMul()
+        if strategy is not None:
+            self.matmul.shard(strategy)
+        self.relu = ops.ReLU()
+
+    def construct(self, x):
+        return self.relu(self.matmul(x, self.w) + self.b)
+
+
+class MLP(nn.Cell):
+    def __init__(self, stages, strategies):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.blocks = nn.CellList([
+            Block((rng.standard_normal((D, D)) * 0.4).astype(np.float32), s)
+            for s in strategies])
+        for k, block in enumerate(self.blocks):
+            block.pipeline_stage = k * stages // len(strategies)
+
+    def construct(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def train(stages, micro, scheduler, optimizer, shard, devices=None):
+    """Losses, {stage: weights of its blocks} and the Send/Receive counts; `devices`:
+    simulated devices (None: the MPI world)."""
+    dm.reset_auto_parallel_context()
+    communication.init()
+    n = devices or communication.get_group_size()
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=n,
+                                 pipeline_stages=stages,
+                                 pipeline_config={"pipeline_scheduler": scheduler})
+    communication.init()
+    per = n // stages
+    blocks = max(stages, 2)
+    strategies = [None] * blocks
+    if shard and per > 1:                   # tensor parallel inside each stage
+        strategies = [((1, per), (per, 1)), ((per, 1), (1, 1))] * (blocks // 2)
+    net = MLP(stages, strategies)
+    model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), micro)
+    params = net.trainable_params()
+    opt = {"sgd": lambda: nn.SGD(params, learning_rate=0.05),
+           "momentum": lambda: nn.Momentum(params, learning_rate=0.05, momentum=0.9),
+           "adam": lambda: nn.Adam(params, learning_rate=0.01)}[optimizer]()
+    grad_fn = dm.value_and_grad(model, None, opt.parameters)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((B, D)).astype(np.float32)
+    y = rng.standard_normal((B, D)).astype(np.float32)
+    losses = []
+    with CommReport() as report:
+        for _ in range(STEPS):
+            loss, grads = grad_fn(dm.Tensor(x), dm.Tensor(y))
+            opt(grads)
+            losses.append(float(loss.asnumpy()))
+    stage = communication.get_backend().stage
+    weights = {}
+    for block in net.blocks:
+        k = block.pipeline_stage
+        if stage is None or stage == k:
+            weights.setdefault(k, []).extend(p.asnumpy().copy()
+                                             for p in block.trainable_params())
+    counts = (report.count("Send", "pipeline"), report.count("Receive", "pipeline"),
+              report.bytes("Send"))
+    return np.array(losses), weights, counts
+
+
+if __name__ == "__main__":
+    out, stages, micro, scheduler, optimizer, shard = sys.argv[1:7]
+    losses, weights, counts = train(int(stages), int(micro), scheduler, optimizer,
+                                    shard == "1")
+    rank = communication.get_rank()
+    (stage, ws), = weights.items()
+    np.savez(os.path.join(out, f"rank{rank}.npz"), losses=losses, stage=stage,
+             counts=np.array(counts), **{f"w{i}": w for i, w in enumerate(ws)})
