@@ -107,6 +107,7 @@ class _Lowering:
         self.arg_sources = arg_sources or {}
         self.aliases = {}             # value id -> the id that replaced it (moved, reduced)
         self.current = None           # the node being lowered (what its moves are for)
+        self.done = {}                # (value id, dst, ...) -> the Ref a MOVE made
 
     # ---- helpers -------------------------------------------------------------------
     def fresh(self, like: Value) -> Value:
@@ -125,6 +126,14 @@ class _Lowering:
         src = self.input_layout(ref)
         if src == dst and not grid:
             return ref
+        # a pending sum moved the same way for a second consumer (read by two ops that
+        # are not linear in it, e.g. a gradient by both products of a MatMul's backward)
+        # reuses the first move: resolved once, as the sum is one value
+        key = (ref.id, dst, grid, scale, reason, backward) if isinstance(ref, Ref) and \
+            src is not None and src.partial and reason != "gradient" else None
+        done = self.done.get(key) if key is not None else None
+        if done is not None:
+            return done
         v = self.values[ref.id] if isinstance(ref, Ref) else _const_value(ref)
         kind, plan = "move", None
         if src is None:
@@ -146,6 +155,8 @@ class _Lowering:
         self.nodes.append(Node(MOVE, attrs, (ref,), (out,), f"Move-{self.moves}",
                                backward=backward))
         self.lay[out.id] = dst
+        if key is not None:
+            self.done[key] = Ref(out.id)
         return Ref(out.id)
 
     def resolve(self, ref, cause, backward):
@@ -168,6 +179,16 @@ class _Lowering:
                     f"({type(src).__name__}); a compiled graph places global tensors only, "
                     f"so call the function in PyNative mode")
         self.param_plans = {}
+        # each parameter's consumers with layouts, in program order (one pass over the
+        # nodes, not one per parameter: a 96-layer step has ~1,500 parameters)
+        pids = {v.id for _, v in g.params}
+        self.uses = {}
+        for node in g.nodes:
+            if node.in_layouts is None:
+                continue
+            for i, x in enumerate(node.inputs):
+                if isinstance(x, Ref) and x.id in pids:
+                    self.uses.setdefault(x.id, []).append((node, i))
         for k, (p, v) in enumerate(g.params):
             self.param_plans[v.id] = plan = self._param_plan(k, p, v)
             self.lay[v.id] = plan.layout
@@ -187,17 +208,14 @@ class _Lowering:
         if g.param_layouts and g.param_layouts[k] is not None:
             configured.append((g.param_layouts[k], f"parameter_plan[{p.name!r}]"))
         propagated = []
-        for node in g.nodes:
-            for i, x in enumerate(node.inputs):
-                if not (isinstance(x, Ref) and x.id == v.id) or node.in_layouts is None:
-                    continue
-                need = node.in_layouts[i]
-                if need is None:
-                    continue
-                if node.op_name == "Redistribute":
-                    configured.append((need, node.attrs.get("owner", node.name)))
-                elif node.op != CALL:
-                    propagated.append(need)
+        for node, i in self.uses.get(v.id, ()):
+            need = node.in_layouts[i]
+            if need is None:
+                continue
+            if node.op_name == "Redistribute":
+                configured.append((need, node.attrs.get("owner", node.name)))
+            elif node.op != CALL:
+                propagated.append(need)
         target, target_owner = None, None
         for lay, owner in configured:
             if is_sharded_layout(lay):
@@ -266,6 +284,7 @@ class _Lowering:
         ins = [self.ref(x) for x in node.inputs]
         bw = node.backward
         if node.op == CALL:
+            self.done.clear()                 # nothing moved before an update is reused
             self.nodes.append(node.replace(inputs=tuple(self.gradient_moves(node, ins))))
             return
         if node.op_name == "Redistribute":           # a strategy's move

@@ -1,0 +1,322 @@
+"""dm.parallel.dry_run: the compile path of a real call on abstract inputs, without
+running it. For models small enough to run, its collectives equal what a real compiled
+step records in a CommReport (the lists compared), its CommReport-style peak equals the
+report's and its liveness peak is within 5% of the live values measured while the
+executor runs the step; at GPT-3 size it is checked against the closed forms."""
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Tensor, nn, ops
+from dualmode.communication import get_backend
+from dualmode.nn.utils import no_init_parameters
+from dualmode.parallel import CommReport, abstract, dry_run
+from dualmode.parallel.auto_parallel import AutoParallel
+from dualmode.parallel.graph.trace import find_parameters
+from dualmode.parallel.inputs import distribute_inputs
+
+from _devices import devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, EXAMPLES)
+
+from gpt_model import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from operator_parallel import Network, learnable_batch  # noqa: E402
+
+
+def _train_step(loss_of, opt):
+    grad_fn = dm.value_and_grad(loss_of, None, opt.parameters)
+
+    def step(*xs):
+        loss, grads = grad_fn(*xs)
+        opt(grads)
+        return loss
+    return step
+
+
+def _root(x):
+    while getattr(x, "base", None) is not None:
+        x = x.base
+    return id(x)
+
+
+def _measured_live_peak(compiled, args):
+    """Run the compiled step node by node (the executor's own steps and release points)
+    and measure the most per-device bytes its environment holds at once, parameters
+    aside: each distinct array once (views of one buffer count once), a distributed
+    value at its devices' share."""
+    prog = compiled.program
+    env = prog.bind(list(distribute_inputs(args)))
+    params = {v.id for _, v in prog.graph.params}
+    peak = 0
+    for k, step in enumerate(prog.steps):
+        prog.run(env, k, k + 1, keep=True)
+        seen, total = set(), 0
+        for vid, x in env.items():
+            if vid in params or _root(x) in seen:
+                continue
+            seen.add(_root(x))
+            lay = prog.layouts.get(vid)
+            if lay is None:
+                total += np.asarray(x).nbytes
+            else:
+                total += math.prod(lay.local_shape) * np.dtype(x.dtype).itemsize
+        peak = max(peak, total)
+        for vid in step[-1]:
+            env.pop(vid, None)
+    return peak
+
+
+def _check_against_real(step, inputs, n=8, **settings):
+    """Dry-run `step` (an AutoParallel step over delayed parameters), then run it for
+    real on `n` simulated devices; compare."""
+    with devices(n, **settings):
+        compiled_step = AutoParallel(step, "semi_auto")
+        params = find_parameters(step)
+        dry = dry_run(compiled_step, *[abstract(x.shape, x.dtype) for x in inputs],
+                      device_num=n, link="100GbE", device_flops=1e12)
+        assert all(p.has_init for p in params if p.requires_grad), \
+            "the dry run made a parameter"
+        tensors = [Tensor(x) for x in inputs]
+        compiled_step(*tensors)                       # stores the parameters sharded
+        gc.collect()
+        with CommReport(link="100GbE") as real:
+            compiled_step(*tensors)
+        live = _measured_live_peak(compiled_step.compiled, tensors)
+    assert dry.records, "nothing communicated: the comparison would prove nothing"
+    assert dry.records == real.records
+    assert dry.bytes() == real.bytes()
+    assert dry.predicted_time() == pytest.approx(real.predicted_time(), rel=1e-12)
+    assert dry.comm_peak_memory == pytest.approx(real.peak_memory, rel=0.05)
+    storage = dry.parameter_bytes + dry.optimizer_state_bytes
+    assert storage == real.parameter_memory
+    assert dry.peak_memory == pytest.approx(real.parameter_memory + live, rel=0.05)
+    assert dry.flops > 0 and dry.compute_time == pytest.approx(dry.flops / 1e12)
+    assert dry.step_time == pytest.approx(dry.compute_time + dry.comm_time)
+    return dry, real
+
+
+def test_operator_parallel_mlp_equals_the_real_step():
+    dm.set_seed(1)
+    with devices(8):
+        with no_init_parameters():
+            net = Network(devices=8)
+            opt = nn.SGD(net.trainable_params(), 0.1)
+    loss_fn = nn.CrossEntropyLoss()
+    step = _train_step(lambda x, y: loss_fn(net(x), y), opt)
+    image, label = learnable_batch(np.random.default_rng(0), 32)
+    dry, real = _check_against_real(step, [image, label], gradients_mean=True)
+    # the configured strategies are the ones planned
+    chosen = {k: v["strategy"] for k, v in dry.strategies.items() if v["configured"]}
+    assert ((2, 4), (4, 1)) in chosen.values() and ((1, 8), (8, 1)) in chosen.values()
+    # per device, by hand: fc1 (784 x 512) rows split 4 ways by ((2, 4), (4, 1)), fc2
+    # (512 x 512) rows split 8 ways by ((1, 8), (8, 1)), fc3 (512 x 10) whole
+    assert dry.parameter_bytes == 4 * (784 * 512 // 4 + 512 * 512 // 8 + 512 * 10)
+    assert real.count(reason="gradient") < len(real.records)     # not only gradients
+
+
+class _CNN(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.relu = nn.ReLU()
+        self.pool = nn.MaxPool2d(2, 2)
+        self.flatten = nn.Flatten()
+        self.dense = nn.Dense(4 * 4 * 4, 10)
+
+    def construct(self, x):
+        return self.dense(self.flatten(self.pool(self.relu(self.conv(x)))))
+
+
+def test_cnn_data_parallel_equals_the_real_step():
+    dm.set_seed(2)
+    with no_init_parameters():
+        net = _CNN()
+        opt = nn.Momentum(net.trainable_params(), 0.05, 0.9)
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    step = _train_step(lambda x, y: loss_fn(net(x), y), opt)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 10, 16).astype(np.int32)
+    dry, real = _check_against_real(step, [x, y], gradients_mean=True)
+    # data parallel: the weights whole on every device, one gradient AllReduce each
+    trained = net.trainable_params()
+    n_params = sum(math.prod(p.shape) for p in trained)
+    assert n_params == 4 * 1 * 3 * 3 + 64 * 10 + 10           # conv (no bias), dense
+    assert dry.parameter_bytes == 4 * n_params
+    assert dry.optimizer_state_bytes == 4 * n_params          # momentum
+    assert dry.count("AllReduce", reason="gradient") == len(trained)
+
+
+def _gpt_step(cfg, opt_cls=nn.Adam):
+    with no_init_parameters():
+        net = GPT(cfg)
+        opt = opt_cls(net.trainable_params(), 1e-3)
+    return _train_step(lambda i, l: net(i, l), opt)
+
+
+@pytest.mark.parametrize("settings", [{}, {"enable_parallel_optimizer": True,
+                                           "parallel_optimizer_config":
+                                           {"parallel_optimizer_threshold": 0}}],
+                         ids=["adam", "adam-parallel-optimizer"])
+def test_gpt_dp2_mp4_equals_the_real_step(settings):
+    cfg = GPTConfig(dp=2, mp=4)
+    dm.set_seed(0)
+    step = _gpt_step(cfg)
+    ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
+    dry, real = _check_against_real(step, [ids, labels], **settings)
+    if settings:
+        assert dry.count("AllGather", reason="parallel_optimizer") > 0
+
+
+def test_the_dry_run_leaves_the_context_and_the_backend_as_they_were():
+    with devices(4):                        # planned for 8 devices while 4 are up
+        backend = get_backend()
+        step = _gpt_step(GPTConfig(dp=2, mp=4))
+        rep = dry_run(step, abstract((8, 8), dm.int32), abstract((8, 8), dm.int32),
+                      device_num=8)
+        assert rep.device_num == 8 and rep.records
+        assert get_backend() is backend and backend.world_size == 4
+        assert dm.get_auto_parallel_context("device_num") == 4
+
+
+# ---------------------------------------------------------------------------
+# GPT-3 size
+# ---------------------------------------------------------------------------
+_GPT3 = r"""
+import json, resource, sys, time
+sys.path.insert(0, {examples!r})
+import dualmode as dm
+from dualmode import nn
+from dualmode.nn.utils import no_init_parameters
+from dualmode.parallel import abstract, dry_run
+from gpt_model import GPT, GPTConfig
+t, d = 8, 128
+cfg = GPTConfig(vocab_size=51200, seq_length=2048, hidden_size=12288, num_heads=96,
+                num_layers=96, batch_size=d, dp=d, mp=t)
+start = time.perf_counter()
+with no_init_parameters():
+    net = GPT(cfg)
+    opt = nn.Adam(net.trainable_params(), 1e-4)
+grad_fn = dm.value_and_grad(lambda i, l: net(i, l), None, opt.parameters)
+def step(i, l):
+    loss, grads = grad_fn(i, l)
+    opt(grads)
+    return loss
+dm.set_auto_parallel_context(dataset_strategy=((d, 1), (d, 1)))
+ids = abstract((cfg.batch_size, cfg.seq_length), dm.int32)
+rep = dry_run(step, ids, ids, device_num=t * d, link="nvlink", device_flops=312e12)
+elapsed = time.perf_counter() - start
+print(json.dumps({{
+    "elapsed": elapsed,
+    "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "parameter_bytes": rep.parameter_bytes,
+    "optimizer_state_bytes": rep.optimizer_state_bytes,
+    "records": [[r.kind, r.group_size, r.op, r.reason, r.resolved_by, r.buffer_bytes]
+                for r in rep.records],
+    "made": sum(not p.has_init for p in net.get_parameters()),
+}}))
+"""
+
+
+def test_gpt3_175b_on_1024_devices_tensor_8_data_128():
+    """96 layers, hidden 12,288, 96 heads, sequence 2,048, vocabulary 51,200 on 1,024
+    devices as tensor 8 x data 128 with Adam (no pipeline: the pipeline schedule is not
+    planned by the dry run yet), one sequence per data-parallel group."""
+    script = _GPT3.format(examples=EXAMPLES)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["elapsed"] < 30, out["elapsed"]
+    assert out["maxrss_mb"] < 2048, out["maxrss_mb"]
+    assert out["made"] == 0                               # no parameter was made
+    l, h, t, V, S = 96, 12288, 8, 51200, 2048
+    b = 1                                                 # sequences per data-parallel group
+    # parameters per device, by hand: per layer the 12 h^2 of Q, K, V, the projection and
+    # the MLP's two matrices split over t, the column-parallel biases split (3h + 4h)/t,
+    # the row-parallel biases (2h) and two LayerNorms (4h) whole; the vocabulary-parallel
+    # table V h / t, the positions S h and the final LayerNorm 2h whole
+    per_device = l * (12 * h * h // t + 7 * h // t + 6 * h) + V * h // t + S * h + 2 * h
+    assert out["parameter_bytes"] == 4 * per_device
+    assert out["parameter_bytes"] / 4 == pytest.approx(12 * l * h * h / t + V * h / t,
+                                                       rel=0.01)
+    assert out["optimizer_state_bytes"] == 2 * out["parameter_bytes"]    # Adam's moments
+    # tensor parallel: per layer 2 AllReduces of b s h elements over t devices forward
+    # (after the row-parallel attention projection and MLP) and 2 backward (the
+    # column-parallel layers' input gradients), plus one more backward for the tied
+    # output embedding's input gradient
+    recs = out["records"]
+    fwd = [r for r in recs if r[0] == "AllReduce" and r[2] == "MatMul" and r[3] == "forward"]
+    bwd = [r for r in recs if r[0] == "AllReduce" and r[2] == "MatMul" and r[3] == "backward"]
+    assert len(fwd) == 2 * l and len(bwd) == 2 * l + 1
+    assert {(r[1], r[5]) for r in fwd + bwd} == {(t, 4 * b * S * h)}
+
+
+def test_plan_gpt3_example_prints_the_three_strategies():
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "plan_gpt3.py"),
+                           "--layers", "4"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    for name in ("data 1024", "tensor 8 x data 128", "tensor 16 x data 64"):
+        assert name in text
+    for row in ("memory per device", "bytes per step", "predicted step time"):
+        assert row in text
+    assert "fits in 80 GB" in text or "none fits in 80 GB" in text
+
+
+# ---------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------
+def test_a_device_count_the_strategies_do_not_divide_is_refused_and_nothing_changes():
+    with devices(8):
+        backend = get_backend()
+        step = _gpt_step(GPTConfig(dp=2, mp=4))
+        with pytest.raises(ValueError, match=r"has 8 devices but device_num is 6"):
+            dry_run(step, abstract((6, 8), dm.int32), abstract((6, 8), dm.int32),
+                    device_num=6)
+        assert get_backend() is backend
+        assert dm.get_auto_parallel_context("device_num") == 8
+
+
+@pytest.mark.parametrize("n", [0, -8, 2.5, "8", True])
+def test_a_device_num_that_is_not_a_positive_int_is_refused(n):
+    with pytest.raises(ValueError, match=r"dry_run: device_num=.* is not valid; expected a "
+                                         r"positive int"):
+        dry_run(lambda x: x, abstract((8, 8)), device_num=n)
+
+
+@pytest.mark.parametrize("shape", [(8, 0), (-2, 4), (3, 2.0)])
+def test_a_shape_with_a_dim_that_is_not_positive_is_refused(shape):
+    with pytest.raises(ValueError, match=r"abstract: shape=.* has dim \d = .*; every dim "
+                                         r"must be a positive int"):
+        abstract(shape, dm.float32)
+
+
+def test_an_unknown_link_or_a_bad_speed_is_refused():
+    x = abstract((8, 8))
+    with pytest.raises(ValueError, match=r"dry_run: link='5G' is not valid; expected one "
+                                         r"of '10GbE', '100GbE', 'nvlink'"):
+        dry_run(lambda x: x, x, device_num=8, link="5G")
+    with pytest.raises(ValueError, match=r"dry_run: device_flops=-1.0 is not valid"):
+        dry_run(lambda x: x, x, device_num=8, device_flops=-1.0)
+    with pytest.raises(ValueError, match=r"dry_run: parallel_mode='data_parallel' is not "
+                                         r"valid"):
+        dry_run(lambda x: x, x, device_num=8, parallel_mode="data_parallel")
+
+
+def test_an_abstract_tensor_has_no_value():
+    x = abstract((2, 3), dm.int32)
+    assert x.shape == (2, 3) and x.dtype == np.int32
+    with pytest.raises(TypeError, match=r"abstract tensor \(shape \(2, 3\), dtype int32\) "
+                                        r"has no value"):
+        x.asnumpy()
