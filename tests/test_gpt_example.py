@@ -1,8 +1,9 @@
-"""The GPT example (examples/gpt_model.py, examples/gpt_3d.py): the sharded training run
-on 8 simulated devices gives the stand-alone losses, in PyNative mode and GRAPH_MODE;
-``check_equivalence`` passes on its step (and names the op when a strategy is wrong);
-the script prints the same losses under ``python -m dualmode.run --worker_num 8`` as
-real MPI ranks."""
+"""The GPT example (examples/gpt_model.py, examples/gpt_3d.py): training on 8 simulated
+devices gives the stand-alone losses and weights -- tensor parallel (dp x mp, PyNative
+and GRAPH_MODE) and in three dimensions (dp x mp x pp with the parallel optimizer and
+pipeline stages); ``check_equivalence`` passes on the 3-D step (and names the op when
+one is wrong); the script prints the same losses under ``python -m dualmode.run
+--worker_num 8`` as real MPI ranks."""
 import os
 import re
 import shutil
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import communication, ops
+from dualmode import communication, nn, ops
 
 from _devices import devices
 
@@ -99,11 +100,12 @@ def test_gpt_config_errors():
         GPTConfig(dp=0)
 
 
-def _train(cfg, n, steps, graph=False):
-    """Losses and final weights of `steps` SGD steps on n devices (1: stand-alone)."""
-    dm.set_context(mode=dm.GRAPH_MODE if graph else dm.PYNATIVE_MODE)
+def _train(cfg, n, steps, graph=False, parallel_optimizer=False):
+    """Losses and final weights of `steps` Momentum steps on n devices (1:
+    stand-alone)."""
     try:
-        losses, net, report = gpt_3d.train(cfg, n, steps)
+        losses, net, _, report = gpt_3d.train(cfg, n, steps, parallel_optimizer,
+                                              graph=graph)
         weights = {p.name: p.asnumpy() for p in net.trainable_params()}
     finally:
         dm.set_context(mode=dm.PYNATIVE_MODE)
@@ -142,6 +144,40 @@ def test_gpt_trains_in_graph_mode_as_on_one_device():
 
 
 # ---------------------------------------------------------------------------
+# three dimensions: dp x mp x pp with the parallel optimizer
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dp,mp,pp,micro,layers", [(2, 2, 2, 2, 2), (1, 2, 4, 2, 4),
+                                                   (2, 1, 4, 4, 4), (2, 2, 2, 1, 3)])
+def test_gpt_trains_in_three_dimensions_as_on_one_device(dp, mp, pp, micro, layers):
+    cfg = GPTConfig(dp=dp, mp=mp, pp=pp, micro_size=micro, num_layers=layers)
+    ref, ref_w, _ = _train(cfg, 1, 3)
+    losses, w, report = _train(cfg, 8, 3, parallel_optimizer=dp > 1)
+    np.testing.assert_allclose(losses, ref, rtol=TRAIN_RTOL)
+    assert ref[-1] < ref[0]
+    for name in ref_w:
+        np.testing.assert_allclose(w[name], ref_w[name], rtol=TRAIN_RTOL, atol=1e-6,
+                                   err_msg=name)
+    # activations forward and their gradients back, per stage boundary and micro-batch
+    assert report.count("Send", "pipeline") == 3 * 2 * micro * (pp - 1)
+    assert report.count("Receive", "pipeline") == report.count("Send", "pipeline")
+    if dp > 1:
+        # the parallel optimizer: gradients ReduceScattered over dp, every weight's
+        # updated slices AllGathered back; no gradient AllReduce is left
+        n = len(ref_w)
+        assert report.count("ReduceScatter", "gradient") == 3 * n
+        assert report.count("AllGather", "parallel_optimizer") == 3 * n
+        assert report.count("AllReduce", "gradient") == 0
+
+
+def _three_d_context():
+    dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+                                 full_batch=True, pipeline_stages=2,
+                                 enable_parallel_optimizer=True,
+                                 parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+    communication.init()
+
+
+# ---------------------------------------------------------------------------
 # check_equivalence on the parallel step
 # ---------------------------------------------------------------------------
 def test_check_equivalence_on_the_gpt_step():
@@ -155,6 +191,26 @@ def test_check_equivalence_on_the_gpt_step():
     assert rep.ok, str(rep)
     assert rep.first_divergent_op is None
     assert rep.max_abs_diff < 1e-5
+
+
+def test_check_equivalence_on_the_three_dimensional_step():
+    """dp=2 x mp=2 x pp=2, 2 micro-batches, the parallel optimizer: the pipelined
+    network's loss and every weight's gradient equal the stand-alone run's."""
+    cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2)
+    ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
+    with devices(None):
+        _three_d_context()
+        dm.set_seed(1)
+        net = GPT(cfg)
+        model = nn.PipelineCell(net, cfg.micro_size)
+        rep = dm.parallel.check_equivalence(model, dm.Tensor(ids), dm.Tensor(labels),
+                                            device_num=8)
+        assert dm.get_auto_parallel_context("pipeline_stages") == 2     # restored
+    assert rep.ok, str(rep)
+    assert rep.max_abs_diff < 1e-5
+    grads = [v for v in rep.values if v.kind == "gradient"]
+    assert len(grads) == len(net.trainable_params()) and all(v.ok for v in grads)
+    assert rep.device_num == 8 and "PipelineTransfer" in rep.only_sharded
 
 
 def test_check_equivalence_names_a_wrong_op_in_the_gpt_step():
@@ -192,17 +248,27 @@ def test_gpt_3d_script_prints_equal_losses(capsys):
     assert len(pairs) == 3
     np.testing.assert_allclose(losses, ref, rtol=TRAIN_RTOL)
     np.testing.assert_allclose([a for a, _ in pairs], [b for _, b in pairs], rtol=TRAIN_RTOL)
-    assert "8 devices as dp=4 x mp=2" in out
+    assert "8 devices as dp=2 x mp=2 x pp=2, parallel optimizer on" in out
     assert "blocks.0.attention.query.matmul (MatMul)" in out
+    assert "blocks on [0, 1], the head and loss on stage 1" in out
     assert re.search(r"blocks\.0\.mlp\.mapping\.weight\s+\(32, 128\)\s+-> \(32, 64\)", out)
-    assert re.search(r"gradient\s+\d+ x", out)
-    assert report.count(kind="AllReduce") > 0
+    assert "stage 0 F0 F1 .  B0 .  B1" in out          # the 1F1B table
+    for reason in ("pipeline", "gradient", "parallel_optimizer"):
+        assert re.search(rf"\n  {reason}\s+\d+ x", out), reason
+    assert report.count("Send", "pipeline") == 3 * 2 * 2
+    assert report.count("AllGather", "parallel_optimizer") > 0
+    state = re.search(r"Momentum state per device: (\S+) KiB, weight slices it updates: "
+                      r"(\S+) KiB \(one device: (\S+) and (\S+) KiB\)", out)
+    assert state and float(state.group(1)) < float(state.group(3)) / 2, out
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
-def test_gpt_3d_script_under_mpi_prints_the_simulated_losses(tmp_path, capsys):
+@pytest.mark.parametrize("args,shape", [(["--pp", "1"], "dp=4 x mp=2 x pp=1")], ids=["dp-mp"])
+def test_gpt_3d_script_under_mpi_prints_the_simulated_losses(tmp_path, capsys, args, shape):
+    """8 real ranks (the parallel optimizer on) print the simulated run's losses, which
+    are the stand-alone run's."""
     pytest.importorskip("mpi4py")
-    gpt_3d.main(["--steps", "3"])
+    gpt_3d.main(["--steps", "3", *args])
     sim = _losses(capsys.readouterr().out)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "OMPI_", "RANK_", "DEVICE_ID"))}
@@ -210,11 +276,12 @@ def test_gpt_3d_script_under_mpi_prints_the_simulated_losses(tmp_path, capsys):
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "dualmode.run", "--worker_num", "8",
                            "--timeout", "120", "--log_dir", str(tmp_path / "logs"),
-                           os.path.join(EXAMPLES, "gpt_3d.py"), "--steps", "3"],
+                           os.path.join(EXAMPLES, "gpt_3d.py"), "--steps", "3", *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     mpi = _losses(proc.stdout)
     assert len(mpi) == 3, proc.stdout
     np.testing.assert_allclose([a for a, _ in mpi], [a for a, _ in sim], rtol=TRAIN_RTOL)
     np.testing.assert_allclose([b for _, b in mpi], [b for _, b in sim], rtol=TRAIN_RTOL)
-    assert "8 devices as dp=4 x mp=2" in proc.stdout
+    np.testing.assert_allclose([a for a, _ in mpi], [b for _, b in mpi], rtol=TRAIN_RTOL)
+    assert f"8 devices as {shape}, parallel optimizer on" in proc.stdout
