@@ -412,6 +412,32 @@ def test_shard_size_across_replica_axes_is_refused():
             "parallel_optimizer_threshold": 0, "optimizer_weight_shard_size": 2})
 
 
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto_parallel"])
+def test_turned_off_between_steps_keeps_the_states(mode):
+    """One Adam step with the parallel optimizer, then two without it (or with a
+    threshold above every weight): the moments come back whole (or in their weights'
+    layouts) with their values, and the three steps equal the single device's."""
+    want = _single("adam")[1]
+    for later in ({"enable_parallel_optimizer": False},
+                  {"parallel_optimizer_config": {"parallel_optimizer_threshold": 1024}}):
+        with devices(N, mode, gradients_mean=True, enable_parallel_optimizer=True,
+                     parallel_optimizer_config=SMALL):
+            net = Net(mode != "data_parallel")
+            opt = OPTIMIZERS["adam"](net.trainable_params(), 1.0)
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(
+                sparse=True, reduction="mean")), opt)
+            step(Tensor(X), Tensor(Y))
+            assert optimizer_memory(opt).states < 2 * sum(w.nbytes for w in W.values()) // 2
+            dm.set_auto_parallel_context(**later)
+            for _ in range(STEPS - 1):
+                step(Tensor(X), Tensor(Y))
+            assert set(optimizer_memory(opt).shards.values()) == {1}
+            layouts = [(m.layout, p.layout) for m, p in zip(opt.moment1, opt.parameters)]
+            got = {p.name: p.asnumpy() for p in net.trainable_params()}
+        assert all(m == p for m, p in layouts)
+        _assert_same(got, want)
+
+
 # ---- memory ----------------------------------------------------------------------------
 
 def test_memory_of_states_and_updated_slices_drops_by_the_shard_count():

@@ -168,13 +168,34 @@ class _Target:
 def plan(optimizer) -> Optional["ParameterShards"]:
     """The optimizer slices of `optimizer`'s parameters for this update, or None when
     the parallel optimizer shards none of them. Errors are raised before anything
-    changes."""
-    if settings() is None:
-        return None
-    layouts = [shard_layout(p, use_layout(p)) for p in optimizer.parameters]
+    changes. States left as slices by earlier updates of weights this update does not
+    split (the parallel optimizer turned off, a larger threshold) are first put back
+    into their weights' layouts."""
+    layouts = [None] * len(optimizer.parameters)
+    if settings() is not None:
+        layouts = [shard_layout(p, use_layout(p)) for p in optimizer.parameters]
+    sliced = optimizer.__dict__.get("_sliced_states")
+    if sliced:
+        for i in [i for i in sliced if layouts[i] is None]:
+            _unslice_states(optimizer, i)
+            sliced.discard(i)
     if all(s is None for s in layouts):
         return None
     return ParameterShards(optimizer.parameters, layouts)
+
+
+def _unslice_states(optimizer, i):
+    """Parameter `i`'s states, stored as optimizer slices, back in its layout (whole
+    when it has none): the values kept, gathered."""
+    p = optimizer.parameters[i]
+    dst = use_layout(p)
+    for name in optimizer.__dict__.get("_state_names", ()):
+        st = getattr(optimizer, name)[i]
+        if dst is None:
+            st._data = np.array(st.asnumpy())
+        else:
+            st._data = np.array(redistribute_tensor(st, dst, st.name, reason=_REASON))
+        st._layout = dst
 
 
 class ParameterShards:
@@ -243,6 +264,7 @@ class ParameterShards:
             st._data = stack
             st._init = None
             st._layout = dst
+            optimizer.__dict__.setdefault("_sliced_states", set()).add(i)
 
     # ---- 3. the updated slices back into the weights ------------------------------------
     def gather(self, updated: Dict[int, np.ndarray]) -> None:
