@@ -425,13 +425,20 @@ def _elementwise_more_block(draw, k, sharded):
     return Block(k, "PReLU", (s, (s[1],)) if sharded else None)     # b: per channel
 
 
-#: blocks of the bitwise ops (on integer masks made from h and h0) and MaskedFill (a
-#: Python float or a 0-d tensor made from b, with or without a strategy entry for it)
-_MS_MORE = ["bitwise", "masked_fill"]
+#: blocks of the bitwise ops (on integer masks made from h and h0), MaskedFill (a
+#: Python float or a 0-d tensor made from b, with or without a strategy entry for it),
+#: Diag (of b, whole on every device: it takes no strategy) and FillV2 (filled with a
+#: value made from b; its strategy over the output's dims, the value's entry () or none)
+_MS_MORE = ["bitwise", "masked_fill", "diag", "fill"]
 
 
 def _ms_more_block(draw, k, sharded):
     s = draw(_split((B, F))) if sharded else None
+    if k == "diag":
+        return Block(k, "Diag")
+    if k == "fill":
+        entry = sharded and draw(st.booleans())
+        return Block(k, "FillV2", ((s, ()) if entry else (s,)) if sharded else None)
     if k == "masked_fill":
         value = draw(st.sampled_from(["float", "tensor"]))
         entry = sharded and draw(st.booleans())
@@ -442,6 +449,10 @@ def _ms_more_block(draw, k, sharded):
 
 
 def _ms_more_code(blk, shard):
+    if blk.kind == "diag":
+        return "h = h + MatMul()(h, Diag()(b))"
+    if blk.kind == "fill":
+        return f"h = h * FillV2(){shard}((16, 8), ReduceMean()(b))"
     if blk.kind == "masked_fill":
         value = "ReduceMean()(b)" if blk.arg == "tensor" else "0.25"
         return f"h = MaskedFill(){shard}(h, h0 > 0.5, {value})"
@@ -450,6 +461,10 @@ def _ms_more_code(blk, shard):
 
 
 def _ms_more_apply(blk, prim, h, h0, params):
+    if blk.kind == "diag":
+        return h + ops.matmul(h, ops.Diag()(params["b"]))
+    if blk.kind == "fill":
+        return h * prim("FillV2")((B, F), ops.reduce_mean(params["b"]))
     if blk.kind == "masked_fill":
         value = ops.reduce_mean(params["b"]) if blk.arg == "tensor" else 0.25
         return prim("MaskedFill")(h, ops.greater(h0, 0.5), value)
@@ -677,7 +692,7 @@ def test_every_registered_op_is_fuzzed_or_excused():
               "ArgMinWithValue", "Argmax", "Argmin",
               "SparseSoftmaxCrossEntropyWithLogits", "LayerNorm", "L2Normalize"}
     blocks |= {"Select", "LogicalAnd", "LogicalOr", "LogicalNot", "AddN", "PReLU"}
-    blocks |= {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "MaskedFill"}
+    blocks |= {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "MaskedFill", "Diag", "FillV2"}
     elementwise = set(UNARY) | set(BINARY)
     no_backward = {n for n, op in REGISTRY.items()
                    if op.kind in (KIND_UNARY, KIND_BINARY) and n not in elementwise}

@@ -889,6 +889,8 @@ INFER_TABLE = {
     "BitwiseOr": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
     "BitwiseXor": (None, lambda d: (_arr((3, 1), d), _arr((4,), d, 1))),
     "MaskedFill": (None, lambda d: (_arr((3, 1), d), _arr((4,), np.bool_, 1), _arr((), d, 2))),
+    "Diag": (None, lambda d: (_arr((2, 3), d),)),
+    "FillV2": ({"shape": (2, 3)}, lambda d: (_arr((), d),)),
     # image ops (tests/test_conv_ops.py checks them against direct references)
     "Conv2D": ({"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((4, 3, 3, 3), d, 1))),
     "Conv2DBackpropInput": ({**{"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, "in_hw": (5, 5)},
@@ -996,3 +998,6 @@ for _name, _ref in (("bitwise_and", np.bitwise_and), ("bitwise_or", np.bitwise_o
 case("masked_fill", lambda x: F.masked_fill(x, Tensor(np.array([True, False, False, True])), 0.5),
      lambda x: np.where([True, False, False, True], np.float32(0.5), x), [(3, 4)],
      ["masked_fill"])
+case("diag", F.diag, lambda x: np.diag(x.reshape(-1)).reshape(x.shape * 2), [(2, 3)], ["diag"])
+case("fill_v2", lambda v: F.fill_v2((2, 3), v), lambda v: np.full((2, 3), v),
+     [np.array(0.5, np.float32)], ["fill_v2"])

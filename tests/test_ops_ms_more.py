@@ -507,3 +507,141 @@ def test_masked_fill_sharded_every_mode(shapes, strategy, value, value_entry):
         # ops.shard's in_strategy covers the function's inputs (x, mask and the value)
         outer = strategy + ((),) * (len(inputs) - 2) if mode == "ops.shard" else st
         _check_modes(body, lambda: [P.MaskedFill()], outer, inputs, grad_pos, modes=[mode])
+
+
+# ---------------------------------------------------------------------------
+# Diag and FillV2
+# ---------------------------------------------------------------------------
+def np_diag(x):
+    return np.diag(x.reshape(-1)).reshape(x.shape * 2)
+
+
+def test_diag_mindspore_example_and_ranks():
+    out = P.Diag()(Tensor(np.array([1, 2, 3, 4], np.int32)))
+    assert out.dtype == dm.int32
+    np.testing.assert_array_equal(out.asnumpy(), np.diag([1, 2, 3, 4]))
+    x = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+    out = ops.diag(Tensor(x))
+    assert out.shape == (2, 3, 2, 3)
+    got = out.asnumpy()
+    for i in range(2):
+        for j in range(3):
+            assert got[i, j, i, j] == x[i, j]
+    assert np.count_nonzero(got) == 6
+    np.testing.assert_array_equal(got, np_diag(x))
+
+
+def test_diag_gradient_and_errors():
+    for shape in [(4,), (2, 3)]:
+        check_op(ops.diag, np_diag, [shape], expect_ops=["Diag"])
+    with pytest.raises(ValueError, match=r"Diag: input 0 is 0-d; expected a tensor of rank "
+                                         r">= 1"):
+        ops.diag(Tensor(np.float32(1.0)))
+    with pytest.raises(ValueError, match=r"Diag: shard\(in_strategy=\(\(2,\),\)\) is not "
+                                         r"supported: Diag has no sharding rule"):
+        P.Diag().shard(((2,),))
+
+
+@pytest.mark.parametrize("strategy", [((8,), (8,)), ((2,), (2,)), ((1,), (1,))], ids=str)
+def test_diag_of_a_split_tensor_every_mode(strategy):
+    """Diag's input split by the op before it (gathered), its output whole on every
+    device, used by a MatMul: loss and gradients equal the stand-alone run's."""
+    w = _f32((16, 4), seed=51)
+
+    def body(prims, x, y):
+        d = prims[1](prims[0](x, y))                     # (16, 16), x * y on the diagonal
+        return ops.matmul(d, Tensor(w))
+    _check_modes(body, lambda: [P.Mul(), P.Diag()], strategy,
+                 [_f32((16,), seed=52), _f32((16,), seed=53)], (0, 1))
+
+
+def test_fill_v2_mindspore_examples_and_forms():
+    out = P.FillV2()(Tensor(np.array([2, 3], np.int32)), Tensor(np.float32(1)))
+    assert out.dtype == dm.float32
+    np.testing.assert_array_equal(out.asnumpy(), np.ones((2, 3), np.float32))
+    out = P.FillV2()(Tensor(np.array([3, 3], np.int64)), Tensor(np.int32(0)))
+    assert out.dtype == dm.int32
+    np.testing.assert_array_equal(out.asnumpy(), np.zeros((3, 3), np.int32))
+    out = ops.fill_v2((2, 1, 4), 2.5)
+    assert out.dtype == dm.float32 and out.shape == (2, 1, 4)
+    np.testing.assert_array_equal(out.asnumpy(), np.full((2, 1, 4), 2.5, np.float32))
+    assert ops.fill_v2([], Tensor(np.float16(3))).shape == ()
+    check_op(lambda v: ops.fill_v2((2, 3), v), lambda v: np.full((2, 3), v),
+             [np.array(0.7, np.float32)], expect_ops=["FillV2"])
+
+
+def test_fill_v2_errors():
+    v = Tensor(np.float32(1))
+    with pytest.raises(ValueError, match=r"FillV2: value \(input 1\) has shape \(1,\); "
+                                         r"expected a 0-d tensor"):
+        ops.fill_v2((2, 3), Tensor(np.ones(1, np.float32)))
+    with pytest.raises(TypeError, match=r"FillV2: shape is a tensor of shape \(2,\) and dtype "
+                                        r"float32; expected a 1-D int32 or int64 tensor"):
+        ops.fill_v2(Tensor(np.array([2.0, 3.0], np.float32)), v)
+    with pytest.raises(TypeError, match=r"FillV2: shape is a tensor of shape \(1, 2\)"):
+        P.FillV2()(Tensor(np.array([[2, 3]], np.int32)), v)
+    with pytest.raises(ValueError, match=r"FillV2: shape=\(2, -3\) must be a tuple of ints "
+                                         r">= 0"):
+        ops.fill_v2((2, -3), v)
+    with pytest.raises(TypeError, match=r"FillV2: shape must be a tuple of ints or a 1-D int "
+                                        r"Tensor, got int"):
+        ops.fill_v2(3, v)
+    with pytest.raises(TypeError, match=r"FillV2: value must be a 0-d Tensor or a Python "
+                                        r"number, got str"):
+        ops.fill_v2((2,), "1")
+
+
+def test_fill_v2_strategy_errors():
+    v = Tensor(np.float32(1))
+    with devices(8):
+        for st, msg in [
+                (((2, 2), (), ()), r"in_strategy=\(\(2, 2\), \(\), \(\)\) must be \(output "
+                                   r"entry, \(\)\) or \(output entry,\)"),
+                (((2, 2), (1,)), r"in_strategy=\(\(2, 2\), \(1,\)\) must be"),
+                (((2, 2, 1), ()), r"in_strategy\[0\]=\(2, 2, 1\) must have one entry per dim "
+                                  r"of the output \(shape \(16, 8\)\)"),
+                (((3, 1), ()), r"in_strategy\[0\]\[0\]=3 does not divide dim 0 \(size 16\) "
+                               r"of the output"),
+                (((4, 4), ()), r"in_strategy\[0\]=\(4, 4\) needs 16 devices \(its product\) "
+                               r"but device_num is 8")]:
+            with pytest.raises(ValueError, match="FillV2: " + msg):
+                P.FillV2().shard(st)((16, 8), v)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["pynative", "graph"])
+@pytest.mark.parametrize("strategy", [((2, 2, 1), ()), ((8, 1, 1),), ((1, 2, 4), ())], ids=str)
+def test_fill_v2_strategy_cuts_the_output_locally(strategy, graph):
+    """MindSpore's form: one entry per output dim (the value's entry () may be left out);
+    each device holds its block of the output, made with no communication."""
+    from dualmode.parallel import CommReport
+
+    class Net(dm.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fill = P.FillV2().shard(strategy)
+
+        def construct(self, v):
+            return self.fill((16, 8, 4), v * 2.0)
+
+    with devices(8, full_batch=True):
+        if graph:
+            dm.set_context(mode=dm.GRAPH_MODE)
+        with CommReport() as rep:
+            out = Net()(Tensor(np.float32(1.5)))
+        assert out.layout.dim_parts == strategy[0], out.layout
+        assert not rep.records, rep.records
+        got = out.asnumpy()
+    np.testing.assert_array_equal(got, np.full((16, 8, 4), 3.0, np.float32))
+
+
+@pytest.mark.parametrize("strategy", [((2, 4), ()), ((8, 1),), ((1, 1), ())], ids=str)
+def test_fill_v2_sharded_every_mode(strategy):
+    """The value computed in the program (its gradient: the sum of the output's) and the
+    filled tensor used elementwise: loss and gradients equal the stand-alone run's."""
+    def body(prims, x, v):
+        return prims[0]((16, 8), v * 2.0) * x
+    for mode in ("eager", "ops.shard", "graph"):
+        outer = ((2, 4), ()) if mode == "ops.shard" else strategy     # covers (x, v)
+        _check_modes(body, lambda: [P.FillV2()], outer,
+                     [_f32((16, 8), seed=54), np.array(0.3, np.float32)], (0, 1), modes=[mode])
+

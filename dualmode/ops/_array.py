@@ -836,3 +836,86 @@ def assign_sub(variable, value):
 def is_traced():
     """Is a graph being traced (ops are recorded, not run)?"""
     return getattr(interpreter.current(), "call_opaque", None) is not None
+
+
+# ---------------------------------------------------------------------------
+# Diag and FillV2: MindSpore's creation ops (their rules in parallel/rules/array.py: Diag
+# runs whole on every device, as MindSpore has no parallel implementation of it; FillV2's
+# strategy covers its output, which each device cuts from the value locally through the
+# primitive's out_strategy)
+# ---------------------------------------------------------------------------
+def _infer_diag(attrs, x):
+    if x.ndim < 1:
+        raise ValueError("Diag: input 0 is 0-d; expected a tensor of rank >= 1")
+    return ((tuple(x.shape) * 2, x.dtype),)
+
+
+def _diag_kernel(attrs, x):
+    n = x.size
+    out = np.zeros((n, n), dtype=x.dtype)
+    out.reshape(-1)[::n + 1] = x.reshape(-1)
+    return out.reshape(x.shape * 2)
+
+
+def _bw_diag(node, g):
+    """The diagonal of g: g masked by the identity, summed over its second half of dims."""
+    shape = _shape_of(node.inputs[0])
+    eye = np.eye(math.prod(shape), dtype=g.dtype).reshape(shape * 2)
+    picked = binary(get_op("Mul"), g, eye, False)
+    axes = tuple(range(len(shape), 2 * len(shape)))
+    return (apply(get_op("ReduceSum"), {"axis": axes, "keep_dims": False}, (picked,)),)
+
+
+DIAG = register("Diag", linear=(0,), infer=_infer_diag, kernel=_diag_kernel,
+                backward=_bw_diag)
+
+
+def diag(input_x):
+    """The tensor of shape ``input_x.shape * 2`` with `input_x` on its diagonal
+    (``out[i..., i...] = input_x[i...]``) and zeros elsewhere, as ``mindspore.ops.diag``."""
+    return apply(DIAG, None, (const(input_x, "Diag"),))
+
+
+def _infer_fill_v2(attrs, value):
+    if value.ndim != 0:
+        raise ValueError(f"FillV2: value (input 1) has shape {tuple(value.shape)}; expected a "
+                         f"0-d tensor")
+    return ((attrs["shape"], value.dtype),)
+
+
+def _bw_fill_v2(node, g):
+    """d out / d value: the sum of the incoming gradient."""
+    axes = tuple(range(len(node.attrs["shape"])))
+    return (apply(get_op("ReduceSum"), {"axis": axes, "keep_dims": False}, (g,)),)
+
+
+FILL_V2 = register("FillV2", linear=(0,), infer=_infer_fill_v2, reads_inputs=False,
+                   kernel=lambda attrs, value: np.full(attrs["shape"], value, value.dtype),
+                   backward=_bw_fill_v2)
+
+
+def fill_shape(shape):
+    """FillV2's `shape`: a tuple or list of ints >= 0, or a 1-D int32 / int64 Tensor."""
+    if isinstance(shape, (TensorBase, np.ndarray)):
+        arr = shape.asnumpy() if isinstance(shape, TensorBase) else shape
+        if arr.ndim != 1 or arr.dtype not in (np.int32, np.int64):
+            raise TypeError(f"FillV2: shape is a tensor of shape {tuple(arr.shape)} and dtype "
+                            f"{arr.dtype}; expected a 1-D int32 or int64 tensor (or a tuple "
+                            f"of ints)")
+        shape = tuple(int(s) for s in arr)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"FillV2: shape must be a tuple of ints or a 1-D int Tensor, got "
+                        f"{type(shape).__name__}")
+    return _check_shape("FillV2", shape)
+
+
+def fill_v2(shape, value):
+    """A tensor of `shape` (a tuple of ints or a 1-D int Tensor) filled with `value` (a
+    0-d tensor, or a Python number: float32 / int64), of value's dtype, as MindSpore's
+    FillV2; the gradient of value is the sum of the output's."""
+    shape = fill_shape(shape)
+    if isinstance(value, bool) or not isinstance(value, (TensorBase, np.ndarray, int, float,
+                                                         np.number)):
+        raise TypeError(f"FillV2: value must be a 0-d Tensor or a Python number, got "
+                        f"{type(value).__name__}")
+    return apply(FILL_V2, {"shape": shape}, (const(value, "FillV2"),))

@@ -78,3 +78,8 @@ __all__ += ["bitwise_and", "bitwise_or", "bitwise_xor"]
 from ._math import masked_fill  # noqa: E402
 
 __all__ += ["masked_fill"]
+
+# Diag and FillV2
+from ._array import diag, fill_v2  # noqa: E402
+
+__all__ += ["diag", "fill_v2"]

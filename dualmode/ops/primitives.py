@@ -747,3 +747,70 @@ class MaskedFill(Primitive):
 
     def construct(self, input_x, mask, value):
         return F.masked_fill(input_x, mask, value)
+
+
+# ---------------------------------------------------------------------------
+# Diag and FillV2
+# ---------------------------------------------------------------------------
+from ._array import fill_shape  # noqa: E402
+
+
+class Diag(Primitive):
+    """Diag()(input_x): `input_x` on the diagonal of a tensor of shape
+    ``input_x.shape * 2``, zeros elsewhere. It runs whole on every device (its output
+    replicated), as MindSpore, which has no parallel implementation of it; so it takes
+    no strategy."""
+    name = "Diag"
+
+    def shard(self, in_strategy, out_strategy=None):
+        raise ValueError(f"Diag: shard(in_strategy={in_strategy!r}) is not supported: Diag "
+                         f"has no sharding rule (MindSpore has no parallel implementation of "
+                         f"it); it runs whole on every device. Remove .shard(...) and shard "
+                         f"the ops that use its output")
+
+    def construct(self, input_x):
+        return F.diag(input_x)
+
+
+class FillV2(Primitive):
+    """FillV2()(shape, value): a tensor of `shape` (a tuple of ints or a 1-D int Tensor)
+    filled with the 0-d tensor `value`. Its strategy, as MindSpore's, has one entry per
+    dim of the output and an entry ``()`` for the value (which may be left out), e.g.
+    ``FillV2().shard(((2, 2, 1), ()))``: each device makes its block of the output (cut
+    locally, no communication)."""
+    name = "FillV2"
+
+    def __call__(self, shape, value):
+        if self.in_strategy is None or interpreter.base().ignores_strategies():
+            return super().__call__(shape, value)
+        return Primitive.__call__(self._on_output(fill_shape(shape)), shape, value)
+
+    def _on_output(self, shape):
+        """A FillV2 without an in_strategy whose out_strategy is this strategy's output
+        entry (unless an out_strategy is given)."""
+        st = self.in_strategy
+        if not 1 <= len(st) <= 2 or (len(st) == 2 and st[1] != ()):
+            raise ValueError(f"FillV2: in_strategy={st} must be (output entry, ()) or "
+                             f"(output entry,), one entry per dim of the output and () for "
+                             f"the value, e.g. {((1,) * len(shape), ())}")
+        s = st[0]
+        if not isinstance(s, tuple) or len(s) != len(shape):
+            raise ValueError(f"FillV2: in_strategy[0]={s} must have one entry per dim of the "
+                             f"output (shape {shape}), e.g. {(1,) * len(shape)}")
+        for j, (k, d) in enumerate(zip(s, shape)):
+            if d % k:
+                raise ValueError(f"FillV2: in_strategy[0][{j}]={k} does not divide dim {j} "
+                                 f"(size {d}) of the output")
+        if OUTPUT_STRATEGY_LAYOUTS:      # the parallel layer checks the device count
+            OUTPUT_STRATEGY_LAYOUTS[0](self.name, s, ())
+        key = (st, self.out_strategy)
+        cache = self.__dict__.setdefault("_on_outputs", {})
+        inner = cache.get(key)
+        if inner is None:
+            inner = FillV2()
+            inner.out_strategy = self.out_strategy if self.out_strategy is not None else (s,)
+            remember(cache, key, inner)
+        return inner
+
+    def construct(self, shape, value):
+        return F.fill_v2(shape, value)

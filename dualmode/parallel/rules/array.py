@@ -1,6 +1,6 @@
 """Sharding rules of the array ops: Reshape, BroadcastTo, OneHot, Gather and GatherGrad,
-Concat, Split, basic indexing (GetItem, IndexAdd; StridedSlice is written with it), Tile
-and Dropout; and how a sharded Parameter is written in place (Assign, AssignAdd,
+Concat, Split, basic indexing (GetItem, IndexAdd; StridedSlice is written with it), Tile,
+Dropout, Diag and FillV2; and how a sharded Parameter is written in place (Assign, AssignAdd,
 AssignSub).
 
 Same contract as every rule (:mod:`dualmode.parallel.rules`): a rule gets the op's attrs, the input layouts over one
@@ -44,6 +44,10 @@ Communication each rule implies (beyond moving inputs into the required layouts)
 - ``Dropout``: elementwise on any layout; the mask is drawn for the global shape from
   the context's generator, exactly as one device draws it, and each device keeps its
   block, so the numbers equal the single-device run.
+- ``Diag``: the input whole (an AllGather when it is split), the output whole on every
+  device, as MindSpore (which has no parallel implementation of it).
+- ``FillV2``: the output whole on the value's devices; its strategy, over the output's
+  dims as MindSpore's, cuts each device's block locally: no communication.
 """
 from __future__ import annotations
 
@@ -572,3 +576,48 @@ def _write_sharded_parameter(param, value, label):
 
 
 PARAMETER_WRITERS[:] = [_write_sharded_parameter]
+
+
+# ---------------------------------------------------------------------------
+# Diag and FillV2 (MindSpore's creation ops)
+# ---------------------------------------------------------------------------
+@register_rule("Diag", per_device=True)
+def _diag(attrs, lays, dtypes):
+    """The input whole (an AllGather when it is split), the output whole on every
+    device (MindSpore has no parallel implementation of Diag); a pending sum stays
+    pending (Diag is linear)."""
+    x = lays[0]
+    pend = pending_sums("Diag", attrs, lays)
+    if x is None or pend is None:
+        return None
+    dm = x.device_matrix
+    need = layout(dm, [()] * x.ndim, x.shape, pend[0])
+    out = layout(dm, [()] * (2 * x.ndim), x.shape * 2, pend[0])
+
+    def local(attrs, stacks):
+        s = stacks[0]
+        n = math.prod(x.shape)
+        out = np.zeros((s.shape[0], n * n), s.dtype)
+        out[:, ::n + 1] = s.reshape(s.shape[0], n)
+        return out.reshape((s.shape[0],) + x.shape * 2)
+
+    return ShardPlan((need,), (out,), local)
+
+
+@register_rule("FillV2", per_device=True)
+def _fill_v2(attrs, lays, dtypes):
+    """The output whole on the value's device matrix (a strategy then cuts it into its
+    layout locally); a pending value stays pending (FillV2 is linear in it)."""
+    v = lays[0]
+    pend = pending_sums("FillV2", attrs, lays)
+    if v is None or pend is None:
+        return None
+    shape = tuple(attrs["shape"])
+    out = layout(v.device_matrix, [()] * len(shape), shape, pend[0])
+
+    def local(attrs, stacks):
+        s = stacks[0]
+        return np.broadcast_to(s.reshape(s.shape[:1] + (1,) * len(shape)),
+                               s.shape[:1] + shape).copy()
+
+    return ShardPlan((v,), (out,), local)
