@@ -560,19 +560,29 @@ def _check_parallel_optimizer_config(func: str, key: str, value: Any) -> Dict[st
         if name not in PARALLEL_OPTIMIZER_KEYS:
             raise ValueError(f"{func}: {key} has unknown key {name!r}; valid keys are "
                              + ", ".join(PARALLEL_OPTIMIZER_KEYS))
-        where, what = f"{key}[{name!r}]", PARALLEL_OPTIMIZER_KEYS[name][1]
-        if name == "gradient_accumulation_shard":
-            if _check_bool(func, where, v):
-                raise ValueError(f"{func}: {where}=True is not supported: dualmode does not "
-                                 f"shard accumulated gradients; leave it False")
-        elif not _is_int(v):
-            raise _type_error(func, where, v, what)
-        elif name == "parallel_optimizer_threshold" and v < 0:
-            raise _value_error(func, where, v, what)
-        elif name == "optimizer_weight_shard_size" and v != -1 and v < 2:
-            raise _value_error(func, where, v, what)
-        out[name] = v if name == "gradient_accumulation_shard" else int(v)
+        out[name] = _check_parallel_optimizer_value(func, f"{key}[{name!r}]", name, v)
     return out
+
+
+def _check_parallel_optimizer_value(func: str, where: str, name: str, v: Any) -> Any:
+    what = PARALLEL_OPTIMIZER_KEYS[name][1]
+    if name == "gradient_accumulation_shard":
+        if _check_bool(func, where, v):
+            raise ValueError(f"{func}: {where}=True is not supported: dualmode does not "
+                             f"shard accumulated gradients; leave it False")
+        return v
+    if not _is_int(v):
+        raise _type_error(func, where, v, what)
+    if name == "parallel_optimizer_threshold" and v < 0 or \
+            name == "optimizer_weight_shard_size" and v != -1 and v < 2:
+        raise _value_error(func, where, v, what)
+    return int(v)
+
+
+def _check_shard_size_key(func: str, key: str, value: Any) -> int:
+    """MindSpore's older, top-level place of parallel_optimizer_config's
+    optimizer_weight_shard_size (the same setting)."""
+    return _check_parallel_optimizer_value(func, key, "optimizer_weight_shard_size", value)
 
 
 def _check_parallel_optimizer_fits(func: str, cfg: "AutoParallelConfig") -> None:
@@ -619,7 +629,6 @@ def _check_strategy_ckpt_config(func: str, key: str, value: Any) -> Dict[str, An
 
 #: MindSpore keys dualmode knows but does not implement (default value accepted only)
 _UNSUPPORTED_AUTO_PARALLEL = {
-    "optimizer_weight_shard_size": (-1, "the parallel optimizer"),
     "auto_pipeline": (False, "pipeline parallelism"),
     "gradient_fp32_sync": (True, "fp16 gradient AllReduce"),
     "loss_repeated_mean": (True, "loss_repeated_mean=False"),
@@ -646,6 +655,7 @@ _AUTO_PARALLEL_CHECKERS: Dict[str, Callable[[str, str, Any], Any]] = {
     "enable_alltoall": _check_bool,
     "enable_parallel_optimizer": _check_bool,
     "parallel_optimizer_config": _check_parallel_optimizer_config,
+    "optimizer_weight_shard_size": _check_shard_size_key,
 }
 _AUTO_PARALLEL_CHECKERS.update({k: _unsupported(d, what)
                                 for k, (d, what) in _UNSUPPORTED_AUTO_PARALLEL.items()})
@@ -709,6 +719,16 @@ def _merge_auto_parallel(func: str, values: Dict[str, Any]) -> AutoParallelConfi
             merged = {}
             updates["all_reduce_fusion_config"] = None
         updates["comm_fusion"] = merged
+    if "optimizer_weight_shard_size" in updates:
+        size = updates.pop("optimizer_weight_shard_size")
+        given = updates.get("parallel_optimizer_config", {})
+        if given.get("optimizer_weight_shard_size", size) != size:
+            raise ValueError(
+                f"{func}: optimizer_weight_shard_size={size!r} contradicts "
+                f"parallel_optimizer_config['optimizer_weight_shard_size']="
+                f"{given['optimizer_weight_shard_size']!r}; they are one setting (the first "
+                f"is its older place): give only one of them")
+        updates["parallel_optimizer_config"] = dict(given, optimizer_weight_shard_size=size)
     if "parallel_optimizer_config" in updates:
         merged = dict(cur.parallel_optimizer_config)
         merged.update(updates["parallel_optimizer_config"])
@@ -789,6 +809,8 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         ``{"parallel_optimizer_threshold": KB (default 64), "optimizer_weight_shard_size":
         n (default -1: every replica; n > 1 must divide the number of devices)}``, merged
         with the earlier setting; ``"gradient_accumulation_shard"`` accepts False only.
+        ``optimizer_weight_shard_size=n`` at the top level is MindSpore's older place of
+        the same setting.
     pipeline_stages, ... : default only
         MindSpore keys dualmode does not implement (pipeline parallelism, ...): their
         default value (``1``, ...) is accepted, any other raises ValueError naming the
@@ -858,6 +880,8 @@ def get_auto_parallel_context(key: str) -> Any:
         return {name: getattr(cfg, f) for name, f in _STRATEGY_CKPT_KEYS.items()}
     if key == "parallel_optimizer_config":
         return dict(cfg.parallel_optimizer_config)
+    if key == "optimizer_weight_shard_size":
+        return cfg.parallel_optimizer_config.get(key, -1)
     if not hasattr(cfg, key):
         return copy.deepcopy(_UNSUPPORTED_AUTO_PARALLEL[key][0])
     return getattr(cfg, key)

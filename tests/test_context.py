@@ -427,7 +427,6 @@ def test_reset_context_restores_everything():
 
 
 @pytest.mark.parametrize("key, value, what", [
-    ("optimizer_weight_shard_size", 2, "the parallel optimizer"),
     ("gradient_fp32_sync", False, "fp16 gradient AllReduce"),
     ("loss_repeated_mean", False, "loss_repeated_mean=False"),
     ("auto_pipeline", True, "pipeline parallelism"),

@@ -546,6 +546,28 @@ def test_bad_config_is_refused_by_name_and_changes_nothing(config, error, messag
             "parallel_optimizer_threshold": 8}
 
 
+def test_top_level_shard_size_is_the_same_setting():
+    """MindSpore's older top-level optimizer_weight_shard_size sets the same value;
+    contradicting values in one call are refused."""
+    with devices(N):
+        dm.set_auto_parallel_context(optimizer_weight_shard_size=4)
+        assert dm.get_auto_parallel_context("parallel_optimizer_config") == {
+            "optimizer_weight_shard_size": 4}
+        assert dm.get_auto_parallel_context("optimizer_weight_shard_size") == 4
+        with pytest.raises(ValueError, match=re.escape(
+                "optimizer_weight_shard_size=2 contradicts parallel_optimizer_config"
+                "['optimizer_weight_shard_size']=8")):
+            dm.set_auto_parallel_context(optimizer_weight_shard_size=2,
+                                         parallel_optimizer_config={
+                                             "optimizer_weight_shard_size": 8})
+        with pytest.raises(ValueError, match=re.escape(
+                "set_auto_parallel_context: optimizer_weight_shard_size=0 is not valid")):
+            dm.set_auto_parallel_context(optimizer_weight_shard_size=0)
+        with pytest.raises(ValueError, match=re.escape("=3 does not divide the 8 devices")):
+            dm.set_auto_parallel_context(optimizer_weight_shard_size=3)
+        assert dm.get_auto_parallel_context("optimizer_weight_shard_size") == 4
+
+
 def test_device_num_that_the_shard_size_does_not_divide_is_refused():
     with devices(N, parallel_optimizer_config={"optimizer_weight_shard_size": 4}):
         with pytest.raises(ValueError, match=re.escape(
