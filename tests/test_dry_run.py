@@ -320,3 +320,34 @@ def test_an_abstract_tensor_has_no_value():
     with pytest.raises(TypeError, match=r"abstract tensor \(shape \(2, 3\), dtype int32\) "
                                         r"has no value"):
         x.asnumpy()
+
+
+class _BatchNormNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def construct(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_a_collective_inside_an_op_is_refused_rather_than_missed():
+    """BatchNorm over a batch split 8 ways totals its statistics with an AllReduce its
+    rule runs inside the op: not a node of the graph, so not counted, so refused."""
+    with devices(8):
+        with no_init_parameters():
+            net = _BatchNormNet()
+            opt = nn.SGD(net.trainable_params(), 0.1)
+        net.set_train(True)
+        step = _train_step(lambda x: ops.reduce_mean(net(x)), opt)
+        with pytest.raises(RuntimeError, match=r"dry_run: BatchNorm-0 communicates inside "
+                                               r"its own computation"):
+            dry_run(step, abstract((16, 1, 8, 8)), device_num=8)
+
+
+def test_pipeline_stages_are_refused_until_the_dry_run_plans_them():
+    with devices(8):
+        dm.set_auto_parallel_context(pipeline_stages=2)
+        with pytest.raises(RuntimeError, match=r"dry_run: pipeline_stages=2 is not planned"):
+            dry_run(lambda x: x, abstract((8, 8)), device_num=8)

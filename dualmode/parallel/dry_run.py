@@ -303,6 +303,11 @@ def dry_run(fn_or_cell, *inputs, device_num, link=None, alpha_s=None,
             raise ValueError(f"dry_run: parallel_mode={parallel_mode!r} is not valid; "
                              f"expected one of {list(_MODES)}")
         mode = "semi_auto_parallel"
+    stages = getattr(context._STATE.auto_parallel, "pipeline_stages", 1)
+    if stages > 1:
+        raise RuntimeError(f"dry_run: pipeline_stages={stages} is not planned by the dry run "
+                           f"yet (a compiled step runs no pipeline schedule); plan with "
+                           f"pipeline_stages=1")
     sf = fn_or_cell if isinstance(fn_or_cell, ShardFunction) else AutoParallel(
         fn_or_cell, "semi_auto" if mode == "semi_auto_parallel"
         else context._STATE.auto_parallel.search_mode)
@@ -493,6 +498,20 @@ def _flops(node, lays, values) -> float:
     return float(max([math.prod(s) for s in ins + outs if s is not None] or [0]))
 
 
+def _check_no_inner_collective(node):
+    """An op whose rule communicates inside its own computation marks its plan with a
+    ``post`` of Nones (BatchNorm over a split batch: the statistics' AllReduce); the
+    graph does not show that collective, so the dry run refuses rather than miss it."""
+    plan = getattr(node.run, "plan", None)
+    post = getattr(plan, "post", ())
+    if post and all(p is None for p in post):
+        raise RuntimeError(f"dry_run: {node.name} communicates inside its own computation "
+                           f"(a collective its sharding rule runs, not a node of the "
+                           f"compiled graph), which the dry run does not count yet; plan "
+                           f"it with a strategy that does not split what {node.op_name} "
+                           f"reduces over")
+
+
 def _optimizer_states(call):
     """``[(state Parameter, its weight), ...]`` of the optimizer whose update `call` (a
     CALL node) records: the optimizer is what the recorded update closes over."""
@@ -576,6 +595,7 @@ def _walk(compiled, report):
             for vid in done:
                 live -= size.pop(vid, 0)
             if node.op not in (MOVE, REDUCE, FUSED, FUSED_RS, FUSED_AG, CALL):
+                _check_no_inner_collective(node)
                 report.flops += _flops(node, lays, values)
     finally:
         _trace._STATE.reports[:] = saved
