@@ -30,7 +30,9 @@ class Block(nn.Cell):
         self.relu = ops.ReLU()
 
     def construct(self, x):
-        return self.relu(self.matmul(x, self.w) + self.b)
+        y = self.relu(self.matmul(x, self.w) + self.b)
+        tied = self.__dict__.get("tied")
+        return y if tied is None else y + ops.matmul(x, tied) * 0.5
 
 
 class MLP(nn.Cell):
@@ -70,7 +72,7 @@ def _optimizer(kind, params):
 
 
 def train(stages, micro, parallel, opt="sgd", strategies=None, steps=3, scheduler="1f1b",
-          reduction="mean"):
+          reduction="mean", tied=False):
     """Losses and weights after `steps` steps of PipelineCell(WithLossCell(MLP)) with
     `stages` blocks, one per stage; `parallel`: pipeline parallel on 8 simulated
     devices, else stand-alone."""
@@ -78,6 +80,8 @@ def train(stages, micro, parallel, opt="sgd", strategies=None, steps=3, schedule
     net = MLP(_weights(stages), strategies if parallel else None)
     for k, block in enumerate(net.blocks):
         block.pipeline_stage = k
+    if tied:
+        net.blocks[-1].tied = net.blocks[0].w
     model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss(reduction=reduction)), micro)
     optimizer = _optimizer(opt, net.trainable_params())
     grad_fn = dm.value_and_grad(model, None, optimizer.parameters)
@@ -129,6 +133,23 @@ def test_tensor_parallel_inside_stages(stages, opt):
     # the split contracted dim of the first blocks makes pending sums inside a stage
     assert report.count("AllReduce") > 0
     assert report.count("Send", "pipeline") == 3 * 2 * 2 * (stages - 1)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_weight_shared_by_two_stages(stages):
+    """The last block also reads the first block's weight (as a tied embedding): the
+    weight goes from the first stage to the last once per step, its gradient comes back
+    and adds to the first stage's own."""
+    ref_losses, ref_w, _ = train(stages, 2, parallel=False, opt="momentum", tied=True)
+    losses, w, report = train(stages, 2, parallel=True, opt="momentum", tied=True)
+    _close(losses, ref_losses)
+    assert len(w) == len(ref_w) == 2 * stages
+    for a, b in zip(w, ref_w):
+        _close(a, b)
+    assert report.count("Send", "pipeline") == 3 * (2 * 2 * (stages - 1) + 2)
+    # without the weight's gradient from the last stage the first stage's weight differs
+    plain_losses, plain_w, _ = train(stages, 2, parallel=False, opt="momentum")
+    assert not np.allclose(plain_w[0], w[0], rtol=1e-3)
 
 
 def test_equals_the_whole_batch_on_one_device():

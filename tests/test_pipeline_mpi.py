@@ -13,21 +13,24 @@ from dualmode import communication
 SCRIPT = "pipeline_train.py"
 
 
-@pytest.mark.parametrize("ranks, stages, micro, scheduler, optimizer, shard", [
-    (2, 2, 2, "1f1b", "sgd", False),
-    (2, 2, 4, "gpipe", "momentum", False),
-    (4, 2, 4, "1f1b", "adam", True),       # 2 devices per stage, tensor parallel in it
-    (4, 4, 4, "gpipe", "sgd", False),
-    (4, 4, 1, "1f1b", "momentum", False),
+@pytest.mark.parametrize("ranks, stages, micro, scheduler, optimizer, shard, tied", [
+    (2, 2, 2, "1f1b", "sgd", False, False),
+    (2, 2, 4, "gpipe", "momentum", False, False),
+    (4, 2, 4, "1f1b", "adam", True, False),   # 2 devices per stage, tensor parallel in it
+    (4, 4, 4, "gpipe", "sgd", False, False),
+    (4, 4, 1, "1f1b", "momentum", False, False),
+    (2, 2, 2, "1f1b", "momentum", False, True),   # a weight of stage 0 read by stage 1
+    (4, 4, 2, "gpipe", "adam", False, True),      # ... by stage 3
 ])
 def test_pipeline_under_mpi_equals_sim(tmp_path, ranks, stages, micro, scheduler,
-                                       optimizer, shard):
-    run_mpi_script(SCRIPT, [tmp_path, stages, micro, scheduler, optimizer, int(shard)],
-                   tmp_path, ranks=ranks, timeout=240)
+                                       optimizer, shard, tied):
+    run_mpi_script(SCRIPT, [tmp_path, stages, micro, scheduler, optimizer, int(shard),
+                            int(tied)], tmp_path, ranks=ranks, timeout=240)
     mod = load_mpi_script(SCRIPT)
     try:
         ref_losses, ref_weights, ref_counts = mod.train(stages, micro, scheduler,
-                                                        optimizer, shard, devices=ranks)
+                                                        optimizer, shard, devices=ranks,
+                                                        tied=tied)
     finally:
         dm.reset_auto_parallel_context()
         communication.init("sim")
@@ -46,8 +49,10 @@ def test_pipeline_under_mpi_equals_sim(tmp_path, ranks, stages, micro, scheduler
         # its gradient back (all but the first), and receives as many
         sends, receives, nbytes = data["counts"]
         want = steps * micro * ((stage < stages - 1) + (stage > 0))
+        if tied and stage in (0, stages - 1):      # the weight on, its gradient back
+            want += steps
         assert (sends, receives) == (want, want)
         send_bytes[stage] = nbytes
     # the simulated run records every stage's transfers, each device's bytes once
-    assert ref_counts[:2] == (steps * micro * 2 * (stages - 1),) * 2
+    assert ref_counts[:2] == (steps * (micro * 2 * (stages - 1) + 2 * tied),) * 2
     assert sum(send_bytes.values()) == ref_counts[2]

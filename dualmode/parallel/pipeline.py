@@ -351,6 +351,16 @@ class PipelineRun:
         explicit = {id(cell): k for _, cell, k in staged}
         self.cells = [(name or type(cell).__name__, cell, explicit.get(id(cell), -1))
                       for name, cell in network.cells_and_names()]
+        # the stage each cell's parameters belong to: its own, else its nearest staged
+        # ancestor's (None: outside every staged cell)
+        within = {}
+        for name, cell in network.cells_and_names():
+            k = explicit.get(id(cell), -1)
+            parent = name.rpartition(".")[0] if name else None
+            within[name] = k if k >= 0 else within.get(parent)
+        self._holders = [(name or type(cell).__name__, cell, within[name])
+                         for name, cell in network.cells_and_names()]
+        self._lent = []               # (cell __dict__, attribute, Parameter) lent out
         self._marks = {}              # id(value) -> (value, stage)
         self._moved = {}              # (id(value), stage) -> moved value
         self._events = 0
@@ -363,9 +373,36 @@ class PipelineRun:
             d = cell.__dict__
             self._saved.append((d, d.get("construct")))
             d["construct"] = self._wrap(name, cell, k)
+        self._share_parameters()
         return self
 
+    def _share_parameters(self):
+        """A parameter held by cells of several stages (a tied embedding) belongs to the
+        first of them; the later ones read it as a value that stage sends them, once per
+        call, whose gradient comes back to it (and is added to its own there)."""
+        by_param = {}
+        for name, cell, k in self._holders:
+            if k is None:
+                continue
+            for attr, p in cell.parameters_and_names(expand=False):
+                by_param.setdefault(id(p), (p, {}))[1].setdefault(k, []).append(
+                    (cell, attr, name))
+        for p, stages in by_param.values():
+            first = min(stages)
+            self._marks[id(p)] = (p, first)
+            for k in sorted(stages):
+                if k == first:
+                    continue
+                holders = stages[k]
+                y = self._arrive(p, k, holders[0][2])
+                for cell, attr, _ in holders:
+                    self._lent.append((cell.__dict__, attr, p))
+                    cell.__dict__[attr] = y
+
     def __exit__(self, *exc) -> bool:
+        for d, attr, p in self._lent:
+            d[attr] = p
+        self._lent.clear()
         for d, old in self._saved:
             if old is None:
                 d.pop("construct", None)

@@ -3,7 +3,10 @@ rank running its own stage's cells) it writes each rank's losses, its stage's we
 and its CommReport counts to OUT_DIR/rank<r>.npz; tests import it and run the same
 program on "sim" in-process to compare.
 
-    mpiexec -n N python pipeline_train.py OUT_DIR STAGES MICRO SCHEDULER OPTIMIZER SHARD
+    mpiexec -n N python pipeline_train.py OUT_DIR STAGES MICRO SCHEDULER OPTIMIZER SHARD TIED
+
+TIED=1: the last block also reads the first block's weight (a parameter shared by the
+first and the last stage, as a tied embedding).
 """
 import os
 import sys
@@ -28,7 +31,9 @@ class Block(nn.Cell):
         self.relu = ops.ReLU()
 
     def construct(self, x):
-        return self.relu(self.matmul(x, self.w) + self.b)
+        y = self.relu(self.matmul(x, self.w) + self.b)
+        tied = self.__dict__.get("tied")
+        return y if tied is None else y + ops.matmul(x, tied) * 0.5
 
 
 class MLP(nn.Cell):
@@ -47,7 +52,7 @@ class MLP(nn.Cell):
         return x
 
 
-def train(stages, micro, scheduler, optimizer, shard, devices=None):
+def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
     """Losses, {stage: weights of its blocks} and the Send/Receive counts; `devices`:
     simulated devices (None: the MPI world)."""
     dm.reset_auto_parallel_context()
@@ -63,6 +68,8 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None):
     if shard and per > 1:                   # tensor parallel inside each stage
         strategies = [((1, per), (per, 1)), ((per, 1), (1, 1))] * (blocks // 2)
     net = MLP(stages, strategies)
+    if tied:
+        net.blocks[-1].tied = net.blocks[0].w
     model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), micro)
     params = net.trainable_params()
     opt = {"sgd": lambda: nn.SGD(params, learning_rate=0.05),
@@ -84,16 +91,17 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None):
         k = block.pipeline_stage
         if stage is None or stage == k:
             weights.setdefault(k, []).extend(p.asnumpy().copy()
-                                             for p in block.trainable_params())
+                                             for p in block.trainable_params()
+                                             if not (tied and p is net.blocks[0].w and k))
     counts = (report.count("Send", "pipeline"), report.count("Receive", "pipeline"),
               report.bytes("Send"))
     return np.array(losses), weights, counts
 
 
 if __name__ == "__main__":
-    out, stages, micro, scheduler, optimizer, shard = sys.argv[1:7]
+    out, stages, micro, scheduler, optimizer, shard, tied = sys.argv[1:8]
     losses, weights, counts = train(int(stages), int(micro), scheduler, optimizer,
-                                    shard == "1")
+                                    shard == "1", tied=tied == "1")
     rank = communication.get_rank()
     (stage, ws), = weights.items()
     np.savez(os.path.join(out, f"rank{rank}.npz"), losses=losses, stage=stage,
