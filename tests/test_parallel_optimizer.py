@@ -499,6 +499,49 @@ def test_checkpoint_saves_whole_weights_and_states(tmp_path):
             np.testing.assert_allclose(p.asnumpy(), want[p.name], rtol=1e-4, atol=1e-6)
 
 
+def _adam_step():
+    net = Net()
+    opt = OPTIMIZERS["adam"](net.trainable_params(), 1.0)
+    return net, opt, nn.TrainOneStepCell(nn.WithLossCell(
+        net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")), opt)
+
+
+def test_resume_from_a_checkpoint_and_sliced_saves(tmp_path):
+    """Two steps, save, load into a fresh network and optimizer (states split again at
+    their first update), one more step: the three uninterrupted steps of one device.
+    A sliced save (each device's blocks, states as optimizer slices) merges into the
+    integrated save's values."""
+    with devices(None):
+        _, _, step0 = _adam_step()
+        for _ in range(3):
+            step0(Tensor(X), Tensor(Y))
+        want = {p.name: p.asnumpy() for p in step0.trainable_params()}
+    (tmp_path / "ck").mkdir()
+    with devices(N, enable_parallel_optimizer=True, parallel_optimizer_config=SMALL):
+        net, opt, step = _adam_step()
+        for _ in range(2):
+            step(Tensor(X), Tensor(Y))
+        dm.save_checkpoint([net, opt], str(tmp_path / "whole.safetensors"))
+        dm.save_checkpoint([net, opt], str(tmp_path / "ck" / "s.safetensors"),
+                           integrated_save=False)
+        net2, opt2, step2 = _adam_step()
+        saved = dm.load_checkpoint(str(tmp_path / "whole.safetensors"))
+        dm.load_param_into_net(net2, saved)
+        dm.load_param_into_net(opt2, saved)
+        step2(Tensor(X), Tensor(Y))
+        got = {p.name: p.asnumpy() for p in net2.trainable_params()}
+        assert optimizer_memory(opt2).shards["w3"] == 8
+        dm.merge_sliced_checkpoints(
+            [str(tmp_path / "ck" / f"rank_{r}" / "s.safetensors") for r in range(N)],
+            str(tmp_path / "ck" / "strategy.json"), str(tmp_path / "merged.safetensors"))
+    _assert_same(got, want)
+    merged = dm.load_checkpoint(str(tmp_path / "merged.safetensors"))
+    assert sorted(merged) == sorted(saved)
+    for name in saved:
+        np.testing.assert_array_equal(merged[name].asnumpy(), saved[name].asnumpy(),
+                                      err_msg=name)
+
+
 # ---- the keys and their errors --------------------------------------------------------------
 
 def test_keys_read_back_and_merge():
