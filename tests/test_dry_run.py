@@ -211,7 +211,8 @@ def step(i, l):
     loss, grads = grad_fn(i, l)
     opt(grads)
     return loss
-dm.set_auto_parallel_context(dataset_strategy=((d, 1), (d, 1)))
+dm.set_auto_parallel_context(dataset_strategy=((d, 1), (d, 1)),
+                             enable_parallel_optimizer={zero})
 ids = abstract((cfg.batch_size, cfg.seq_length), dm.int32)
 rep = dry_run(step, ids, ids, device_num=t * d, link="nvlink", device_flops=312e12)
 elapsed = time.perf_counter() - start
@@ -227,11 +228,13 @@ print(json.dumps({{
 """
 
 
-def test_gpt3_175b_on_1024_devices_tensor_8_data_128():
+@pytest.mark.parametrize("zero", [False, True], ids=["adam", "adam-parallel-optimizer"])
+def test_gpt3_175b_on_1024_devices_tensor_8_data_128(zero):
     """96 layers, hidden 12,288, 96 heads, sequence 2,048, vocabulary 51,200 on 1,024
-    devices as tensor 8 x data 128 with Adam (no pipeline: the pipeline schedule is not
-    planned by the dry run yet), one sequence per data-parallel group."""
-    script = _GPT3.format(examples=EXAMPLES)
+    devices as tensor 8 x data 128 with Adam, with and without the parallel optimizer,
+    one sequence per data-parallel group. No pipeline: pipeline stages run eagerly, not
+    through the compile the dry run plans (it refuses pipeline_stages > 1)."""
+    script = _GPT3.format(examples=EXAMPLES, zero=zero)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -249,7 +252,20 @@ def test_gpt3_175b_on_1024_devices_tensor_8_data_128():
     assert out["parameter_bytes"] == 4 * per_device
     assert out["parameter_bytes"] / 4 == pytest.approx(12 * l * h * h / t + V * h / t,
                                                        rel=0.01)
-    assert out["optimizer_state_bytes"] == 2 * out["parameter_bytes"]    # Adam's moments
+    if not zero:
+        assert out["optimizer_state_bytes"] == 2 * out["parameter_bytes"]   # Adam's moments
+    else:
+        # the parallel optimizer: Adam's two moments of every weight of 64 KB or more
+        # (counted whole) cut over its replicas: the matrices, the table and the MLP's
+        # first bias (4h) over the 128 data-parallel devices, the positions (replicated
+        # on all 1,024) 1,024 ways; the other biases and the LayerNorms (48 KB) whole
+        over_dp = (l * (12 * h * h // t + 4 * h // t) + V * h // t) // 128
+        over_all = S * h // 1024
+        whole = l * (3 * h // t + 6 * h) + 2 * h
+        assert out["optimizer_state_bytes"] == 2 * 4 * (over_dp + over_all + whole)
+        # each cut weight's updated slices are gathered back: 7 per layer, table, positions
+        gathers = [r for r in out["records"] if r[3] == "parallel_optimizer"]
+        assert len(gathers) == 7 * l + 2 and {r[1] for r in gathers} == {128, 1024}
     # tensor parallel: per layer 2 AllReduces of b s h elements over t devices forward
     # (after the row-parallel attention projection and MLP) and 2 backward (the
     # column-parallel layers' input gradients), plus one more backward for the tied
