@@ -13,8 +13,12 @@ import dualmode as dm
 from dualmode import Parameter, Tensor, communication, nn, ops
 from dualmode.parallel import CommReport
 
-RUNS = [(mode, graph, opt) for mode in ("semi_auto_parallel", "data_parallel")
+RUNS = [(mode, graph, opt, False) for mode in ("semi_auto_parallel", "data_parallel")
         for graph in (False, True) for opt in ("momentum", "adam")]
+# the ReduceScatters and the AllGathers fused (one collective per bucket)
+RUNS += [("data_parallel", False, "adam", True), ("semi_auto_parallel", True, "momentum", True)]
+FUSION = {"reducescatter": {"mode": "auto", "config": None},
+          "allgather": {"mode": "auto", "config": None}}
 STEPS = 3
 
 _RNG = np.random.default_rng(11)
@@ -46,10 +50,10 @@ class Net(nn.Cell):
         return self.mm3(h, self.w3) + self.b
 
 
-def train(mode, graph, opt_name, n=None, backend=None):
+def train(mode, graph, opt_name, fused=False, n=None, backend=None):
     """(losses, weights, (ReduceScatters, AllGathers, AllReduces)) after STEPS steps in
     `mode` on the `n` devices of `backend` ("mpi": the launched ranks; "sim": `n`
-    simulated devices), or stand-alone (mode None)."""
+    simulated devices), or stand-alone (mode None); `fused`: with :data:`FUSION`."""
     dm.reset_auto_parallel_context()
     dm.set_context(mode=dm.PYNATIVE_MODE)
     communication.init(backend)
@@ -59,6 +63,8 @@ def train(mode, graph, opt_name, n=None, backend=None):
                                      enable_parallel_optimizer=True,
                                      parallel_optimizer_config={
                                          "parallel_optimizer_threshold": 1})
+        if fused:
+            dm.set_auto_parallel_context(comm_fusion=FUSION)
         communication.init(backend)
     if graph:
         dm.set_context(mode=dm.GRAPH_MODE)
