@@ -145,16 +145,16 @@ def _contract_plan(op, spec, combine, attrs, lays):
         for letter, s in zip(sub, lay.shape):
             size[letter] = max(size.get(letter, 1), s)
     # the first input splitting a letter decides its axes (as in the elementwise family);
-    # nothing is split along the axes of a pending sum; a summed letter that two inputs
-    # split over disjoint axes is gathered in every input
-    ref, used = {}, set(pending)
-    gathered = _gathered_letters(ins, out_sub, lays, size) if combine == "mul" else ()
-    for sub, lay in zip(ins, lays):
-        for letter, axes, s in zip(sub, lay.tensor_map, lay.shape):
-            if axes and letter not in ref and s == size[letter] and not set(axes) & used \
-                    and letter not in gathered:
-                ref[letter] = axes
-                used |= set(axes)
+    # nothing is split along the axes of a pending sum; a summed letter whose splits
+    # conflict (see _gathered_letters) is gathered in every input when the output's
+    # letters then take all of its axes (no parallelism lost)
+    gathered = _gathered_letters(ins, out_sub, lays, size) if combine == "mul" else {}
+    ref = _letter_axes(ins, lays, size, pending, gathered)
+    if gathered:
+        taken = {a for c in out_sub for a in ref.get(c, ())}
+        keep = {c: axes for c, axes in gathered.items() if axes <= taken}
+        if len(keep) != len(gathered):
+            ref = _letter_axes(ins, lays, size, pending, keep)
     need = tuple(layout(dm, [ref.get(c, ()) if lay.shape[d] == size[c] else ()
                              for d, c in enumerate(sub)], lay.shape,
                         pending if i in carriers else ())
@@ -176,20 +176,48 @@ def _contract_plan(op, spec, combine, attrs, lays):
     return ShardPlan(need, (out,), local)
 
 
-def _gathered_letters(ins, out_sub, lays, size):
-    """The summed letters that two inputs split over disjoint device axes, e.g. ``k`` of
-    ``mk,kn->mn`` with both inputs ``(p, q)`` over a ``(p, q)`` matrix (k on axis 1 in
-    the first input, on axis 0 in the second: MindSpore's MatMul with equal 2-d
-    strategies). Such a letter is gathered in every input (an AllGather of each
-    along the axes that split its k), so the product needs no pending sum and keeps
-    the inputs' other splits: the output is ``(p, q)``."""
-    splits = {}
+def _letter_axes(ins, lays, size, pending, gathered):
+    """Each letter's device axes: the first input splitting it (at full size) decides,
+    no axis twice, none of a pending sum's, and the `gathered` letters unsplit."""
+    ref, used = {}, set(pending)
     for sub, lay in zip(ins, lays):
         for letter, axes, s in zip(sub, lay.tensor_map, lay.shape):
-            if axes and letter not in out_sub and s == size[letter]:
-                splits.setdefault(letter, []).append(set(axes))
-    return frozenset(letter for letter, axes in splits.items()
-                     if any(not a & b for a, b in itertools.combinations(axes, 2)))
+            if axes and letter not in ref and s == size[letter] and not set(axes) & used \
+                    and letter not in gathered:
+                ref[letter] = axes
+                used |= set(axes)
+    return ref
+
+
+def _gathered_letters(ins, out_sub, lays, size) -> dict:
+    """The summed letters whose splits conflict, with the union of the axes splitting
+    them: a summed letter that
+
+    - two inputs split over disjoint device axes, e.g. ``k`` of ``mk,kn->mn`` with both
+      inputs ``(p, q)`` over a ``(p, q)`` matrix (k on axis 1 in the first input, on
+      axis 0 in the second: MindSpore's MatMul with equal 2-d strategies), or
+    - one input splits over axes on which another input, not splitting it, splits a
+      letter of the output (both inputs ``(1, q)``: k of the first and n of the second
+      on one axis).
+
+    Gathering such a letter in every input (an AllGather of each along the axes that
+    split it) keeps the inputs' other splits and leaves no pending sum: the output of
+    both examples is split as the strategy, ``(p, q)`` and ``(1, q)``."""
+    splits, kept = {}, []
+    for sub, lay in zip(ins, lays):
+        mine, keep = {}, set()
+        for letter, axes, s in zip(sub, lay.tensor_map, lay.shape):
+            if axes and s == size[letter]:
+                if letter in out_sub:
+                    keep |= set(axes)
+                else:
+                    mine[letter] = set(axes)
+        for letter, axes in mine.items():
+            splits.setdefault(letter, []).append(axes)
+        kept.append((set(mine), keep))
+    return {letter: set().union(*axes) for letter, axes in splits.items()
+            if any(not a & b for a, b in itertools.combinations(axes, 2)) or any(
+                letter not in summed and keep & a for summed, keep in kept for a in axes)}
 
 
 def _broadcast_add(ins, out_sub, fn=None):
