@@ -429,13 +429,16 @@ def _elementwise_more_block(draw, k, sharded):
 #: Python float or a 0-d tensor made from b, with or without a strategy entry for it),
 #: Diag (of b, whole on every device: it takes no strategy) and FillV2 (filled with a
 #: value made from b; its strategy over the output's dims, the value's entry () or none)
-_MS_MORE = ["bitwise", "masked_fill", "diag", "fill"]
+#: and SquareSumAll (of h and h0, each split its own way; the sums scale h)
+_MS_MORE = ["bitwise", "masked_fill", "diag", "fill", "square_sum_all"]
 
 
 def _ms_more_block(draw, k, sharded):
     s = draw(_split((B, F))) if sharded else None
     if k == "diag":
         return Block(k, "Diag")
+    if k == "square_sum_all":
+        return Block(k, "SquareSumAll", (s, draw(_split((B, F)))) if sharded else None)
     if k == "fill":
         entry = sharded and draw(st.booleans())
         return Block(k, "FillV2", ((s, ()) if entry else (s,)) if sharded else None)
@@ -451,6 +454,9 @@ def _ms_more_block(draw, k, sharded):
 def _ms_more_code(blk, shard):
     if blk.kind == "diag":
         return "h = h + MatMul()(h, Diag()(b))"
+    if blk.kind == "square_sum_all":
+        return (f"sx, sy = SquareSumAll(){shard}(h, h0)\n"
+                f"h = h * (sy / (sx + sy))")
     if blk.kind == "fill":
         return f"h = h * FillV2(){shard}((16, 8), ReduceMean()(b))"
     if blk.kind == "masked_fill":
@@ -463,6 +469,9 @@ def _ms_more_code(blk, shard):
 def _ms_more_apply(blk, prim, h, h0, params):
     if blk.kind == "diag":
         return h + ops.matmul(h, ops.Diag()(params["b"]))
+    if blk.kind == "square_sum_all":
+        sx, sy = prim("SquareSumAll")(h, h0)
+        return h * (sy / (sx + sy))
     if blk.kind == "fill":
         return h * prim("FillV2")((B, F), ops.reduce_mean(params["b"]))
     if blk.kind == "masked_fill":
@@ -692,7 +701,8 @@ def test_every_registered_op_is_fuzzed_or_excused():
               "ArgMinWithValue", "Argmax", "Argmin",
               "SparseSoftmaxCrossEntropyWithLogits", "LayerNorm", "L2Normalize"}
     blocks |= {"Select", "LogicalAnd", "LogicalOr", "LogicalNot", "AddN", "PReLU"}
-    blocks |= {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "MaskedFill", "Diag", "FillV2"}
+    blocks |= {"BitwiseAnd", "BitwiseOr", "BitwiseXor", "MaskedFill", "Diag", "FillV2",
+               "SquareSumAll"}
     elementwise = set(UNARY) | set(BINARY)
     no_backward = {n for n, op in REGISTRY.items()
                    if op.kind in (KIND_UNARY, KIND_BINARY) and n not in elementwise}

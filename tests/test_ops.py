@@ -891,6 +891,7 @@ INFER_TABLE = {
     "MaskedFill": (None, lambda d: (_arr((3, 1), d), _arr((4,), np.bool_, 1), _arr((), d, 2))),
     "Diag": (None, lambda d: (_arr((2, 3), d),)),
     "FillV2": ({"shape": (2, 3)}, lambda d: (_arr((), d),)),
+    "SquareSumAll": (None, lambda d: (_arr((2, 3), d), _arr((2, 3), d, 1))),
     # image ops (tests/test_conv_ops.py checks them against direct references)
     "Conv2D": ({"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, lambda d: (_arr((2, 3, 5, 5), d), _arr((4, 3, 3, 3), d, 1))),
     "Conv2DBackpropInput": ({**{"out_channel": 4, "kernel_size": (3, 3), "stride": (2, 2), "dilation": (1, 1), "group": 1, "pads": (1, 1, 1, 1)}, "in_hw": (5, 5)},
@@ -1001,3 +1002,5 @@ case("masked_fill", lambda x: F.masked_fill(x, Tensor(np.array([True, False, Fal
 case("diag", F.diag, lambda x: np.diag(x.reshape(-1)).reshape(x.shape * 2), [(2, 3)], ["diag"])
 case("fill_v2", lambda v: F.fill_v2((2, 3), v), lambda v: np.full((2, 3), v),
      [np.array(0.5, np.float32)], ["fill_v2"])
+case("square_sum_all", F.square_sum_all, lambda a, b: (np.sum(a * a), np.sum(b * b)),
+     [(3, 4), (3, 4)], ["square_sum_all"])

@@ -1,8 +1,10 @@
-"""Atan2, DivNoNan, MulNoNan, TruncateMod, Xdivy and Xlogy: forward values against numpy
-(MindSpore's documented examples where it gives them, the guarded zeros), gradients
-against finite differences, and each op with a strategy on 8 simulated devices -- the
-primitive's ``.shard`` in PyNative mode, ``ops.shard`` of the function, and a Cell in
-GRAPH_MODE -- against the stand-alone run (loss and input gradients)."""
+"""MindSpore ops its parallel scripts use: Atan2, DivNoNan, MulNoNan, TruncateMod, Xdivy,
+Xlogy, ops.div's rounding modes, BitwiseAnd / BitwiseOr / BitwiseXor, MaskedFill, Diag,
+FillV2 and SquareSumAll. Forward values against numpy (MindSpore's documented examples
+where it gives them, the guarded zeros), gradients against finite differences, named
+errors, and each op with a strategy on 8 simulated devices -- the primitive's ``.shard``
+in PyNative mode, ``ops.shard`` of the function, and a Cell in GRAPH_MODE -- against the
+stand-alone run (loss and input gradients)."""
 import numpy as np
 import pytest
 
@@ -645,3 +647,65 @@ def test_fill_v2_sharded_every_mode(strategy):
         _check_modes(body, lambda: [P.FillV2()], outer,
                      [_f32((16, 8), seed=54), np.array(0.3, np.float32)], (0, 1), modes=[mode])
 
+
+# ---------------------------------------------------------------------------
+# SquareSumAll(x, y) -> (sum(x ** 2), sum(y ** 2))
+# ---------------------------------------------------------------------------
+def test_square_sum_all_mindspore_example_and_gradient():
+    x = Tensor(np.array([0, 0, 2, 0], np.float32))
+    y = Tensor(np.array([0, 0, 2, 4], np.float32))
+    sx, sy = P.SquareSumAll()(x, y)
+    assert sx.shape == () and sy.shape == () and sx.dtype == dm.float32
+    assert float(sx.asnumpy()) == 4.0 and float(sy.asnumpy()) == 20.0
+    for shape in [(3, 4), (2, 3, 2), ()]:
+        check_op(ops.square_sum_all, lambda a, b: (np.sum(a * a), np.sum(b * b)),
+                 [shape, shape], expect_ops=["SquareSumAll"])
+    h = ops.square_sum_all(Tensor(np.ones(3, np.float16)), Tensor(np.ones(3, np.float16)))
+    assert h[0].dtype == dm.float16
+    # one output used: the other input gets no gradient
+    gx, gy = dm.grad(lambda a, b: ops.square_sum_all(a, b)[1] * 3.0, (0, 1))(x, y)
+    np.testing.assert_array_equal(gx.asnumpy(), [0, 0, 0, 0])
+    np.testing.assert_array_equal(gy.asnumpy(), 6.0 * y.asnumpy())
+
+
+def test_square_sum_all_errors():
+    x = Tensor(np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"SquareSumAll: input 0 has shape \(2, 3\) but input 1 "
+                                         r"has shape \(3,\); both inputs must have the same "
+                                         r"shape"):
+        P.SquareSumAll()(x, Tensor(np.ones(3, np.float32)))
+    with pytest.raises(TypeError, match=r"SquareSumAll: input 0 has dtype int32; supported "
+                                        r"dtypes: float16, float32, float64"):
+        ops.square_sum_all(Tensor(np.ones(3, np.int32)), Tensor(np.ones(3, np.int32)))
+    with pytest.raises(TypeError, match=r"SquareSumAll: input 0 has dtype float32 but input 1 "
+                                        r"has dtype float64"):
+        ops.square_sum_all(x, Tensor(np.ones((2, 3))))
+
+
+@pytest.mark.parametrize("strategy", [((2, 4), (2, 4)), ((8, 1), (1, 8)), ((1, 2), (4, 1)),
+                                      ((1, 1), (1, 1))], ids=str)
+def test_square_sum_all_sharded_every_mode(strategy):
+    """Each device sums the squares of its block; the sums are finished over the devices
+    that split each input: loss and gradients equal the stand-alone run's."""
+    def body(prims, x, y):
+        sx, sy = prims[0](x, y)
+        return sx * 0.5 + sy * sy * 0.01, sx / sy
+    _check_modes(body, lambda: [P.SquareSumAll()], strategy,
+                 [_f32((16, 8), seed=61), _f32((16, 8), seed=62)], (0, 1))
+
+
+def test_square_sum_all_sums_pending_over_the_split_axes():
+    """A split input's sum of squares is pending over the devices that split it (one
+    AllReduce per output when the value is needed), as MindSpore's AllReduce after
+    SquareSumAll; the other input's over its own."""
+    from dualmode.parallel import CommReport
+    a, b = _f32((16, 8), seed=63), _f32((16, 8), seed=64)
+    with devices(8):
+        with CommReport() as rep:
+            sx, sy = P.SquareSumAll().shard(((2, 4), (8, 1)))(Tensor(a), Tensor(b))
+            assert sx.layout.partial and sy.layout.partial
+            assert not [r for r in rep.records if r.kind == "AllReduce"]
+            got = (ops.sqrt(sx).asnumpy(), ops.sqrt(sy).asnumpy())
+        assert len([r for r in rep.records if r.kind == "AllReduce"]) == 2, rep.records
+    np.testing.assert_allclose(got[0], np.sqrt(np.sum(a * a)), rtol=1e-5)
+    np.testing.assert_allclose(got[1], np.sqrt(np.sum(b * b)), rtol=1e-5)

@@ -36,6 +36,7 @@ from .primitives import (Atan2, DivNoNan, MulNoNan, TruncateMod, Xdivy,  # noqa:
 from .primitives import BitwiseAnd, BitwiseOr, BitwiseXor  # noqa: E402
 from .primitives import MaskedFill  # noqa: E402
 from .primitives import Diag, FillV2  # noqa: E402
+from .primitives import SquareSumAll  # noqa: E402
 
 _core.set_operator_ops(_math.ADD, _math.SUB, _math.MUL, _math.REALDIV, _math.CAST, _promote)
 
@@ -60,6 +61,7 @@ __all__ += ["Atan2", "DivNoNan", "MulNoNan", "TruncateMod", "Xdivy", "Xlogy"]
 __all__ += ["BitwiseAnd", "BitwiseOr", "BitwiseXor"]
 __all__ += ["MaskedFill"]
 __all__ += ["Diag", "FillV2"]
+__all__ += ["SquareSumAll"]
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, device="CPU", level=0):

@@ -1479,3 +1479,44 @@ def masked_fill(input_x, mask, value):
     if not isinstance(value, (TensorBase, np.ndarray)):
         value = const(value, "MaskedFill", input_x.dtype)
     return apply(MASKED_FILL, None, (input_x, const(mask, "MaskedFill"), value))
+
+
+# SquareSumAll(x, y): (sum(x ** 2), sum(y ** 2)), each over all dims
+#: (shapes, dtypes) of SquareSumAlls already validated -> their output meta
+_SQUARE_SUM_ALL_SEEN: dict = {}
+
+
+def _infer_square_sum_all(attrs, x, y):
+    key = (x.shape, y.shape, x.dtype, y.dtype)
+    return checked_once(_SQUARE_SUM_ALL_SEEN, key, _check_square_sum_all, x, y)
+
+
+def _check_square_sum_all(x, y):
+    check_float("SquareSumAll", x, 0)
+    check_same_dtype("SquareSumAll", (x, y))
+    if tuple(x.shape) != tuple(y.shape):
+        raise ValueError(f"SquareSumAll: input 0 has shape {tuple(x.shape)} but input 1 has "
+                         f"shape {tuple(y.shape)}; both inputs must have the same shape")
+    return (((), x.dtype), ((), x.dtype))
+
+
+def _square_sum(x):
+    return np.asarray(np.add.reduce(np.square(x), axis=None, dtype=x.dtype))
+
+
+def _bw_square_sum_all(node, gx, gy):
+    x, y = node.inputs
+    return (mul(x, mul(gx, 2.0)) if gx is not None and _needs(node, 0) else None,
+            mul(y, mul(gy, 2.0)) if gy is not None and _needs(node, 1) else None)
+
+
+SQUARE_SUM_ALL = register("SquareSumAll", family=("reduce", "square_all"),
+                          infer=_infer_square_sum_all, multi_output=True,
+                          kernel=lambda attrs, x, y: (_square_sum(x), _square_sum(y)),
+                          backward=_bw_square_sum_all)
+
+
+def square_sum_all(x, y):
+    """``(sum(x ** 2), sum(y ** 2))`` over all dims, as two 0-d tensors (x and y floating,
+    of one shape and dtype), as MindSpore's SquareSumAll."""
+    return apply(SQUARE_SUM_ALL, None, (const(x, "SquareSumAll"), const(y, "SquareSumAll")))

@@ -83,3 +83,8 @@ __all__ += ["masked_fill"]
 from ._array import diag, fill_v2  # noqa: E402
 
 __all__ += ["diag", "fill_v2"]
+
+# SquareSumAll
+from ._math import square_sum_all  # noqa: E402
+
+__all__ += ["square_sum_all"]

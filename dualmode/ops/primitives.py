@@ -814,3 +814,9 @@ class FillV2(Primitive):
 
     def construct(self, shape, value):
         return F.fill_v2(shape, value)
+
+
+SquareSumAll = _elementwise("SquareSumAll", F.square_sum_all,
+                            "SquareSumAll()(x, y): (sum(x ** 2), sum(y ** 2)) over all dims; "
+                            "a split input's sum is finished by an AllReduce over the devices "
+                            "that split it when the value is needed.")

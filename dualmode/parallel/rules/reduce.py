@@ -1,5 +1,6 @@
-"""Reductions (``family=("reduce", "sum"|"mean"|"max"|"min"|"arg")``): a sum or mean
-over a split dim stays a pending sum (resolved by the next op that needs the value); max
+"""Reductions (``family=("reduce", "sum"|"mean"|"max"|"min"|"arg"|"square_all")``): a sum
+or mean over a split dim stays a pending sum (resolved by the next op that needs the
+value), as do SquareSumAll's sums of squares ("square_all", each input over all dims); max
 and min finish with an AllReduce of that kind over the reduced dims' device axes; the
 index ops ("arg": ArgMaxWithValue, ArgMinWithValue, Argmax, Argmin) over a split axis
 find each device's best (value, global index) and keep the best pair with one AllReduce
@@ -21,6 +22,8 @@ __all__ = ["rule"]
 
 def _make_reduce(op):
     name, combine = op.name, op.extras["family"][1]
+    if combine == "square_all":
+        return _square_sum_all
 
     def rule(attrs, lays, dtypes):
         x = lays[0]
@@ -58,6 +61,24 @@ def _make_reduce(op):
         post = ((combine, red_axes),) if red_axes else ()
         return ShardPlan((x,), (out,), local, post)
     return rule
+
+
+def _square_sum_all(attrs, lays, dtypes):
+    """SquareSumAll: each input's sum of squares over all its dims; each device sums its
+    block, so the sum of an input split over some device axes is pending over them (the
+    AllReduce MindSpore inserts, made when the value is needed). An input holding a
+    pending sum is resolved first (its square is not the sum of its terms' squares)."""
+    if any(lay is None or lay.partial for lay in lays):
+        return None
+    dm = lays[0].device_matrix
+    outs = tuple(layout(dm, (), (), {a for axes in lay.tensor_map for a in axes})
+                 for lay in lays)
+
+    def local(attrs, stacks):
+        return tuple(np.add.reduce(np.square(s), axis=tuple(range(1, s.ndim)), dtype=s.dtype)
+                     for s in stacks)
+
+    return ShardPlan(tuple(lays), outs, local)
 
 
 def _arg_plan(op, x, axes, tmap, shape, stack_axes, dtype):
