@@ -75,11 +75,11 @@ def _measured_live_peak(compiled, args):
     return peak
 
 
-def _check_against_real(step, inputs, n=8, **settings):
+def _check_against_real(step, inputs, n=8, mode="semi_auto", **settings):
     """Dry-run `step` (an AutoParallel step over delayed parameters), then run it for
     real on `n` simulated devices; compare."""
     with devices(n, **settings):
-        compiled_step = AutoParallel(step, "semi_auto")
+        compiled_step = AutoParallel(step, mode)
         params = find_parameters(step)
         dry = dry_run(compiled_step, *[abstract(x.shape, x.dtype) for x in inputs],
                       device_num=n, link="100GbE", device_flops=1e12)
@@ -104,7 +104,10 @@ def _check_against_real(step, inputs, n=8, **settings):
     return dry, real
 
 
-def test_operator_parallel_mlp_equals_the_real_step():
+@pytest.mark.parametrize("mode", ["semi_auto", "sharding_propagation"])
+def test_operator_parallel_mlp_equals_the_real_step(mode):
+    """The configured MatMul / ReLU strategies; with sharding propagation the last
+    MatMul's strategy is chosen, by the same search in both runs."""
     dm.set_seed(1)
     with devices(8):
         with no_init_parameters():
@@ -113,7 +116,7 @@ def test_operator_parallel_mlp_equals_the_real_step():
     loss_fn = nn.CrossEntropyLoss()
     step = _train_step(lambda x, y: loss_fn(net(x), y), opt)
     image, label = learnable_batch(np.random.default_rng(0), 32)
-    dry, real = _check_against_real(step, [image, label], gradients_mean=True)
+    dry, real = _check_against_real(step, [image, label], mode=mode, gradients_mean=True)
     # the configured strategies are the ones planned
     chosen = {k: v["strategy"] for k, v in dry.strategies.items() if v["configured"]}
     assert ((2, 4), (4, 1)) in chosen.values() and ((1, 8), (8, 1)) in chosen.values()
@@ -302,6 +305,16 @@ def test_a_device_count_the_strategies_do_not_divide_is_refused_and_nothing_chan
                     device_num=6)
         assert get_backend() is backend
         assert dm.get_auto_parallel_context("device_num") == 8
+
+
+def test_a_strategy_whose_product_does_not_divide_the_device_count_is_named():
+    with no_init_parameters():
+        net = Network(devices=8)                # MatMul ((2, 4), (4, 1)): 8 devices
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]=\(2, 4\) needs 8 "
+                                         r"devices but device_num is 6"):
+        dry_run(lambda x, y: loss_fn(net(x), y), abstract((24, 1, 28, 28)),
+                abstract((24,), dm.int32), device_num=6)
 
 
 @pytest.mark.parametrize("n", [0, -8, 2.5, "8", True])

@@ -233,13 +233,17 @@ def _check_flops(v):
 
 
 @contextlib.contextmanager
-def _virtual_devices(n, mode):
+def _virtual_devices(n, mode, search_mode=None):
     """`n` simulated devices that hold no data, for the compile: the context's
-    device_num and parallel mode, and a stand-in backend; everything restored after."""
+    device_num, parallel mode (and an AutoParallel's own search mode), and a stand-in
+    backend; everything restored after."""
     st = context._STATE
     saved_ap, comm = st.auto_parallel, st.comm
     saved = (comm.backend, comm.groups, comm.member_arrays)
-    st.auto_parallel = dataclasses.replace(saved_ap, device_num=n, parallel_mode=mode)
+    changes = {"device_num": n, "parallel_mode": mode}
+    if search_mode is not None:
+        changes["search_mode"] = search_mode
+    st.auto_parallel = dataclasses.replace(saved_ap, **changes)
     comm.backend = SimBackend(n)
     comm.groups = {HCCL_WORLD_COMM_GROUP: tuple(range(n))}
     comm.member_arrays = {}
@@ -313,7 +317,7 @@ def dry_run(fn_or_cell, *inputs, device_num, link=None, alpha_s=None,
         else context._STATE.auto_parallel.search_mode)
     params = find_parameters(sf.fn)
     report = DryRunReport(n, model, link)
-    with _virtual_devices(n, sf.mode or mode), _unplaced(params, n):
+    with _virtual_devices(n, sf.mode or mode, sf.search_mode), _unplaced(params, n):
         args = _placed_inputs(sf, inputs, n)
         compiled = sf._compile(args, {}, True)
         report.compiled = compiled
