@@ -168,6 +168,47 @@ def test_other_entry_points(entry):
         assert report.count("ReduceScatter", reason="gradient", op="w3") == STEPS
 
 
+def test_lars_and_gradients_given_as_arrays():
+    """LARS reduces the gradients itself (its norms need them whole), so the wrapped
+    Momentum gets whole gradients: each device cuts its slices locally, the states are
+    still split and the slices gathered. Gradients passed as numpy arrays likewise.
+    Both equal the single device."""
+    def lars_run(n, **settings):
+        with devices(n, "data_parallel", gradients_mean=True, **settings):
+            net = Net(False)
+            opt = nn.LARS(nn.Momentum(net.trainable_params(), 0.1, 0.9))
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(
+                sparse=True, reduction="mean")), opt)
+            with CommReport() as report:
+                for _ in range(STEPS):
+                    step(Tensor(X), Tensor(Y))
+            shards = optimizer_memory(opt.opt).shards
+        return {p.name: p.asnumpy() for p in net.trainable_params()}, report, shards
+
+    want, _, _ = lars_run(None)
+    got, report, shards = lars_run(N, enable_parallel_optimizer=True,
+                                   parallel_optimizer_config=SMALL)
+    _assert_same(got, want)
+    assert shards == {"w1": 8, "w2": 8, "w3": 8, "b": 1}
+    assert report.count("AllGather", reason="parallel_optimizer") == 3 * STEPS
+    assert report.count("ReduceScatter") == 0
+
+    grads = {k: np.full(v.shape, 0.5, np.float32) for k, v in W.items()}
+    found = []
+    for n in (None, N):
+        settings = dict(enable_parallel_optimizer=True, parallel_optimizer_config=SMALL) \
+            if n else {}
+        with devices(n, "data_parallel", **settings):
+            net = Net(False)
+            opt = OPTIMIZERS["adam"](net.trainable_params(), 1.0)
+            for _ in range(2):
+                opt(tuple(grads[p.name] for p in opt.parameters))
+            found.append({p.name: p.asnumpy() for p in net.trainable_params()})
+            if n:
+                assert optimizer_memory(opt).shards["w1"] == 8
+    _assert_same(found[1], found[0])
+
+
 # ---- what is communicated -------------------------------------------------------------
 
 def _records(report, kind, name):

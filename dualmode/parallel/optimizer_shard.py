@@ -219,9 +219,10 @@ class ParameterShards:
         """`grads` with each sharded weight's gradient in its optimizer slice's layout:
         ReduceScattered (fused per ``comm_fusion["reducescatter"]``), reason
         "gradient"; a data-parallel gradient scaled as its AllReduce would have been."""
-        grads = list(grads)
+        grads = [g if isinstance(g, TensorBase) else _core.wrap_dist(np.asarray(g), None)
+                 for g in grads]                     # an array: a whole gradient
         idx = [i for i, s in enumerate(self.layouts) if s is not None
-               and isinstance(grads[i], TensorBase) and self.params[i].requires_grad]
+               and self.params[i].requires_grad]
         if not idx:
             return grads
         scale = replica_gradient_scale(_backend().world_size)

@@ -258,13 +258,13 @@ class Optimizer(Cell):
             return True
         worker = active_worker()
         # the parallel optimizer: the weights whose states and update are split over
-        # their replicas (None: none is)
-        shards = optimizer_shard.plan(self) if distributed and worker is None else None
+        # their replicas (None: none is); their gradients moved into the slices (their
+        # ReduceScatters; a whole gradient, e.g. one LARS reduced, is cut locally)
+        shards = optimizer_shard.plan(self) if worker is None else None
+        if shards is not None:
+            gradients = shards.scatter(gradients)
         if distributed:
-            targets = params
-            if shards is not None:
-                gradients = shards.scatter(gradients)      # their ReduceScatters
-                targets = shards.targets
+            targets = params if shards is None else shards.targets
             if worker is None:
                 # the sharded weights' gradient ReduceScatters and AllReduces, in fused
                 # buckets per comm_fusion (as a compiled step fuses them); the others
