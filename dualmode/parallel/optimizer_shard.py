@@ -171,10 +171,12 @@ def plan(optimizer) -> Optional["ParameterShards"]:
     changes. States left as slices by earlier updates of weights this update does not
     split (the parallel optimizer turned off, a larger threshold) are first put back
     into their weights' layouts."""
-    layouts = [None] * len(optimizer.parameters)
-    if settings() is not None:
-        layouts = [shard_layout(p, use_layout(p)) for p in optimizer.parameters]
+    on = settings() is not None
     sliced = optimizer.__dict__.get("_sliced_states")
+    if not on and not sliced:
+        return None                                  # the usual case: nothing to do
+    layouts = [shard_layout(p, use_layout(p)) for p in optimizer.parameters] if on \
+        else [None] * len(optimizer.parameters)
     if sliced:
         for i in [i for i in sliced if layouts[i] is None]:
             _unslice_states(optimizer, i)
