@@ -375,6 +375,27 @@ def test_a_collective_inside_an_op_is_refused_rather_than_missed():
             dry_run(step, abstract((16, 1, 8, 8)), device_num=8)
 
 
+def test_a_convolution_exchanging_halos_is_refused_rather_than_missed():
+    """Rows of the image split 8 ways under a 3 x 3 kernel: each device needs its
+    neighbours' edge rows, an AllGather the rule runs inside Conv2D."""
+    with devices(8):
+        with no_init_parameters():
+            net = nn.Conv2d(1, 4, 3)
+            opt = nn.SGD(net.trainable_params(), 0.1)
+        net.conv2d.shard(((1, 1, 8, 1), (1, 1, 1, 1)))
+        step = _train_step(lambda x: ops.reduce_mean(net(x)), opt)
+        with pytest.raises(RuntimeError, match=r"dry_run: Conv2D-0 communicates inside its "
+                                               r"own computation"):
+            dry_run(step, abstract((8, 1, 16, 16)), device_num=8)
+        # a 1 x 1 kernel needs no halo: planned
+        with no_init_parameters():
+            net = nn.Conv2d(1, 4, 1)
+            opt = nn.SGD(net.trainable_params(), 0.1)
+        net.conv2d.shard(((1, 1, 8, 1), (1, 1, 1, 1)))
+        step = _train_step(lambda x: ops.reduce_mean(net(x)), opt)
+        assert dry_run(step, abstract((8, 1, 16, 16)), device_num=8).records
+
+
 def test_pipeline_stages_are_refused_until_the_dry_run_plans_them():
     with devices(8):
         dm.set_auto_parallel_context(pipeline_stages=2)

@@ -150,6 +150,13 @@ def _spatial(dm, tmap, used, in_hw, out_hw, kernel, stride, dilation, pads, allo
     return keep, halos
 
 
+def _halo_post(halos):
+    """The plan's ``post`` when a halo is exchanged inside its local computation: one None
+    per output, the mark of a plan that communicates although no collective finishes an
+    output (as BatchNorm's), so nothing takes it for collective-free."""
+    return (None,) if any(h is not None and (h[0] > 0 or h[1] > 0) for h in halos) else ()
+
+
 def _local_pads(pads, halos):
     """The padding left to apply locally: none along dims whose halo carries it."""
     out = list(pads)
@@ -226,7 +233,7 @@ def _conv2d(attrs, lays, dtypes):
         xs = _extend(stacks[0], need_x, keep, halos, 0, "Conv2D")
         return C.conv_stack(xs, stacks[1], stride, dilation, lpads, g)
 
-    return ShardPlan((need_x, need_w), (out,), local)
+    return ShardPlan((need_x, need_w), (out,), local, _halo_post(halos))
 
 
 @register_rule("Conv2DBackpropFilter")
@@ -251,7 +258,7 @@ def _conv_filter_grad(attrs, lays, dtypes):
         xs = _extend(stacks[1], need_x, keep, halos, 0, "Conv2DBackpropFilter")
         return C.conv_filter_grad_stack(stacks[0], xs, kernel, stride, dilation, lpads, g)
 
-    return ShardPlan((need_dy, need_x), (out,), local)
+    return ShardPlan((need_dy, need_x), (out,), local, _halo_post(halos))
 
 
 @register_rule("Conv2DBackpropInput")
@@ -282,7 +289,7 @@ def _conv_input_grad(attrs, lays, dtypes):
                                       g)
         return _shrink(ext, need_dy, keep, halos, out.local_shape[2:], "Conv2DBackpropInput")
 
-    return ShardPlan((need_dy, need_w), (out,), local)
+    return ShardPlan((need_dy, need_w), (out,), local, _halo_post(halos))
 
 
 # ---------------------------------------------------------------------------
@@ -318,7 +325,7 @@ def _pool_rule(name, mode):
             xs = _extend(stacks[0], need, keep, halos, fill, name)
             return C.pool_stack(xs, mode, attrs["kernel_size"], attrs["strides"], lpads)
 
-        return ShardPlan((need,), (out,), local)
+        return ShardPlan((need,), (out,), local, _halo_post(halos))
     return rule
 
 
@@ -339,7 +346,7 @@ def _pool_grad_rule(name, mode):
                                     attrs["strides"], lpads)
             return _shrink(ext, need_x, keep, halos, need_x.local_shape[2:], name)
 
-        return ShardPlan((need_x, need_dy), (need_x,), local)
+        return ShardPlan((need_x, need_dy), (need_x,), local, _halo_post(halos))
     return rule
 
 
