@@ -292,8 +292,8 @@ def test_expand_dims_squeeze_every_mode(strategies, outer):
 def test_squeeze_split_of_a_unit_dim_is_refused():
     x = Tensor(np.zeros((8, 1, 4), np.float32))
     with devices(8, full_batch=True):
-        with pytest.raises(ValueError, match=r"Squeeze: in_strategy\[0\]\[1\]=2 does not "
-                                             r"divide dim 1 \(size 1\)"):
+        with pytest.raises(ValueError, match=r"Squeeze: in_strategy\[0\]\[1\]=2 exceeds "
+                                             r"dim 1 \(size 1\)"):
             ops.Squeeze(1).shard(((1, 2, 4),))(x)
 
 
@@ -650,10 +650,10 @@ def test_batch_smaller_than_the_device_count_names_what_to_change():
         want = float(_Lookup()(Tensor(idx)).asnumpy())
     with devices(8):
         with pytest.raises(ValueError, match=r"dataset_strategy='data_parallel': input 0 has "
-                                             r"batch size 2 \(shape \(2, 3\)\), which does not "
-                                             r"divide over 8 devices; use a batch size that is "
-                                             r"a multiple of 8 .*full_batch=True.*fewer "
-                                             r"devices \(device_num=2 divides it\)"):
+                                             r"batch size 2 \(shape \(2, 3\)\), fewer rows "
+                                             r"than the 8 devices \(some would get none\); use "
+                                             r"a batch size of at least 8 .*full_batch=True.*"
+                                             r"fewer devices \(device_num=2 divides it\)"):
             _Lookup(((1, 1), (1, 1)))(Tensor(idx))
     with devices(8, full_batch=True):
         got = _Lookup(((1, 1), (1, 1)))(Tensor(idx))

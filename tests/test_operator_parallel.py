@@ -97,8 +97,8 @@ def test_strategies_are_ignored_in_stand_alone():
     out = ops.MatMul().shard(((2, 3), (3, 1)))(a, Tensor(np.ones((16, 4), np.float32)))
     np.testing.assert_array_equal(out.asnumpy(), np.full((8, 4), 16.0, np.float32))
     _setup(8)
-    with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[1\]=3 does not divide "
-                                         r"dim 1 \(size 16\) of input 0"):
+    with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]=\(2, 3\) needs 6 "
+                                         r"devices, which does not divide device_num=8"):
         ops.MatMul().shard(((2, 3), (3, 1)))(a, Tensor(np.ones((16, 4), np.float32)))
 
 

@@ -322,12 +322,14 @@ def test_shard_returns_primitive_and_keeps_result():
 
 
 SHARD_CALL = [
-    (((2, 4), (4, 1)), (4, 30), (30, 4), ValueError,
-     E("MatMul: in_strategy[0][1]=4 does not divide dim 1 (size 30) of input 0")),
-    (((3, 1), (1, 1)), (4, 30), (30, 4), ValueError,
-     E("MatMul: in_strategy[0][0]=3 does not divide dim 0 (size 4) of input 0")),
-    (((1, 1), (1, 3)), (4, 30), (30, 4), ValueError,
-     E("MatMul: in_strategy[1][1]=3 does not divide dim 1 (size 4) of input 1")),
+    # a split may not exceed the dim (one that does not divide it gives unequal pieces)
+    (((2, 4), (4, 1)), (4, 3), (3, 4), ValueError,
+     E("MatMul: in_strategy[0][1]=4 exceeds dim 1 (size 3) of input 0: some devices would "
+       "hold an empty piece")),
+    (((3, 1), (1, 1)), (2, 30), (30, 4), ValueError,
+     E("MatMul: in_strategy[0][0]=3 exceeds dim 0 (size 2) of input 0")),
+    (((1, 1), (1, 3)), (4, 30), (30, 2), ValueError,
+     E("MatMul: in_strategy[1][1]=3 exceeds dim 1 (size 2) of input 1")),
     (((2,), (1, 1)), (4, 30), (30, 4), ValueError,
      E("MatMul: in_strategy[0]=(2,) has 1 entries but input 0 has rank 2 (shape (4, 30))")),
     (((1, 1),), (4, 30), (30, 4), ValueError,
@@ -360,15 +362,15 @@ def test_strategies_are_ignored_outside_semi_auto_and_auto(strategy, sa, sb, exc
 
 def test_shard_checked_for_other_primitives(sim_devices):
     sim_devices(8)
-    with pytest.raises(ValueError, match=E("ReLU: in_strategy[0][0]=4 does not divide dim 0 "
+    with pytest.raises(ValueError, match=E("ReLU: in_strategy[0][0]=4 exceeds dim 0 "
                                            "(size 2) of input 0")):
         ops.ReLU().shard(((4, 1),))(X)
     with pytest.raises(ValueError, match=E("ReduceSum: in_strategy[0]=(1,) has 1 entries but "
                                            "input 0 has rank 2")):
         ops.ReduceSum().shard(((1,),))(X, 1)
-    with pytest.raises(ValueError, match=E("BiasAdd: in_strategy[1][0]=2 does not divide dim 0 "
+    with pytest.raises(ValueError, match=E("BiasAdd: in_strategy[1][0]=4 exceeds dim 0 "
                                            "(size 3) of input 1")):
-        ops.BiasAdd().shard(((1, 1), (2,)))(X, f32(3))
+        ops.BiasAdd().shard(((1, 1), (4,)))(X, f32(3))
 
 
 # ---------------------------------------------------------------------------

@@ -240,16 +240,21 @@ def test_ops_without_unequal_pieces_refuse_them_by_name(eight_devices):
     x = np.arange(30.0 * 3).reshape(30, 3).astype(np.float32)
     t = dm.reshard(Tensor(x), (4, 1))
     with pytest.raises(ValueError, match=E(
-            "ReLU: input 0 is split into pieces of unequal size (dim 0, size 30, in 4 "
-            "parts: 8 or 7 rows each); ReLU does not handle unequal pieces yet")):
-        dm.ops.ReLU()(t)
+            "Concat: input 0 is split into pieces of unequal size (dim 0, size 30, in 4 "
+            "parts: 8 or 7 rows each); Concat does not handle unequal pieces yet")):
+        dm.ops.Concat(1)((t, t))
     # a strategy that does not divide is refused before anything moves
-    w = dm.Parameter(Tensor(np.ones((3, 6), np.float32)), name="w")
-    mm = dm.ops.MatMul().shard(((1, 1), (1, 4)))
-    with pytest.raises(ValueError, match=E("MatMul: in_strategy[1][1]=4 does not divide "
-                                           "dim 1 (size 6) of input 1")):
-        mm(Tensor(x), w)
-    assert w.layout is None and np.array_equal(w.asnumpy(), np.ones((3, 6)))
+    w = dm.Parameter(Tensor(np.ones((30, 3), np.float32)), name="w")
+    cat = dm.ops.Concat(1).shard(((4, 1), (4, 1)))
+    with pytest.raises(ValueError, match=E("Concat: in_strategy[0][0]=4 does not divide "
+                                           "dim 0 (size 30) of input 0, and Concat does not "
+                                           "handle pieces of unequal size yet")):
+        cat((Tensor(x), w))
+    assert w.layout is None and np.array_equal(w.asnumpy(), np.ones((30, 3)))
+    # an op whose rule handles them: the single device's numbers, zeros in the pads
+    y = dm.ops.ReLU()(t - 40.0)
+    assert np.array_equal(y.asnumpy(), np.maximum(x - 40.0, 0))
+    assert not y._data[2, 7].any() and not y._data[3, 7].any()
 
 
 def test_dataset_tiles_that_do_not_divide_are_refused(eight_devices):

@@ -15,6 +15,7 @@ import numpy as np
 
 from .._core._tensor import TensorBase
 from . import interpreter
+from ._registry import REGISTRY
 
 
 def _is_scalar_operand(v):
@@ -72,6 +73,13 @@ PRIM_ATTR_RULES = {"primitive_target": _device_target, "manual_split": _manual_s
 
 #: bumped by every ``shard`` call: part of graph mode's cache key
 STRATEGY_EPOCH = [0]
+
+
+def _handles_unequal_pieces(name) -> bool:
+    """Does the sharding rule of the op `name` handle splits that do not divide their
+    dims (its registration says so)?"""
+    op = REGISTRY.get("RealDiv" if name == "Div" else name)
+    return op is not None and getattr(op.extras.get("shard"), "uneven", False)
 
 
 class Primitive:
@@ -150,9 +158,15 @@ class Primitive:
                 raise ValueError(f"{self.name}: in_strategy[{i}]={s} has {len(s)} entries but "
                                  f"input {i} has rank {len(shape)} (shape {shape})")
             for j, (v, d) in enumerate(zip(s, shape)):
-                if d % v:
+                if 0 < d < v:
+                    raise ValueError(f"{self.name}: in_strategy[{i}][{j}]={v} exceeds dim "
+                                     f"{j} (size {d}) of input {i}: some devices would hold "
+                                     f"an empty piece; a split may not exceed the dim")
+                if d % v and not _handles_unequal_pieces(self.name):
                     raise ValueError(f"{self.name}: in_strategy[{i}][{j}]={v} does not "
-                                     f"divide dim {j} (size {d}) of input {i}")
+                                     f"divide dim {j} (size {d}) of input {i}, and "
+                                     f"{self.name} does not handle pieces of unequal size "
+                                     f"yet")
 
     def __call__(self, *args, **kwargs):
         if (self.in_strategy is None and self.out_strategy is None) \

@@ -69,14 +69,15 @@ def input_layout(i, shape, k, strategy, n):
     or per-input strategy tuples): what :func:`distribute_inputs` moves it into, and
     what a dry run plans with."""
     if strategy == "data_parallel":
-        if shape[0] % n:
+        if 0 < shape[0] < n:
             fewer = [d for d in range(n - 1, 0, -1) if shape[0] % d == 0][0]
             raise ValueError(
                 f"dataset_strategy='data_parallel': input {i} has batch size {shape[0]} "
-                f"(shape {shape}), which does not divide over {n} devices; use a batch "
-                f"size that is a multiple of {n} (or drop_remainder=True), or "
+                f"(shape {shape}), fewer rows than the {n} devices (some would get none); "
+                f"use a batch size of at least {n} (or drop_remainder=True), or "
                 f"set_auto_parallel_context(full_batch=True) (every device takes the "
                 f"whole batch), or fewer devices (device_num={fewer} divides it)")
+        # a batch that does not divide: the first batch % n devices one row more
         layout = TensorLayout.batch_split(shape, n)
     else:
         if k >= len(strategy):

@@ -68,6 +68,16 @@ class ShardPlan:
     local: Callable
     post: Tuple = ()
 
+    @functools.cached_property
+    def even_inputs(self) -> bool:
+        """Does every distributed input's split divide its dims (no pads in the stacks)?"""
+        return all(lay is None or lay.even for lay in self.inputs)
+
+    @functools.cached_property
+    def even_outputs(self) -> bool:
+        """Does every output's split divide its dims (no pads to clear after `local`)?"""
+        return all(lay.even for lay in self.outputs)
+
 
 RULES: dict = {}
 
@@ -293,6 +303,31 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
     found = decide(op, attrs, inputs, layouts)
     if found is None:
         return None
+    plan, lays_out = found[0], found[8]
+    if plan.even_inputs:
+        outs = _local_outputs(op, attrs, inputs, found)
+    else:
+        with np.errstate(all="ignore"):       # the pads (zeros) may meet log, 1/x, ...
+            outs = _local_outputs(op, attrs, inputs, found)
+    for i, post in enumerate(plan.post):
+        if post is not None:
+            red_op, axes = post
+            with op_cause(op.name):
+                outs[i] = np.asarray(_backend().all_reduce(
+                    as_stack(outs[i]), members=plan.outputs[i].group_members(axes),
+                    op=red_op))
+    if not plan.even_outputs:
+        zero_output_pads(plan, outs)
+    for i, lay in enumerate(lays_out):
+        if lay is None:
+            outs[i] = np.asarray(outs[i][0])          # a replicated result: one plain value
+    res = tuple(outs) if op.multi_output else outs[0]
+    return _core.finish(op, attrs, inputs, res, rec, lays_out)
+
+
+def _local_outputs(op, attrs, inputs, found) -> list:
+    """The output stacks of the local computation of the plan `found` (see
+    :func:`decide`) on `inputs`, moved where the plan needs them."""
     plan, lays, dm, dtypes, reps, grids, checked, ready, lays_out = found
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
@@ -317,18 +352,22 @@ def sharded_apply(op, attrs, inputs, rec, layouts):
             found[6] = True
         with DEFERRING:                   # the outputs become Tensors: may stay unwritten
             outs = run_local(RULES[op.name], op, attrs, plan, stacks)
-    for i, post in enumerate(plan.post):
-        if post is not None:
-            red_op, axes = post
-            with op_cause(op.name):
-                outs[i] = np.asarray(_backend().all_reduce(
-                    as_stack(outs[i]), members=plan.outputs[i].group_members(axes),
-                    op=red_op))
-    for i, lay in enumerate(lays_out):
-        if lay is None:
-            outs[i] = np.asarray(outs[i][0])          # a replicated result: one plain value
-    res = tuple(outs) if op.multi_output else outs[0]
-    return _core.finish(op, attrs, inputs, res, rec, lays_out)
+    return outs
+
+
+def zero_output_pads(plan, outs) -> list:
+    """`outs` (a list of output stacks of `plan`) with zeros in the pads of the outputs
+    whose splits do not divide their dims (a local computation may leave anything there:
+    ``exp(0)`` is 1); the lists' entries are replaced, written in place when writable."""
+    for i, lay in enumerate(plan.outputs):
+        if lay.even:
+            continue
+        o = as_stack(outs[i])
+        if not (isinstance(o, np.ndarray) and o.flags.writeable and o.strides[0] != 0):
+            o = np.array(o)
+        ranks = None if o.shape[0] == lay.device_num else _backend().local_ranks
+        outs[i] = lay.zero_pads(o, ranks)
+    return outs
 
 
 _PLANS: dict = {}

@@ -404,10 +404,23 @@ class TensorLayout:
     def zero_pads(self, stack, ranks=None) -> np.ndarray:
         """Write zeros into the pads of a stack ``(len(ranks), *local_shape)`` of this
         layout (in place; only the pad rows are written) and return it."""
+        return self.fill_pads(stack, 0, ranks)
+
+    def fill_pads(self, stack, value, ranks=None, dims=None) -> np.ndarray:
+        """Write `value` into the pads of a stack ``(len(ranks), *local_shape)`` of this
+        layout (in place; only the pad rows are written; along ``dims`` only, when
+        given) and return it."""
         for d, pos, row in self.pad_ranks(ranks):
-            if len(pos):
-                stack[(pos,) + (slice(None),) * d + (row,)] = 0
+            if len(pos) and (dims is None or d in dims):
+                stack[(pos,) + (slice(None),) * d + (row,)] = value
         return stack
+
+    @cached_property
+    def part_starts(self) -> np.ndarray:
+        """(device_num, ndim) int64: per rank, the global index where its piece starts
+        along each dim."""
+        return _readonly(np.asarray([[s.start for s in row] for row in self._slices],
+                                    np.int64).reshape(self.device_num, self.ndim))
 
     @cached_property
     def stack_shape(self) -> Tuple[int, ...]:

@@ -27,6 +27,8 @@ Binding and running take every array's data from graph mode's buffer pool
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..._core import _tensor as _core
@@ -42,7 +44,7 @@ from ..redistribution.executor import execute, run_plan_grid
 from ..redistribution.planner import plan_redistribution
 from ..moves import local_stack, move_stack, redistribute_tensor
 from ..sharding import (RULES, once_per_replica_set, replica_grid, run_kernel, run_local,
-                        stack_grid)
+                        stack_grid, zero_output_pads)
 from ..strategy import _to
 from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref, flatten_refs,
                  map_leaves)
@@ -278,6 +280,9 @@ def _scaled(x, scale):
     return x if scale is None else np.multiply(x, scale, dtype=x.dtype)
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def _run_op(mode, node, xs, reason):
     op, attrs, run = node.op, node.attrs, node.run
     if mode == "plain":
@@ -291,7 +296,8 @@ def _run_op(mode, node, xs, reason):
         with op_cause(op.name, reason):
             arrays, _ = batch_global_outputs(run_kernel(op, attrs, merged), op, plan, merged)
         return arrays
-    with op_cause(op.name, reason):
+    quiet = np.errstate(all="ignore") if not plan.even_inputs else _NO_CONTEXT
+    with op_cause(op.name, reason), quiet:       # the pads (zeros) may meet log, 1/x, ...
         if mode == "grids":
             out = plan.local(attrs, xs)
             outs = list(out) if op.multi_output else [out]
@@ -301,5 +307,7 @@ def _run_op(mode, node, xs, reason):
             outs = once_per_replica_set(op, attrs, plan, stacks, run.dm, run.reps)
         else:
             outs = run_local(RULES[op.name], op, attrs, plan, xs)
+        if not plan.even_outputs:
+            zero_output_pads(plan, outs)
     return [o if lay is not None else np.asarray(o[0])
             for o, lay in zip(outs, run.outputs)]

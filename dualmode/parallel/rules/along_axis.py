@@ -29,4 +29,4 @@ def _along_axis_whole(op):
 
 def rule(op):
     """Register the rule of `op`, which declares ``family=("along_axis",)``."""
-    return register_rule(op.name, per_device=True)(_along_axis_whole(op))
+    return register_rule(op.name, per_device=True, uneven=True)(_along_axis_whole(op))

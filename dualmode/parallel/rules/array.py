@@ -104,7 +104,7 @@ def _reshape_groups(ins, outs):
     return groups
 
 
-@register_rule("Reshape", per_device=True)
+@register_rule("Reshape", per_device=True, uneven=True)
 def _reshape(attrs, lays, dtypes):
     x = lays[0]
     pend = pending_sums("Reshape", attrs, lays)
@@ -117,7 +117,11 @@ def _reshape(attrs, lays, dtypes):
         if not gi or not gj:
             continue
         axes = x.tensor_map[gi[0]]
-        if axes and out_shape[gj[0]] % _parts(dm, axes) == 0:
+        k = _parts(dm, axes)
+        # a split is kept when each device's rows stay its rows: the dim keeps its size
+        # (pieces of unequal size too), or both sizes divide into equal pieces
+        if axes and (x.shape[gi[0]] == out_shape[gj[0]] or
+                     (x.shape[gi[0]] % k == 0 and out_shape[gj[0]] % k == 0)):
             in_map[gi[0]] = axes
             out_map[gj[0]] = axes
     need = layout(dm, in_map, x.shape, pend[0])
@@ -131,7 +135,7 @@ def _reshape(attrs, lays, dtypes):
     return ShardPlan((need,), (out,), local)
 
 
-@register_rule("BroadcastTo", per_device=True)
+@register_rule("BroadcastTo", per_device=True, uneven=True)
 def _broadcast_to(attrs, lays, dtypes):
     x = lays[0]
     if x is None or pending_sums("BroadcastTo", attrs, lays) is None:
@@ -151,7 +155,7 @@ def _broadcast_to(attrs, lays, dtypes):
     return ShardPlan((need,), (out,), local)
 
 
-@register_rule("OneHot")
+@register_rule("OneHot", uneven=True)
 def _one_hot(attrs, lays, dtypes):
     idx = lays[0]
     if idx is None or idx.partial:

@@ -359,6 +359,6 @@ def rule(op):
     if not callable(combine) and combine not in ("mul", "add"):
         raise ValueError(f"register: op {op.name} declares contraction combine {combine!r}; "
                          f"valid: 'mul', 'add' or an elementwise function")
-    return register_rule(op.name, per_device=combine != "mul",
+    return register_rule(op.name, per_device=combine != "mul", uneven=True,
                          shared=contract_pairs(spec, combine))(
         lambda attrs, lays, dtypes: _contract_plan(op, spec, combine, attrs, lays))

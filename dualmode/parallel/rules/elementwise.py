@@ -97,6 +97,6 @@ def _resolve_bytes(lays, carriers) -> float:
 
 def rule(op):
     """Register `op`'s elementwise rule."""
-    return register_rule(op.name, per_device=True,
+    return register_rule(op.name, per_device=True, uneven=True,
                          shared=None if op.kind == KIND_UNARY else elementwise_pairs)(
         lambda attrs, lays, dtypes: _elementwise_plan(op, attrs, lays, dtypes))

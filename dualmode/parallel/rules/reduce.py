@@ -54,13 +54,34 @@ def _make_reduce(op):
             return ShardPlan((x,), (out,), local)
         ufunc = np.maximum if combine == "max" else np.minimum
         out = layout(dm, tmap, shape)
+        short = tuple(d for d in axes if d in x.uneven_dims)
 
         def local(attrs, stacks):
-            return ufunc.reduce(stacks[0], axis=stack_axes, keepdims=keep)
+            s = stacks[0]
+            if short:                 # pieces of unequal size: the pads must not compete
+                s = x.fill_pads(np.array(s), _worst(s.dtype, combine), _ranks(x, s), short)
+            return ufunc.reduce(s, axis=stack_axes, keepdims=keep)
 
         post = ((combine, red_axes),) if red_axes else ()
         return ShardPlan((x,), (out,), local, post)
     return rule
+
+
+def _worst(dtype, combine):
+    """The value that never wins a `combine` ("max" or "min") of `dtype`: what the pads
+    of pieces of unequal size hold while they are reduced."""
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return -np.inf if combine == "max" else np.inf
+    if dt.kind == "b":
+        return combine != "max"
+    info = np.iinfo(dt)
+    return info.min if combine == "max" else info.max
+
+
+def _ranks(x, s):
+    """The ranks of the devices of stack `s` of layout `x` (all, or this process's)."""
+    return None if s.shape[0] == x.device_num else _backend().local_ranks
 
 
 def _square_sum_all(attrs, lays, dtypes):
@@ -137,7 +158,6 @@ def _from_order_bits(u, dtype):
 def _packed_arg_local(op, x, ax, split):
     """The local computation of an arg op whose reduced dim `ax` is split over `split`."""
     members = x.group_members(split)
-    block = x.local_shape[ax]
     name = op.name
 
     def local(attrs, stacks):
@@ -145,12 +165,14 @@ def _packed_arg_local(op, x, ax, split):
         n = s.shape[0]
         is_max = attrs["kind"] == "max"
         pick = np.argmax if is_max else np.argmin
-        li = pick(s, axis=ax + 1, keepdims=True)
-        lv = np.take_along_axis(s, li, axis=ax + 1)
         ranks = np.asarray(_backend().local_ranks, dtype=np.int64)
         if ranks.shape[0] != n:
             ranks = np.arange(n, dtype=np.int64)
-        off = (x.block_index[ranks, ax] * block).reshape((n,) + (1,) * (s.ndim - 1))
+        if ax in x.uneven_dims:       # pieces of unequal size: the pads must not win
+            s = x.fill_pads(np.array(s), _worst(s.dtype, attrs["kind"]), ranks, (ax,))
+        li = pick(s, axis=ax + 1, keepdims=True)
+        lv = np.take_along_axis(s, li, axis=ax + 1)
+        off = x.part_starts[ranks, ax].reshape((n,) + (1,) * (s.ndim - 1))
         u = _order_bits(lv)
         if not is_max:
             u = ((1 << 32) - 1) - u
@@ -174,4 +196,4 @@ def _packed_arg_local(op, x, ax, split):
 
 def rule(op):
     """Register the rule of `op`, which declares ``family=("reduce", combine)``."""
-    return register_rule(op.name, per_device=True)(_make_reduce(op))
+    return register_rule(op.name, per_device=True, uneven=True)(_make_reduce(op))

@@ -37,7 +37,7 @@ def rule(op):
 
         return ShardPlan(tuple(rowwise(lay.shape) for lay in lays),
                          tuple(rowwise(shape) for shape, _ in outs), local)
-    return register_rule(op.name, per_device=True, shared=row_pairs)(plan)
+    return register_rule(op.name, per_device=True, shared=row_pairs, uneven=True)(plan)
 
 
 def row_pairs(prim, xs):

@@ -1,0 +1,210 @@
+"""Ops on pieces of unequal size (strategies that do not divide the shapes): every
+result and gradient equals the single-device run, in PyNative mode (each primitive
+sharded at once) and compiled (ops.shard over the same function); the pads of the
+outputs hold zeros; ops whose rules do not handle unequal pieces refuse them by name."""
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import Tensor, communication, ops
+from dualmode.parallel import Layout
+
+RNG = np.random.default_rng(7)
+LAY = Layout((2, 2, 2), ("dp", "sp", "mp"))
+
+
+def _setup(devices):
+    dm.reset_auto_parallel_context()
+    dm.set_context(mode=dm.PYNATIVE_MODE)
+    if devices > 1:
+        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=devices)
+    communication.init()
+
+
+def _f32(*shape, low=-1.0, high=1.0):
+    return RNG.uniform(low, high, shape).astype(np.float32)
+
+
+def _loss(outs):
+    total = None
+    for k, o in enumerate(outs):
+        if o.dtype.kind != "f":
+            continue
+        w = np.random.default_rng(50 + k).standard_normal(o.shape).astype(np.float32)
+        term = ops.reduce_sum(o * Tensor(w))
+        total = term if total is None else total + term
+    return total
+
+
+def _pads_are_zero(t):
+    lay = t._layout
+    if lay is None or lay.even:
+        return True
+    stack = np.asarray(t._data)
+    for r, shape in enumerate(lay.local_shapes):
+        pad = np.ones(lay.local_shape, bool)
+        pad[tuple(slice(0, s) for s in shape)] = False
+        if stack[r][pad].any():
+            return False
+    return True
+
+
+def _run(devices, build, inputs, grad_pos, compiled=False):
+    _setup(devices)
+    fn = build()
+    args = [Tensor(x) for x in inputs]
+
+    def f(*xs):
+        out = fn(*xs)
+        outs = out if isinstance(out, tuple) else (out,)
+        return _loss(outs), outs
+
+    if compiled and devices > 1:
+        f = ops.shard(f, in_strategy=(None,) * len(args))
+    if grad_pos is None:
+        _, outs = f(*args)
+        grads = []
+    else:
+        (_, outs), g = dm.value_and_grad(f, grad_pos, has_aux=True)(*args)
+        grads = [x.asnumpy() for x in (g if isinstance(g, tuple) else (g,))]
+    if devices > 1 and not compiled:
+        assert all(_pads_are_zero(o) for o in outs)
+    return [o.asnumpy() for o in outs], grads
+
+
+def _check(build, inputs, grad_pos=0, compiled=False, devices=8):
+    ref, ref_g = _run(1, build, inputs, grad_pos)
+    out, g = _run(devices, build, inputs, grad_pos, compiled)
+    assert len(out) == len(ref)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, ref_g):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+MODES = pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    dm.reset_auto_parallel_context()
+    dm.set_context(mode=dm.PYNATIVE_MODE)
+
+
+# ---------------------------------------------------------------- MatMul family
+
+@MODES
+@pytest.mark.parametrize("ta,tb,strategy,shapes", [
+    (False, False, ((8, 1), (1, 1)), ((10, 7), (7, 6))),      # rows 2,2,1,1,1,1,1,1
+    (False, False, ((2, 4), (4, 1)), ((10, 7), (7, 6))),      # contracted 2,2,2,1
+    (False, False, ((1, 8), (8, 1)), ((5, 11), (11, 3))),     # contracted over 8
+    (False, False, ((2, 1), (1, 4)), ((9, 5), (5, 6))),       # cols 2,2,1,1; repeats
+    (True, False, ((4, 2), (4, 1)), ((7, 9), (7, 3))),        # transpose_a
+    (False, True, ((2, 4), (2, 4)), ((9, 7), (3, 7))),        # transpose_b
+    (False, False, (LAY("mp", ("sp", "dp")), LAY(("sp", "dp"), "None")), ((5, 6), (6, 3))),
+], ids=str)
+def test_matmul(ta, tb, strategy, shapes, compiled):
+    a, b = (_f32(*s) for s in shapes)
+
+    def build():
+        mm = ops.MatMul(ta, tb).shard(strategy)
+        return lambda x, y: mm(x, y)
+    _check(build, [a, b], (0, 1), compiled)
+
+
+@MODES
+@pytest.mark.parametrize("strategy", [((2, 1, 4), (2, 4, 1)), ((8, 1, 1), (8, 1, 1)),
+                                      ((1, 2, 2), (1, 2, 2))], ids=str)
+def test_batch_matmul(strategy, compiled):
+    _check(lambda: (lambda x, y: ops.BatchMatMul().shard(strategy)(x, y)),
+           [_f32(9, 5, 7), _f32(9, 7, 3)], (0, 1), compiled)
+
+
+@MODES
+def test_bias_add_and_dense_chain(compiled):
+    w = _f32(7, 5)
+
+    def build():
+        mm = ops.MatMul().shard(((4, 1), (1, 1)))
+        ba = ops.BiasAdd().shard(((4, 1), (1,)))
+        return lambda x, wt, b: ops.tanh(ba(mm(x, wt), b))
+    _check(build, [_f32(30, 7), w, _f32(5)], (0, 1, 2), compiled, devices=4)
+
+
+# ---------------------------------------------------------------- elementwise
+
+@MODES
+@pytest.mark.parametrize("name", ["Exp", "Tanh", "Sigmoid", "Neg", "Square", "Log"])
+def test_unary(name, compiled):
+    x = _f32(10, 3, 5, low=0.2, high=2.0)
+    _check(lambda: (lambda t: getattr(ops, name)().shard(((4, 1, 2),))(t)), [x], 0, compiled)
+
+
+@MODES
+@pytest.mark.parametrize("name", ["Add", "Sub", "Mul", "RealDiv", "Maximum"])
+@pytest.mark.parametrize("shapes,strategy", [
+    (((10, 6), (10, 6)), ((4, 2), (4, 2))),
+    (((10, 1, 6), (5, 6)), ((2, 1, 4), (2, 4))),          # broadcast; 6 in 4 parts
+    (((10, 6), (6,)), ((8, 1), (1,))),
+], ids=str)
+def test_binary(name, shapes, strategy, compiled):
+    xs = [_f32(*s, low=0.5, high=2.0) for s in shapes]
+    _check(lambda: (lambda a, b: getattr(ops, name)().shard(strategy)(a, b)), xs, (0, 1),
+           compiled)
+
+
+# ---------------------------------------------------------------- reductions, softmax
+
+@MODES
+@pytest.mark.parametrize("name", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"])
+@pytest.mark.parametrize("strategy,axis,keep", [
+    (((1, 8),), 1, False),                     # the reduced dim split unevenly
+    (((4, 2),), (0, 1), True),
+    (((8, 1),), 0, False),
+    (((4, 1),), 1, True),                      # the kept dim uneven: its pads cleared
+], ids=str)
+def test_reductions(name, strategy, axis, keep, compiled):
+    x = _f32(10, 13) - 2.0 if name == "ReduceMax" else _f32(10, 13) + 2.0
+    _check(lambda: (lambda t: getattr(ops, name)(keep).shard(strategy)(t, axis)), [x], 0,
+           compiled)
+
+
+@MODES
+@pytest.mark.parametrize("cls,kw", [(ops.Argmax, {"axis": 0}), (ops.Argmin, {"axis": 0}),
+                                    (ops.ArgMaxWithValue, {"axis": 0})], ids=str)
+def test_index_reductions_over_an_uneven_split(cls, kw, compiled):
+    x = -np.abs(_f32(13, 5)) - 1.0 if cls is not ops.Argmin else np.abs(_f32(13, 5)) + 1.0
+    x[12, 1] = 5.0 if cls is not ops.Argmin else -5.0     # the best in the short piece
+    grad = 0 if cls is ops.ArgMaxWithValue else None
+    _check(lambda: (lambda t: cls(**kw).shard(((8, 1),))(t)), [x], grad, compiled)
+
+
+@MODES
+@pytest.mark.parametrize("name", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("strategy,axis", [(((4, 2),), -1), (((8, 1),), 0), (((2, 4),), 0)],
+                         ids=str)
+def test_softmax(name, strategy, axis, compiled):
+    _check(lambda: (lambda t: getattr(ops, name)(axis).shard(strategy)(t)), [_f32(10, 7)], 0,
+           compiled)
+
+
+# ---------------------------------------------------------------- refused
+
+def test_an_op_without_unequal_pieces_refuses_them_by_name():
+    _setup(4)
+    x = Tensor(_f32(10, 6))
+    with pytest.raises(ValueError, match=r"Concat: in_strategy\[0\]\[0\]=4 does not divide "
+                                         r"dim 0 \(size 10\) of input 0, and Concat does not "
+                                         r"handle pieces of unequal size yet"):
+        ops.Concat(1).shard(((4, 1), (4, 1)))((x, x))
+    with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[0\]=8 exceeds dim 0 "
+                                         r"\(size 5\) of input 0: some devices would hold an "
+                                         r"empty piece"):
+        ops.MatMul().shard(((8, 1), (1, 1)))(Tensor(_f32(5, 3)), Tensor(_f32(3, 2)))
+    y = dm.reshard(x, (4, 1))
+    with pytest.raises(ValueError, match=r"Concat: input 0 is split into pieces of unequal "
+                                         r"size \(dim 0, size 10, in 4 parts: 3 or 2 rows "
+                                         r"each\); Concat does not handle unequal pieces yet"):
+        ops.Concat(1)((y, y))
