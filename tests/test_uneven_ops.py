@@ -208,3 +208,49 @@ def test_an_op_without_unequal_pieces_refuses_them_by_name():
                                          r"size \(dim 0, size 10, in 4 parts: 3 or 2 rows "
                                          r"each\); Concat does not handle unequal pieces yet"):
         ops.Concat(1)((y, y))
+
+
+# ---------------------------------------------------------------- the rest of the families
+
+@MODES
+def test_transpose_moves_the_uneven_split(compiled):
+    _check(lambda: (lambda t: ops.Transpose().shard(((4, 1, 2),))(t, (2, 0, 1))),
+           [_f32(10, 3, 5)], 0, compiled)
+
+
+@MODES
+def test_prelu(compiled):
+    _check(lambda: (lambda t, w: ops.PReLU().shard(((4, 2), (2,)))(t, w)),
+           [_f32(10, 5), _f32(5) * 0.3], (0, 1), compiled)
+
+
+@MODES
+@pytest.mark.parametrize("axis,strategy", [(0, ((1, 4),)), (1, ((4, 1),))])
+def test_l2_normalize(axis, strategy, compiled):
+    _check(lambda: (lambda t: ops.L2Normalize(axis).shard(strategy)(t)), [_f32(10, 7)], 0,
+           compiled)
+
+
+@MODES
+def test_select_and_addn(compiled):
+    cond = RNG.uniform(size=(10, 5)) > 0.5
+
+    def build():
+        sel = ops.Select().shard(((4, 2), (4, 2), (4, 2)))
+        add = ops.AddN().shard(((4, 2), (4, 2), (4, 2)))
+        return lambda a, b: add((sel(Tensor(cond), a, b), a, b))
+    _check(build, [_f32(10, 5), _f32(10, 5)], (0, 1), compiled)
+
+
+@MODES
+def test_square_sum_all(compiled):
+    _check(lambda: (lambda a, b: ops.SquareSumAll().shard(((4, 2), (8, 1)))(a, b)),
+           [_f32(10, 7), _f32(10, 7)], (0, 1), compiled)
+
+
+@MODES
+def test_reshape_keeps_a_split_only_where_rows_stay(compiled):
+    def build():
+        e = ops.Exp().shard(((4, 1, 1),))
+        return lambda t: ops.reshape(e(t), (10, 12)) + ops.reshape(e(t), (120,))[:12]
+    _check(build, [_f32(10, 3, 4)], 0, compiled)
