@@ -166,18 +166,31 @@ def _gpt_step(cfg, opt_cls=nn.Adam):
     return _train_step(lambda i, l: net(i, l), opt)
 
 
-@pytest.mark.parametrize("settings", [{}, {"enable_parallel_optimizer": True,
-                                           "parallel_optimizer_config":
-                                           {"parallel_optimizer_threshold": 0}}],
-                         ids=["adam", "adam-parallel-optimizer"])
+_ZERO = {"enable_parallel_optimizer": True,
+         "parallel_optimizer_config": {"parallel_optimizer_threshold": 0}}
+_FUSED = {"comm_fusion": {"allreduce": {"mode": "size", "config": 32},
+                          "allgather": {"mode": "auto"}, "reducescatter": {"mode": "auto"}}}
+
+
+@pytest.mark.parametrize("settings", [{}, _ZERO, dict(_ZERO, **_FUSED)],
+                         ids=["adam", "adam-parallel-optimizer", "parallel-optimizer-fused"])
 def test_gpt_dp2_mp4_equals_the_real_step(settings):
     cfg = GPTConfig(dp=2, mp=4)
     dm.set_seed(0)
     step = _gpt_step(cfg)
     ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
     dry, real = _check_against_real(step, [ids, labels], **settings)
-    if settings:
-        assert dry.count("AllGather", reason="parallel_optimizer") > 0
+    gathers = dry.count("AllGather", reason="parallel_optimizer")
+    if settings == _ZERO:
+        assert gathers > 0
+    elif settings:                          # fused: fewer collectives, one per bucket
+        with devices(8, **_ZERO):
+            unfused = dry_run(AutoParallel(step, "semi_auto"),
+                              *[abstract(x.shape, x.dtype) for x in (ids, labels)],
+                              device_num=8)
+        assert 0 < gathers < unfused.count("AllGather", reason="parallel_optimizer")
+        assert dry.bytes("AllGather", reason="parallel_optimizer") == \
+            unfused.bytes("AllGather", reason="parallel_optimizer")
 
 
 def test_the_dry_run_leaves_the_context_and_the_backend_as_they_were():

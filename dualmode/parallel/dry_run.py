@@ -55,6 +55,7 @@ from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Ref
 from .graph.trace import find_parameters
 from .inputs import input_layout
 from . import optimizer_shard
+from .grad_reduce import bucket_name, fused_bucket, grouped_buckets, single_step, step_group
 from .redistribution.executor import _record_steps
 from .redistribution.planner import plan_redistribution
 from .report import CommReport, _fmt_bytes, _fmt_seconds, network_model
@@ -532,13 +533,13 @@ def _optimizer_states(call):
 def _update_records(call, planned, n):
     """The collectives an optimizer update (a CALL node) makes itself: with the parallel
     optimizer, each sharded weight's updated slices gathered back into the weight's
-    layout (reason "parallel_optimizer"), as ``ParameterShards.gather`` moves them."""
+    layout (reason "parallel_optimizer"), as ``ParameterShards.gather`` moves them: the
+    buckets of ``comm_fusion["allgather"]`` first (one fused AllGather each), then every
+    other weight alone."""
     if optimizer_shard.settings() is None:
         return
-    if "allgather" in (context.get_auto_parallel_context("comm_fusion") or {}):
-        raise RuntimeError("dry_run: the parallel optimizer's AllGathers fused per "
-                           "comm_fusion['allgather'] are not counted by the dry run yet; "
-                           "plan without the 'allgather' fusion entry")
+    fusion = "allgather" in (context.get_auto_parallel_context("comm_fusion") or {})
+    moves = []                       # (weight, slice layout, use layout, plan)
     for p in call.attrs.get("params") or ():
         if id(p) not in planned or not p.requires_grad:
             continue
@@ -547,9 +548,37 @@ def _update_records(call, planned, n):
         if sliced is None:
             continue
         dst = use or TensorLayout.replicated(tuple(p.shape), n)
+        moves.append((p, sliced, dst,
+                      plan_redistribution(sliced, dst, np.dtype(p.dtype).itemsize)))
+    keys, sizes, groups = [], [], []
+    for p, sliced, dst, plan in moves:
         itemsize = np.dtype(p.dtype).itemsize
-        with comm_cause(p.name, "parallel_optimizer"):
-            _record_steps(plan_redistribution(sliced, dst, itemsize), itemsize)
+        sizes.append(math.prod(dst.local_shape) * itemsize)
+        step = single_step(plan, "AllGather") if fusion else None
+        if step is None:
+            keys.append(None)
+            groups.append(None)
+            continue
+        key, members = step_group(plan, step, p.dtype)
+        keys.append(key)
+        groups.append(members)
+    done = set()
+    for bucket in grouped_buckets(keys, sizes, "allgather"):
+        if not fused_bucket([np.dtype(moves[k][0].dtype) for k in bucket]):
+            continue
+        members = groups[bucket[0]]
+        ins = sum(math.prod(moves[k][1].local_shape) * np.dtype(moves[k][0].dtype).itemsize
+                  for k in bucket)
+        with comm_cause(bucket_name([moves[k][0].name for k in bucket], "parameters"),
+                        "parallel_optimizer"):
+            _record("AllGather", int(members.shape[1]), int(members.shape[0]), ins,
+                    ins * int(members.shape[1]))
+        done.update(bucket)
+    for k, (p, sliced, dst, plan) in enumerate(moves):
+        if k not in done:
+            itemsize = np.dtype(p.dtype).itemsize
+            with comm_cause(p.name, "parallel_optimizer"):
+                _record_steps(plan, itemsize)
 
 
 def _walk(compiled, report):
