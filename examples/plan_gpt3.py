@@ -2,8 +2,8 @@
 side by side.
 
 The GPT of ``gpt_model.py`` at GPT-3's size (96 layers, hidden 12,288, 96 heads,
-sequence 2,048, vocabulary 51,200), trained with Adam, one sequence per data-parallel
-group, is dry-run (``dm.parallel.dry_run``) for each strategy: the same compile a real
+sequence 2,048, vocabulary 51,200), trained with Adam (the third strategy with the
+parallel optimizer), one sequence per data-parallel group, is dry-run (``dm.parallel.dry_run``) for each strategy: the same compile a real
 run makes, on abstract inputs, with parameters that are never made. The table gives
 per device the memory at the peak of a step, the bytes every collective moves, and the
 predicted step time (NVLink-class links, 312 TFLOP/s per device, communication not
@@ -26,13 +26,16 @@ from dualmode.parallel import abstract, dry_run  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
 DEVICES = 1024
-STRATEGIES = [("data 1024", 1, 1024), ("tensor 8 x data 128", 8, 128),
-              ("tensor 16 x data 64", 16, 64)]
+#: (name, tensor-parallel size, data-parallel size, parallel optimizer)
+STRATEGIES = [("data 1024", 1, 1024, False), ("tensor 8 x data 128", 8, 128, False),
+              ("tensor 16 x data 64 + parallel optimizer", 16, 64, True)]
 GiB = 1 << 30
 
 
-def plan(tensor, data, layers, link="nvlink", device_flops=312e12):
-    """The dry run of one train step with `tensor` x `data` devices."""
+def plan(tensor, data, layers, parallel_optimizer=False, link="nvlink",
+         device_flops=312e12):
+    """The dry run of one train step with `tensor` x `data` devices (Adam's states and
+    update split over the data-parallel devices with `parallel_optimizer`)."""
     cfg = GPTConfig(vocab_size=51200, seq_length=2048, hidden_size=12288, num_heads=96,
                     num_layers=layers, batch_size=data, dp=data, mp=tensor)
     with no_init_parameters():
@@ -47,7 +50,8 @@ def plan(tensor, data, layers, link="nvlink", device_flops=312e12):
 
     # each data-parallel group takes its own sequences; the tensor-parallel devices of a
     # group share them
-    dm.set_auto_parallel_context(dataset_strategy=((data, 1), (data, 1)))
+    dm.set_auto_parallel_context(dataset_strategy=((data, 1), (data, 1)),
+                                 enable_parallel_optimizer=parallel_optimizer)
     ids = abstract((cfg.batch_size, cfg.seq_length), dm.int32)
     try:
         return dry_run(step, ids, ids, device_num=tensor * data, link=link,
@@ -61,14 +65,14 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=96)
     args = parser.parse_args(argv)
     reports = []
-    for name, tensor, data in STRATEGIES:
+    for name, tensor, data, zero in STRATEGIES:
         start = time.perf_counter()
-        rep = plan(tensor, data, args.layers)
+        rep = plan(tensor, data, args.layers, zero)
         reports.append((name, rep))
         print(f"planned {name} in {time.perf_counter() - start:.1f} s", flush=True)
-    width = max(len(name) for name, _ in reports) + 2
+    widths = [max(len(name), 12) + 2 for name, _ in reports]
     print(f"\nGPT-3 ({args.layers} layers) on {DEVICES} devices, Adam, per device:")
-    print(f"{'':<22}" + "".join(f"{name:>{width}}" for name, _ in reports))
+    print(f"{'':<22}" + "".join(f"{name:>{w}}" for (name, _), w in zip(reports, widths)))
     rows = [("memory per device", lambda r: f"{r.peak_memory / GiB:.1f} GiB"),
             ("  parameters", lambda r: f"{r.parameter_bytes / GiB:.1f} GiB"),
             ("  optimizer states", lambda r: f"{r.optimizer_state_bytes / GiB:.1f} GiB"),
@@ -79,13 +83,14 @@ def main(argv=None):
             ("  compute", lambda r: f"{r.compute_time:.2f} s"),
             ("  communication", lambda r: f"{r.comm_time:.2f} s")]
     for label, fmt in rows:
-        print(f"{label:<22}" + "".join(f"{fmt(r):>{width}}" for _, r in reports))
+        print(f"{label:<22}" + "".join(f"{fmt(r):>{w}}" for (_, r), w in zip(reports, widths)))
     fits = [name for name, r in reports if r.peak_memory <= 80e9]
     if fits:
         print(f"\nfits in 80 GB: {', '.join(fits)}")
     else:
-        print("\nnone fits in 80 GB (the fp32 weights, gradients and Adam's two moments of "
-              "175 B parameters need a pipeline or the parallel optimizer as well)")
+        print("\nnone fits in 80 GB: the fp32 weights alone take 175 B x 4 bytes / tensor "
+              "size per device, and the activations of 96 layers come on top (pipeline "
+              "stages would split both)")
     return reports
 
 
