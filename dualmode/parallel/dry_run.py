@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import math
 import numbers
-from typing import Optional
 
 import numpy as np
 
@@ -51,7 +50,7 @@ from ..communication.trace import comm_cause, pending_sum
 from ..tensor import DeclaredShape, Parameter, Tensor
 from .graph.api import AutoParallel, ShardFunction
 from .graph.executor import _releases
-from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Const, Ref
+from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref
 from .graph.trace import find_parameters
 from .inputs import input_layout
 from . import optimizer_shard
