@@ -233,6 +233,63 @@ def test_micro_batch_interleaved_equals_stand_alone():
         _close(a, b)
 
 
+def test_check_equivalence_and_input_gradients():
+    """check_equivalence compares the pipeline step op by op with stand-alone, the
+    gradients of the inputs (cut into micro-batches on each device) included."""
+    strategies = [((2, 2), (2, 1)), ((4, 1), (1, 1))]
+    _setup(2)
+    net = MLP(_weights(2), strategies)
+    for k, block in enumerate(net.blocks):
+        block.pipeline_stage = k
+    model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), 2)
+    x, y = _data()
+    report = dm.parallel.check_equivalence(model, x, y)
+    assert report.ok, str(report)
+    grads = []
+    for parallel in (True, False):
+        _setup(2 if parallel else None)
+        net = MLP(_weights(2), strategies if parallel else None)
+        for k, block in enumerate(net.blocks):
+            block.pipeline_stage = k
+        model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), 4)
+        _, g = dm.value_and_grad(model, 0, net.trainable_params())(dm.Tensor(x),
+                                                                    dm.Tensor(y))
+        grads.append([g[0].asnumpy()] + [w.asnumpy() for w in g[1]])
+    for a, b in zip(*grads):
+        _close(a, b)
+    assert np.abs(grads[0][0]).max() > 0
+
+
+def test_with_the_parallel_optimizer():
+    """pipeline_stages=2 with enable_parallel_optimizer: each stage's Adam states are
+    split over the stage's data-parallel devices; the numbers stay stand-alone's."""
+    ref_losses, ref_w, _ = train(2, 2, parallel=False, opt="adam")
+    _setup(2)
+    dm.set_auto_parallel_context(enable_parallel_optimizer=True,
+                                 parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+    net = MLP(_weights(2), [((2, 1), (1, 1)), ((2, 1), (1, 1))])
+    for k, block in enumerate(net.blocks):
+        block.pipeline_stage = k
+    model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), 2)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    grad_fn = dm.value_and_grad(model, None, opt.parameters)
+    x, y = _data()
+    losses = []
+    with CommReport() as report:
+        for _ in range(3):
+            loss, grads = grad_fn(dm.Tensor(x), dm.Tensor(y))
+            opt(grads)
+            losses.append(float(loss.asnumpy()))
+    _close(np.array(losses), ref_losses)
+    for p, w in zip(net.trainable_params(), ref_w):
+        _close(p.asnumpy(), w)
+    assert report.count("Send", "pipeline") == 3 * 2 * 2
+    assert report.count(reason="parallel_optimizer") > 0
+    # the weights are repeated on a stage's 4 devices (not the job's 8): split 4 ways
+    shards = dm.parallel.optimizer_memory(opt).shards
+    assert set(shards.values()) == {4}, shards
+
+
 # ---------------------------------------------------------------- what moves where
 
 

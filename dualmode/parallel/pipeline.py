@@ -34,6 +34,7 @@ from ..communication.sim import replicated_view
 from ..communication.trace import comm_cause
 from ..ops._registry import register, same_as_input
 from .devices import live_backend, parallel_active
+from .moves import redistribute_tensor
 from .tensor_layout import TensorLayout
 
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
@@ -280,13 +281,13 @@ def micro_batches(inputs, micro_size: int, owner: str) -> List[tuple]:
         if layout is None:
             cols.append([x[m * step:(m + 1) * step] for m in range(micro_size)])
             continue
-        if x._node is not None and _core.recording():
-            raise ValueError(f"{owner}: input {i} is differentiated (grad_position); "
-                             f"PipelineCell gives gradients of the weights only")
         stack = x._data
         shape = (batch // micro_size,) + tuple(x.shape[1:])
         sub = layout.replace(shape=shape)
-        cols.append([_core.wrap_dist(stack[:, m * step:(m + 1) * step], sub)
+        rec = x._node is not None and _core.recording()   # differentiated: taped
+        cols.append([_core.finish(TRANSFER, {"kind": "slice", "rows": (m * step, step),
+                                             "layout": layout, "sub": sub, "cell": owner},
+                                  (x,), stack[:, m * step:(m + 1) * step], rec, (sub,))
                      for m in range(micro_size)])
     return [tuple(c[m] for c in cols) for m in range(micro_size)]
 
@@ -308,10 +309,20 @@ class Remote:
 
 
 def _transfer_backward(node, g):
-    return node.attrs["run"].backward(node, g)
+    attrs = node.attrs
+    if attrs["kind"] == "slice":      # a micro-batch cut from each device's rows
+        start, rows = attrs["rows"]
+        part = redistribute_tensor(g, attrs["sub"], attrs["cell"])
+        layout = attrs["layout"]
+        full = np.zeros((part.shape[0],) + layout.local_shape, part.dtype)
+        full[:, start:start + rows] = part
+        return (_core.wrap_dist(full, layout),)
+    return attrs["run"].backward(node, g)
 
 
-#: a value moved from one pipeline stage's devices to another's (kind "move": each
+#: a micro-batch of a distributed input (kind "slice": the rows each device keeps; its
+#: backward puts the gradient back at those rows), a value moved from one pipeline
+#: stage's devices to another's (kind "move": each
 #: device's shard goes to the same device of the other stage; the backward moves the
 #: gradient back), or, under "mpi", the output of a stage that does not compute the
 #: loss (kind "output": its inputs are the values the stage sent on; the backward
