@@ -702,12 +702,14 @@ class _Conv(nn.Cell):
 def _conv_beyond(w_shape, kernel_size, pad_mode, stride, s1, s2, neg_refused=True, **kw):
     """A Conv2D strategy MindSpore refuses: dualmode computes it (halo exchange, split
     kernels, grouped channels), equal to the stand-alone run; the MindSpore network's
-    Neg strategy, written for another output width, is refused naming Neg."""
+    Neg strategy, written for another output width, is refused naming Neg when it would
+    leave some device an empty piece (one that only does not divide the width gives pieces
+    of unequal size, computed as well: neg_refused=False)."""
     _semi()
     _same(_Conv(w_shape, kernel_size, pad_mode, stride, s1, **kw), _normal(8, 16, 8, 8))
     net = _ConvNeg(w_shape, kernel_size, pad_mode, stride, s1=s1, s2=s2, **kw)
     if neg_refused:
-        with pytest.raises(ValueError, match=r"Neg: in_strategy\[0\]\[3\]=\d does not divide"):
+        with pytest.raises(ValueError, match=r"Neg: in_strategy\[0\]\[3\]=\d exceeds dim 3"):
             net(_normal(8, 16, 8, 8), _normal(8, 16, 8, 8))
     else:
         _same(net, _normal(8, 16, 8, 8), _normal(8, 16, 8, 8))
@@ -778,8 +780,9 @@ def test_conv2d_model_parallel_group():
 def test_conv2d_valid_mode_kernel_size_larger_than_stride():
     """from tests/ut/python/parallel/test_conv2d.py::
     test_conv2d_valid_mode_kernel_size_larger_than_stride (MindSpore refuses; dualmode
-    computes it)"""
-    _conv_beyond(W2, 3, "valid", 1, ((2, 1, 1, 2), (1, 1, 1, 1)), ((2, 1, 1, 4),))
+    computes it, and the Neg strategy too: the output width 6 in 4 pieces of 2, 2, 1, 1)"""
+    _conv_beyond(W2, 3, "valid", 1, ((2, 1, 1, 2), (1, 1, 1, 1)), ((2, 1, 1, 4),),
+                 neg_refused=False)
 
 
 def test_conv2d_output_can_not_divisible_by_strategy():
@@ -1078,7 +1081,7 @@ def _slice_beyond(begin, end, strides, s1, s2):
     _semi(dataset_strategy="full_batch")
     _same(_SliceMul(begin, end, strides, None, s2), _normal(16, 8, 1), _normal(16, 8, 8))
     net = _SliceMul(begin, end, strides, s1, s2)
-    with pytest.raises(ValueError, match=r"Mul: in_strategy\[0\]\[2\]=2 does not divide"):
+    with pytest.raises(ValueError, match=r"Mul: in_strategy\[0\]\[2\]=2 exceeds dim 2"):
         net(_normal(16, 8, 1), _normal(16, 8, 8))
 
 

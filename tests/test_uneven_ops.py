@@ -254,3 +254,53 @@ def test_reshape_keeps_a_split_only_where_rows_stay(compiled):
         e = ops.Exp().shard(((4, 1, 1),))
         return lambda t: ops.reshape(e(t), (10, 12)) + ops.reshape(e(t), (120,))[:12]
     _check(build, [_f32(10, 3, 4)], 0, compiled)
+
+
+# ---------------------------------------------------------------- normalisations
+
+@MODES
+@pytest.mark.parametrize("strategy", [((4, 1, 1), (1,), (1,)), ((4, 1, 1), (1, 1), (1, 1))],
+                         ids=str)
+def test_layer_norm(strategy, compiled):
+    gamma, beta = _f32(6) + 1.0, _f32(6)
+    bpa = 2 if len(strategy[1]) == 1 else 1
+    if bpa == 1:
+        gamma, beta = _f32(3, 6) + 1.0, _f32(3, 6)
+    _check(lambda: (lambda t, g, b: ops.LayerNorm(2, bpa).shard(strategy)(t, g, b)[0]),
+           [_f32(10, 3, 6), gamma, beta], (0, 1, 2), compiled)
+
+
+@MODES
+@pytest.mark.parametrize("strategy", [((4, 1, 1, 1),) + ((1,),) * 4,
+                                      ((2, 4, 1, 1),) + ((4,),) * 4], ids=str)
+def test_batch_norm_training_statistics_of_the_global_batch(strategy, compiled):
+    def build():
+        bn = ops.BatchNorm(is_training=True).shard(strategy)
+        mean = dm.Parameter(Tensor(np.zeros(6, np.float32)), name="mean",
+                            requires_grad=False)
+        var = dm.Parameter(Tensor(np.ones(6, np.float32)), name="var", requires_grad=False)
+        if compiled:       # (a compiled block returning BatchNorm's statistics too fails
+            return lambda x, s, b: bn(x, s, b, mean, var)[0]    # for any shape: KeyError)
+        return lambda x, s, b: bn(x, s, b, mean, var)       # y and the batch's statistics
+    _check(build, [_f32(10, 6, 3, 3), _f32(6) + 1.0, _f32(6)], (0, 1, 2), compiled)
+
+
+# ---------------------------------------------------------------- Gather
+
+@MODES
+@pytest.mark.parametrize("strategy", [
+    ((8, 1), (1, 1)),          # the vocabulary (50 rows) in 8 pieces: 7, 7, 6, ...
+    ((1, 4), (2, 1)),          # embedding columns 2, 2, 1, 1; index rows 5, 5
+    ((1, 1), (4, 1)),          # data parallel indices: 10 rows in 3, 3, 2, 2
+    ((2, 4), (1, 1)),
+], ids=str)
+def test_gather(strategy, compiled):
+    table = _f32(50, 6)
+    idx = RNG.integers(0, 50, (10, 3)).astype(np.int32)
+    idx[0, 0], idx[1, 1], idx[2, 2], idx[3, 0] = 6, 7, 49, 20    # edges of the pieces
+
+    def build():
+        g = ops.Gather().shard(strategy)
+        ids = Tensor(idx)
+        return lambda t: g(t, ids, 0)
+    _check(build, [table], 0, compiled)

@@ -187,8 +187,7 @@ def _local_ranks(n):
 
 def _row_offsets(lay, dim, n):
     """Per local device (stack order), the first global index along `dim` it holds."""
-    ranks = _local_ranks(n)
-    return lay.block_index[ranks, dim] * lay.local_shape[dim]
+    return lay.part_starts[_local_ranks(n), dim]
 
 
 def _plain(lays):
@@ -207,7 +206,7 @@ def _check_index_range(ix, size, axis):
                              f"{size}) of input 0; expected 0 <= index < {size}")
 
 
-@register_rule("Gather")
+@register_rule("Gather", uneven=True)
 def _gather(attrs, lays, dtypes):
     p, i = lays
     if not _plain((p, i)):
@@ -238,8 +237,10 @@ def _gather(attrs, lays, dtypes):
         dev = np.arange(n).reshape((n,) + (1,) * q)
         if vocab:
             off = _row_offsets(p, axis, n).reshape((n,) + (1,) * q)
+            held = p.local_shapes[_local_ranks(n), axis].reshape((n,) + (1,) * q) \
+                if axis in p.uneven_dims else rows        # a short piece holds fewer
             loc = ix - off
-            mask = (loc >= 0) & (loc < rows)
+            mask = (loc >= 0) & (loc < held)
             r = tab[dev, np.where(mask, loc, 0)]     # (n, *idx, *pre, *post)
             r[~mask] = 0                             # indices other devices hold
         else:
@@ -251,7 +252,7 @@ def _gather(attrs, lays, dtypes):
     return ShardPlan((p, need_i), (out,), local)
 
 
-@register_rule("GatherGrad")
+@register_rule("GatherGrad", uneven=True)
 def _gather_grad(attrs, lays, dtypes):
     i, g = lays
     if not _plain((i, g)):

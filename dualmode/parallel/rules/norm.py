@@ -29,7 +29,7 @@ def bn_pairs(prim, xs):
             if xs[j].ndim == 1 and xs[j].shape[0] == xs[0].shape[1]]
 
 
-@register_rule("BatchNorm", shared=bn_pairs)
+@register_rule("BatchNorm", shared=bn_pairs, uneven=True)
 def _batch_norm(attrs, lays, dtypes):
     """x keeps every split; the per-channel inputs and the statistics follow its channel
     split. Training with the batch (N, H, W...) split: each device's float64 sums and
@@ -83,7 +83,7 @@ def layer_norm_pairs(prim, xs):
             if tuple(xs[j].shape) == tail for d in range(len(tail))]
 
 
-@register_rule("LayerNorm", per_device=True, shared=layer_norm_pairs)
+@register_rule("LayerNorm", per_device=True, shared=layer_norm_pairs, uneven=True)
 def _layer_norm(attrs, lays, dtypes):
     """The rows (dims before begin_norm_axis) keep x's split; the normalised dims are
     made whole; gamma and beta take x's split of their dims; each device normalises its
