@@ -181,9 +181,7 @@ def test_a_sharded_networks_gradient_all_reduces_fuse_per_device_group():
 
 def test_gather_and_scatter_fusion_leave_the_all_reduce_buckets_alone():
     """Adding allgather / reducescatter fusion changes no gradient AllReduce and no
-    number. The only parameter gathered here is w1 (stored column-split by mm1, read
-    whole by a MatMul of the forward and again of the backward pass): with allgather
-    fusion configured it is gathered once and both read it."""
+    number, adds no AllGather, and a parameter read whole is gathered once."""
     only = {"allreduce": {"mode": "size", "config": 32}}
     every = dict(only, allgather={"mode": "auto"}, reducescatter={"mode": "auto"})
     losses, w, rep, graph = _train(8, compiled=True, fusion=only)
@@ -193,7 +191,10 @@ def test_gather_and_scatter_fusion_leave_the_all_reduce_buckets_alone():
         return [(x.kind, x.op, x.group_size, x.bytes_per_device) for x in r.records
                 if x.kind == kind]
     assert records(e_rep, "AllReduce") == records(rep, "AllReduce")
-    assert e_rep.count("AllGather") == rep.count("AllGather") - 1
+    assert e_rep.count("AllGather") <= rep.count("AllGather")
+    names = {p.name for p in _Net(sharded=True).trainable_params()}
+    gathered = [x.op for x in e_rep.records if x.kind == "AllGather" and x.op in names]
+    assert len(gathered) == len(set(gathered))
     assert not [n for n in e_graph.nodes if n.op in (FUSED_AG, FUSED_RS)]
     np.testing.assert_allclose(e_losses, losses, rtol=1e-6)
     ref_losses, ref_w, _, _ = _train(None, compiled=False)

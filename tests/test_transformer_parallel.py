@@ -404,3 +404,39 @@ def test_attention_block_forward_communicates_one_all_reduce():
         assert rep.bytes() == B * S * H // 2 * 4 * 2 * 3 / 4     # ring: 2 (p-1)/p n
         for name in ("wq", "wk", "wv", "wo"):
             assert dm.parallel.local_shape(getattr(net, name)) in ((H, H // 4), (H // 4, H))
+
+
+@pytest.mark.parametrize("dp,mp", [(2, 4), (4, 2)])
+def test_graph_mode_communicates_what_pynative_does(dp, mp):
+    """A compiled block places each strategy's inputs where the op's one device matrix
+    puts them (as PyNative does): a column-parallel MatMul ((dp, 1), (1, mp)) reading a
+    whole input and its stored weight moves nothing, and the attention block's forward
+    makes the same single AllReduce in GRAPH_MODE as in PyNative mode."""
+    class Column(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = Parameter(Tensor(_f32((H, H), seed=15)), name="w")
+            self.mm = ops.MatMul().shard(((dp, 1), (1, mp)))
+
+        def construct(self, x):
+            return self.mm(x, self.w)
+
+    x2 = _f32((B * S, H), seed=16)
+    x3 = Tensor(_f32((B, S, H), seed=13))
+    kinds = {}
+    for graph in (False, True):
+        with devices(8, full_batch=True):
+            if graph:
+                dm.set_context(mode=dm.GRAPH_MODE)
+            col, att = Column(), Attention(dp, mp)
+            col(Tensor(x2))
+            att(x3)                                     # compiled, weights stored
+            with CommReport() as rep:
+                y = col(Tensor(x2))
+            assert rep.records == [], rep.records
+            np.testing.assert_allclose(y.asnumpy(), x2 @ col.w.asnumpy(), rtol=RTOL,
+                                       atol=1e-5)
+            with CommReport() as rep:
+                ops.relu(att(x3)).asnumpy()
+            kinds[graph] = [(r.kind, r.op) for r in rep.records]
+    assert kinds[True] == kinds[False] == [("AllReduce", "MatMul")], kinds

@@ -136,12 +136,15 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
         out_layouts = tuple(_layout_of(s, _shape_of(x, values), n, name, k, "out_strategy")
                             for k, (s, x) in enumerate(zip(out_strategy, leaves)))
     nodes = []
+    moved_to = {}               # value id -> the layout a strategy's move gave it
     for node in graph.nodes:
         if node.op_name == "Redistribute":          # a strategy's move
             a = node.attrs
             lay = a.get("layout") or _layout_of(a["strategy"], node.outputs[0].shape, n,
                                                 a["owner"], a["index"], a["param"])
             nodes.append(node.replace(in_layouts=(lay,)))
+            if a.get("param") == "in_strategy":
+                moved_to[node.outputs[0].id] = lay
             continue
         if node.op != CALL and node.op_name not in RULES:
             raise ValueError(f"{name}: op {node.op_name} ({node.name}) has no sharding rule, "
@@ -163,8 +166,12 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
                                      f"the op got {len(idx)} tensor inputs")
                 lays = [None] * len(node.inputs)
                 for k, i in enumerate(idx):
-                    lays[i] = _layout_of(ins[k], _shape_of(node.inputs[i], values), n,
-                                         node.op_name, k, "in_strategy")
+                    x = node.inputs[i]
+                    # the op's layouts over ONE device matrix, as its strategy's moves
+                    # (recorded at trace time) placed them; else the entry's own layout
+                    moved = moved_to.get(x.id) if isinstance(x, Ref) else None
+                    lays[i] = moved if moved is not None else _layout_of(
+                        ins[k], _shape_of(x, values), n, node.op_name, k, "in_strategy")
                 in_lays = tuple(lays)
             out_lays = None
             if outs is not None:
