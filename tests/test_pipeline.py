@@ -311,6 +311,32 @@ def test_send_receive_bytes_and_stage_devices():
     assert dm.parallel.devices.device_num() == 4
 
 
+def test_parameter_memory_is_one_stages():
+    """A device holds its stage's weights only: CommReport's parameter memory is one
+    block's (the two stages hold one block each), not the network's; a weight split
+    over the stage's 4 devices counts a quarter."""
+    block = D * D * 4 + D * 4
+    _, _, report = train(2, 2, parallel=False, steps=1)
+    assert report.parameter_memory == 2 * block
+    _, _, report = train(2, 2, parallel=True, steps=1)
+    assert report.parameter_memory == block
+    # Adam's two states of each weight are the weight's stage's too
+    _, _, report = train(2, 2, parallel=True, steps=1, opt="adam")
+    assert report.parameter_memory == 3 * block
+    _setup(2)
+    net = MLP(_weights(2), [((1, 1), (1, 4)), ((1, 1), (1, 4))])
+    for k, b in enumerate(net.blocks):
+        b.pipeline_stage = k
+    model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), 2)
+    opt = nn.SGD(net.trainable_params(), learning_rate=0.05)
+    grad_fn = dm.value_and_grad(model, None, opt.parameters)
+    x, y = _data()
+    for _ in range(2):
+        with CommReport() as report:        # the second step: the weights stored split
+            opt(grad_fn(dm.Tensor(x), dm.Tensor(y))[1])
+    assert report.parameter_memory == D * D * 4 // 4 + D * 4
+
+
 def test_two_devices_per_stage_pass_whole_values():
     """Two stages of one device each (device_num=2): activations are whole tensors."""
     _setup(2, device_num=2)

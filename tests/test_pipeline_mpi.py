@@ -35,6 +35,7 @@ def test_pipeline_under_mpi_equals_sim(tmp_path, ranks, stages, micro, scheduler
         dm.reset_auto_parallel_context()
         communication.init("sim")
     per = ranks // stages
+    copies = {"sgd": 1, "momentum": 2, "adam": 3}[optimizer]
     steps = len(ref_losses)
     send_bytes = {}
     for rank in range(ranks):
@@ -47,7 +48,12 @@ def test_pipeline_under_mpi_equals_sim(tmp_path, ranks, stages, micro, scheduler
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
         # this rank sends each micro-batch's activation on (all but the last stage) and
         # its gradient back (all but the first), and receives as many
-        sends, receives, nbytes = data["counts"]
+        sends, receives, nbytes, memory = data["counts"]
+        # a rank holds its stage's block: w (8 x 8, split over the stage's devices in the
+        # first block with shard) and b (8), float32, and the optimizer's states of them
+        # (none for SGD, one for Momentum, two for Adam); a shared weight is stage 0's
+        assert memory == copies * (8 * 8 * 4 // (per if shard and stage == 0 else 1)
+                                   + 8 * 4)
         want = steps * micro * ((stage < stages - 1) + (stage > 0))
         if tied and stage in (0, stages - 1):      # the weight on, its gradient back
             want += steps
@@ -55,4 +61,5 @@ def test_pipeline_under_mpi_equals_sim(tmp_path, ranks, stages, micro, scheduler
         send_bytes[stage] = nbytes
     # the simulated run records every stage's transfers, each device's bytes once
     assert ref_counts[:2] == (steps * (micro * 2 * (stages - 1) + 2 * tied),) * 2
+    assert ref_counts[3] == copies * (8 * 8 + 8) * 4   # the largest stage's, simulated
     assert sum(send_bytes.values()) == ref_counts[2]

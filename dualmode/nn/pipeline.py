@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import context
 from ..parallel.pipeline import (PipelineRun, Remote, active_stages, micro_batches,
-                                 staged_cells)
+                                 note_parameter_stages, staged_cells)
 from .cell import Cell
 
 __all__ = ["PipelineCell", "MicroBatchInterleaved"]
@@ -83,6 +83,7 @@ class PipelineCell(Cell):
                 cells[name].pipeline_stage = stage
         self.network = network
         self.micro_size = micro_size
+        note_parameter_stages(network)     # for the per-device memory CommReport shows
 
     def construct(self, *inputs):
         owner = "PipelineCell"

@@ -23,7 +23,8 @@ time slot, idle slots (bubbles) included.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -38,7 +39,8 @@ from .moves import redistribute_tensor
 from .tensor_layout import TensorLayout
 
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
-           "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS"]
+           "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS",
+           "parameter_stage", "note_parameter_stages"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -197,6 +199,69 @@ def pipeline_schedule(stages: Optional[int] = None, micro_size: int = 1,
 
 
 # ------------------------------------------------------------- stages and cells
+
+#: id(Parameter) -> (weak reference, stage): the stage each parameter of a network run
+#: by a PipelineCell belongs to (the first stage whose cells hold it)
+_PARAM_STAGES: Dict[int, tuple] = {}
+#: Parameter name -> (weak reference, stage), for the states an optimizer keeps for a
+#: parameter (clones named ``<prefix>.<name>``)
+_NAME_STAGES: Dict[str, tuple] = {}
+
+
+def _holders(network, explicit=None):
+    """``[(name, cell, stage)]``: each cell of `network` with the stage its parameters
+    belong to (its own ``pipeline_stage``, else its nearest staged ancestor's; None
+    outside every staged cell)."""
+    within, out = {}, []
+    for name, cell in network.cells_and_names():
+        k = getattr(cell, "pipeline_stage", -1) if explicit is None else \
+            explicit.get(id(cell), -1)
+        parent = name.rpartition(".")[0] if name else None
+        within[name] = k if k >= 0 else within.get(parent)
+        out.append((name or type(cell).__name__, cell, within[name]))
+    return out
+
+
+def _parameter_stages(holders) -> dict:
+    """id(Parameter) -> (Parameter, {stage: [(cell, attribute, cell name)]})."""
+    by_param = {}
+    for name, cell, k in holders:
+        if k is None:
+            continue
+        for attr, p in cell.parameters_and_names(expand=False):
+            by_param.setdefault(id(p), (p, {}))[1].setdefault(k, []).append(
+                (cell, attr, name))
+    return by_param
+
+
+def note_parameter_stages(network) -> None:
+    """Remember which stage each parameter of `network` belongs to (the first stage
+    whose cells hold it), for :func:`parameter_stage`."""
+    for p, stages in _parameter_stages(_holders(network)).values():
+        _note(p, min(stages))
+
+
+def _note(p, stage):
+    ref = weakref.ref(p)
+    _PARAM_STAGES[id(p)] = (ref, stage)
+    if p.name:
+        _NAME_STAGES[p.name] = (ref, stage)
+
+
+def parameter_stage(p) -> Optional[int]:
+    """The pipeline stage parameter `p` belongs to (the stage of the cells holding it,
+    the first of them when several do), once a PipelineCell ran its network; None for
+    a parameter outside every staged cell or of no pipeline."""
+    hit = _PARAM_STAGES.get(id(p))
+    if hit is not None and hit[0]() is p:
+        return hit[1]
+    name = getattr(p, "name", None) or ""
+    hit = _NAME_STAGES.get(name.partition(".")[2])  # an optimizer's state of a parameter
+    if hit is not None:
+        source = hit[0]()
+        if source is not None and source is not p and source.shape == p.shape:
+            return hit[1]
+    return None
 
 
 def active_stages(owner: str) -> int:
@@ -362,15 +427,7 @@ class PipelineRun:
         explicit = {id(cell): k for _, cell, k in staged}
         self.cells = [(name or type(cell).__name__, cell, explicit.get(id(cell), -1))
                       for name, cell in network.cells_and_names()]
-        # the stage each cell's parameters belong to: its own, else its nearest staged
-        # ancestor's (None: outside every staged cell)
-        within = {}
-        for name, cell in network.cells_and_names():
-            k = explicit.get(id(cell), -1)
-            parent = name.rpartition(".")[0] if name else None
-            within[name] = k if k >= 0 else within.get(parent)
-        self._holders = [(name or type(cell).__name__, cell, within[name])
-                         for name, cell in network.cells_and_names()]
+        self._holders = _holders(network, explicit)
         self._lent = []               # (cell __dict__, attribute, Parameter) lent out
         self._marks = {}              # id(value) -> (value, stage)
         self._moved = {}              # (id(value), stage) -> moved value
@@ -391,16 +448,10 @@ class PipelineRun:
         """A parameter held by cells of several stages (a tied embedding) belongs to the
         first of them; the later ones read it as a value that stage sends them, once per
         call, whose gradient comes back to it (and is added to its own there)."""
-        by_param = {}
-        for name, cell, k in self._holders:
-            if k is None:
-                continue
-            for attr, p in cell.parameters_and_names(expand=False):
-                by_param.setdefault(id(p), (p, {}))[1].setdefault(k, []).append(
-                    (cell, attr, name))
-        for p, stages in by_param.values():
+        for p, stages in _parameter_stages(self._holders).values():
             first = min(stages)
             self._marks[id(p)] = (p, first)
+            _note(p, first)
             for k in sorted(stages):
                 if k == first:
                     continue

@@ -57,6 +57,8 @@ from typing import Iterable, List, Optional
 from ..communication.trace import (KINDS, LINKS, REASONS, CommRecord, activate, comm_cause,
                                    deactivate, note_memory, predicted_seconds)
 from ..tensor import live_parameters
+from .devices import live_backend
+from .pipeline import parameter_stage
 
 __all__ = ["CommReport", "CommRecord", "comm_cause", "note_memory",
            "parameter_bytes_per_device", "network_model", "LINKS"]
@@ -65,16 +67,32 @@ __all__ = ["CommReport", "CommRecord", "comm_cause", "note_memory",
 def parameter_bytes_per_device(params: Optional[Iterable] = None) -> int:
     """Bytes one device stores for `params` (default: every live Parameter): the local
     block of a parameter stored in a layout (its distinct local data, once), the whole
-    value of a plain one, nothing while its initialisation is delayed."""
+    value of a plain one, nothing while its initialisation is delayed. Under pipeline
+    parallelism a device holds its stage's parameters only: the largest stage's (on
+    simulated devices), this rank's stage's (under MPI)."""
     if params is None:
         params = live_parameters()
     total = 0
+    stages: dict = {}
     for p in params:
         data = p._data
         if data is None:
             continue
         local = getattr(p._layout, "local_shape", None)
-        total += data.nbytes if local is None else math.prod(local) * data.itemsize
+        nbytes = data.nbytes if local is None else math.prod(local) * data.itemsize
+        stage = parameter_stage(p)
+        if stage is None:
+            total += nbytes
+        else:
+            stages[stage] = stages.get(stage, 0) + nbytes
+    if stages:
+        view = live_backend()
+        if view is None or view.world is None:       # no pipeline now: every one
+            total += sum(stages.values())
+        elif view.stage is None:                     # every stage in this process
+            total += max(stages.values())
+        else:
+            total += stages.get(view.stage, 0)
     return total
 
 

@@ -81,9 +81,10 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
     y = rng.standard_normal((B, D)).astype(np.float32)
     losses = []
     with CommReport() as report:
-        for _ in range(STEPS):
-            loss, grads = grad_fn(dm.Tensor(x), dm.Tensor(y))
-            opt(grads)
+        for step in range(STEPS):
+            with CommReport() as last:      # the last step: every weight in its layout
+                loss, grads = grad_fn(dm.Tensor(x), dm.Tensor(y))
+                opt(grads)
             losses.append(float(loss.asnumpy()))
     stage = communication.get_backend().stage
     weights = {}
@@ -94,7 +95,7 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
                                              for p in block.trainable_params()
                                              if not (tied and p is net.blocks[0].w and k))
     counts = (report.count("Send", "pipeline"), report.count("Receive", "pipeline"),
-              report.bytes("Send"))
+              report.bytes("Send"), last.parameter_memory)
     return np.array(losses), weights, counts
 
 
