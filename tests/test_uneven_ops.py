@@ -51,6 +51,7 @@ def _pads_are_zero(t):
 
 def _run(devices, build, inputs, grad_pos, compiled=False):
     _setup(devices)
+    dm.set_seed(11)
     fn = build()
     args = [Tensor(x) for x in inputs]
 
@@ -194,20 +195,21 @@ def test_softmax(name, strategy, axis, compiled):
 
 def test_an_op_without_unequal_pieces_refuses_them_by_name():
     _setup(4)
-    x = Tensor(_f32(10, 6))
-    with pytest.raises(ValueError, match=r"Concat: in_strategy\[0\]\[0\]=4 does not divide "
-                                         r"dim 0 \(size 10\) of input 0, and Concat does not "
+    x = Tensor(_f32(2, 3, 10, 10))
+    w = Tensor(_f32(4, 3, 3, 3))
+    with pytest.raises(ValueError, match=r"Conv2D: in_strategy\[0\]\[2\]=4 does not divide "
+                                         r"dim 2 \(size 10\) of input 0, and Conv2D does not "
                                          r"handle pieces of unequal size yet"):
-        ops.Concat(1).shard(((4, 1), (4, 1)))((x, x))
+        ops.Conv2D(4, 3, pad_mode="same").shard(((1, 1, 4, 1), (1, 1, 1, 1)))(x, w)
     with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[0\]=8 exceeds dim 0 "
                                          r"\(size 5\) of input 0: some devices would hold an "
                                          r"empty piece"):
         ops.MatMul().shard(((8, 1), (1, 1)))(Tensor(_f32(5, 3)), Tensor(_f32(3, 2)))
-    y = dm.reshard(x, (4, 1))
-    with pytest.raises(ValueError, match=r"Concat: input 0 is split into pieces of unequal "
-                                         r"size \(dim 0, size 10, in 4 parts: 3 or 2 rows "
-                                         r"each\); Concat does not handle unequal pieces yet"):
-        ops.Concat(1)((y, y))
+    y = dm.reshard(x, (1, 1, 4, 1))
+    with pytest.raises(ValueError, match=r"Conv2D: input 0 is split into pieces of unequal "
+                                         r"size \(dim 2, size 10, in 4 parts: 3 or 2 rows "
+                                         r"each\); Conv2D does not handle unequal pieces yet"):
+        ops.Conv2D(4, 3, pad_mode="same")(y, w)
 
 
 # ---------------------------------------------------------------- the rest of the families
@@ -304,3 +306,49 @@ def test_gather(strategy, compiled):
         ids = Tensor(idx)
         return lambda t: g(t, ids, 0)
     _check(build, [table], 0, compiled)
+
+
+# ---------------------------------------------------------------- array ops
+
+@MODES
+@pytest.mark.parametrize("axis", [0, 1])
+def test_concat_and_split(axis, compiled):
+    def build():
+        cat = ops.Concat(axis).shard(((1, 4), (1, 4)) if axis == 0 else ((4, 1), (4, 1)))
+        split = ops.Split(axis, 2).shard(((1, 4),) if axis == 0 else ((4, 1),))
+        return lambda a, b: split(ops.exp(cat((a, b))))
+    _check(build, [_f32(10, 7), _f32(10, 7)], (0, 1), compiled)
+
+
+@MODES
+@pytest.mark.parametrize("index", [(slice(None), slice(1, 3)), (2,), (slice(None), 0),
+                                   (Ellipsis, None)], ids=str)
+def test_basic_indexing_and_its_gradient(index, compiled):
+    def build():
+        e = ops.Exp().shard(((4, 2),))
+        return lambda t: e(t)[index]
+    _check(build, [_f32(10, 7)], 0, compiled)
+
+
+@MODES
+def test_dropout_draws_the_single_device_mask(compiled):
+    _check(lambda: (lambda t: ops.Dropout(0.7).shard(((4, 2),))(t)), [_f32(10, 7)], 0,
+           compiled)
+
+
+@MODES
+@pytest.mark.parametrize("mult", [(1, 2), (2, 1, 1)], ids=str)
+def test_tile_of_unequal_pieces(mult, compiled):
+    # (Tile's own strategies, over its output's dims, must still divide them)
+    def build():
+        e = ops.Exp().shard(((4, 1),))
+        return lambda t: ops.Tile()(e(t), mult)
+    _check(build, [_f32(10, 3)], 0, compiled)
+
+
+@MODES
+def test_diag_of_unequal_pieces(compiled):
+    def build():
+        e = ops.Exp().shard(((4,),))
+        return lambda t: ops.Diag()(e(t))
+    _check(build, [_f32(10)], 0, compiled)

@@ -225,3 +225,19 @@ def test_tensors_move_between_unequal_layouts_eagerly():
         assert np.array_equal(v.asnumpy(), x)
     finally:
         dm.reset_auto_parallel_context()
+
+
+def test_a_local_slice_of_pieces_that_do_not_nest_moves_the_missing_rows():
+    """8 rows cut in 2 (4, 4), then each half in 3 over another axis: the flat rule cuts
+    8 in 6 (2, 2, 1, 1, 1, 1), so device (0, 2) needs row 4, which the other half holds;
+    a slice that dividing shapes make for free is an AlltoAll of that one row here."""
+    src = TensorLayout((2, 3), ((0,), ), (8,))
+    dst = TensorLayout((2, 3), ((0, 1), ), (8,))
+    assert [s[0] for s in dst.device_slices()][2] == slice(4, 5)
+    x = np.arange(8, dtype=np.float32)
+    with CommReport() as rep:
+        out = redistribute(src.local_blocks(x), src, dst)
+    assert np.array_equal(out, dst.local_blocks(x))
+    assert [(r.kind, r.group_size, r.num_groups) for r in rep.records] == [("AlltoAll", 3, 2)]
+    assert rep.records[0].bytes_per_device == pytest.approx(4 / 6)     # one row of 6
+    assert plan_redistribution(src, dst, 4).bytes == pytest.approx(4 / 6)

@@ -171,7 +171,7 @@ def _record_steps(plan: Plan, itemsize: int) -> None:
         for step in plan:
             if step[0] == "Remesh":
                 mesh = plan._mesh(step.device_matrix)
-            elif step.communicates:
+            elif step.communicates or step[4]:     # (a LocalSlice that moves rows)
                 trace.note_groups(mesh.group_members(step[2]))
     if not trace._STATE.reports:
         return
@@ -190,6 +190,16 @@ def _record_steps(plan: Plan, itemsize: int) -> None:
 
     for step in plan:
         kind, dims, parts = step[0], step[1], step[3]
+        if kind == "LocalSlice" and step[4]:
+            # pieces of unequal size need not nest: a device's new piece may hold rows its
+            # old one did not (8 rows cut in 2 then in 6: the third piece is row 4), which
+            # the devices along the slice's axes send each other (an AlltoAll of unequal
+            # counts, of the plan's exact bytes)
+            before = _buffer_of("AllToAll", parts, step[4] * scale)
+            split[dims[0]] *= parts
+            trace.record("AlltoAll", parts, n // parts, before)
+            trace.note_memory(before + piece())
+            continue
         if kind in ("LocalSlice", "Remesh"):
             if kind == "LocalSlice":
                 split[dims[0]] *= parts

@@ -123,8 +123,10 @@ def _real_steps(steps, src, sizes, itemsize) -> list:
     """`steps` (searched for a proxy shape) with each one's bytes those of the real
     pieces, averaged over the devices: an AllGather or AllToAll moves to each device
     what its new piece holds beyond its old one (pieces of a split that does not divide
-    need not nest: rows 2-3 of 6 cut in 4 are not inside rows 0-2 of 6 cut in 2); a
-    ReduceScatter or AllReduce moves the formulas' bytes of its (equal) buffer."""
+    need not nest: rows 2-3 of 6 cut in 4 are not inside rows 0-2 of 6 cut in 2), and so
+    does a LocalSlice whose new pieces are not inside the old ones (recorded as an
+    AlltoAll of unequal counts over its axes); a ReduceScatter or AllReduce moves the
+    formulas' bytes of its (equal) buffer."""
     runs = unify_device_matrices(src.device_matrix, sizes)[1]
     lists = list(_refine(src, runs)[0])
     shape, out = src.shape, []
@@ -141,14 +143,13 @@ def _real_steps(steps, src, sizes, itemsize) -> list:
             new[dims[1]] = new[dims[1]] + axes
         s2, e2 = _pieces(sizes, new, shape)
         before = itemsize * float(np.prod(stops - starts, axis=1).mean())
-        if kind in ("AllGather", "AllToAll"):
+        if kind in ("AllGather", "AllToAll", "LocalSlice"):
+            # (a LocalSlice of pieces that do not nest moves the rows a device lacks)
             overlap = np.prod(np.clip(np.minimum(stops, e2) - np.maximum(starts, s2), 0,
                                       None), axis=1)
             moved = itemsize * float((np.prod(e2 - s2, axis=1) - overlap).mean())
-        elif kind in ("ReduceScatter", "AllReduce"):
-            moved = bytes_per_device(kind, k, before)
         else:
-            moved = 0.0
+            moved = bytes_per_device(kind, k, before)
         out.append(tuple.__new__(type(st), tuple(st[:4]) + (moved,) + tuple(st[5:])))
         lists, starts, stops = new, s2, e2
     return out

@@ -319,7 +319,7 @@ def _gather_grad(attrs, lays, dtypes):
 # ---------------------------------------------------------------------------
 # Concat / Split: the axis is whole, other dims keep their splits
 # ---------------------------------------------------------------------------
-@register_rule("Concat", shared=concat_pairs)
+@register_rule("Concat", shared=concat_pairs, uneven=True)
 def _concat(attrs, lays, dtypes):
     if not lays or not _plain(lays):
         return None
@@ -345,7 +345,7 @@ def _concat(attrs, lays, dtypes):
     return ShardPlan(need, (out,), local)
 
 
-@register_rule("Split")
+@register_rule("Split", uneven=True)
 def _split(attrs, lays, dtypes):
     x = lays[0]
     if not _plain((x,)):
@@ -417,7 +417,7 @@ def _index_shape(shape, index):
         return None
 
 
-@register_rule("GetItem")
+@register_rule("GetItem", uneven=True)
 def _getitem(attrs, lays, dtypes):
     x = lays[0]
     if not _plain((x,)):
@@ -444,7 +444,7 @@ def _getitem(attrs, lays, dtypes):
     return ShardPlan((need,), (out,), local)
 
 
-@register_rule("IndexAdd")
+@register_rule("IndexAdd", uneven=True)
 def _index_add(attrs, lays, dtypes):
     g = lays[0]
     if not _plain((g,)):
@@ -479,7 +479,7 @@ def _index_add(attrs, lays, dtypes):
 # ---------------------------------------------------------------------------
 # Dropout: elementwise, with the mask one device would draw
 # ---------------------------------------------------------------------------
-@register_rule("Dropout")
+@register_rule("Dropout", uneven=True)
 def _dropout(attrs, lays, dtypes):
     x = lays[0]
     if not _plain((x,)):
@@ -510,7 +510,7 @@ def _dropout(attrs, lays, dtypes):
 # output is split over the input's axes when they divide the multiple (each device
 # then makes multiples / parts copies, as MindSpore splits a tiled dim's multiple)
 # ---------------------------------------------------------------------------
-@register_rule("Tile", per_device=True)
+@register_rule("Tile", per_device=True, uneven=True)
 def _tile(attrs, lays, dtypes):
     x = lays[0]
     pend = pending_sums("Tile", attrs, lays)
@@ -586,7 +586,7 @@ PARAMETER_WRITERS[:] = [_write_sharded_parameter]
 # ---------------------------------------------------------------------------
 # Diag and FillV2 (MindSpore's creation ops)
 # ---------------------------------------------------------------------------
-@register_rule("Diag", per_device=True)
+@register_rule("Diag", per_device=True, uneven=True)
 def _diag(attrs, lays, dtypes):
     """The input whole (an AllGather when it is split), the output whole on every
     device (MindSpore has no parallel implementation of Diag); a pending sum stays
