@@ -501,6 +501,23 @@ def test_pipeline_needs_semi_auto_and_pynative():
     _unchanged(net, before)
 
 
+def test_staged_cell_outside_pipeline_cell_is_refused():
+    """Under pipeline_stages > 1 a cell with a stage runs only inside nn.PipelineCell;
+    stand-alone (the reference run) it runs as any cell."""
+    x, y = _data()
+    _setup(2)
+    net, _ = _staged_model(2, (0, 1))
+    before = [p.asnumpy().copy() for p in net.trainable_params()]
+    with pytest.raises(RuntimeError, match=r"Block: this cell has pipeline_stage=0 and "
+                                           r"pipeline_stages=2, but it runs outside "
+                                           r"nn.PipelineCell"):
+        net(dm.Tensor(x))
+    for p, w in zip(net.trainable_params(), before):
+        np.testing.assert_array_equal(p.asnumpy(), w)
+    _setup(None)
+    assert net(dm.Tensor(x)).shape == (B, D)
+
+
 def test_reset_returns_to_the_whole_world():
     _setup(2)
     assert dm.parallel.devices.device_num() == 4

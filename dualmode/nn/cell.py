@@ -16,6 +16,8 @@ from collections import OrderedDict
 from .. import context
 from ..parallel.devices import parallel_active
 from ..parallel.inputs import distribute_inputs
+from ..parallel.pipeline import RUNNING as _PIPELINE_RUNNING
+from ..parallel.pipeline import check_outside_run
 from ..parallel.graph import api as _graph_api
 from ..parallel.graph.api import ShardFunction, graph_call
 from ..tensor import Parameter
@@ -105,9 +107,12 @@ class Cell:
                                   f"construct(...)")
 
     def __call__(self, *inputs, **kwargs):
-        shard_fn = self.__dict__.get("_shard_fn")
+        d = self.__dict__
+        shard_fn = d.get("_shard_fn")
         if shard_fn is not None:                   # Cell.shard: this cell runs as a graph
             return shard_fn(*inputs, **kwargs)
+        if "_pipeline_stage" in d and not _PIPELINE_RUNNING[0]:
+            check_outside_run(self)                # a stage's cell outside PipelineCell
         if _CALLS.depth == 0:
             if inputs and parallel_active():
                 inputs = distribute_inputs(inputs)     # network inputs are batch data

@@ -40,7 +40,7 @@ from .tensor_layout import TensorLayout
 
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
            "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS",
-           "parameter_stage", "note_parameter_stages"]
+           "parameter_stage", "note_parameter_stages", "check_outside_run", "RUNNING"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -285,6 +285,22 @@ def active_stages(owner: str) -> int:
     return stages
 
 
+#: how many PipelineRun blocks are running (a staged cell runs only inside one)
+RUNNING = [0]
+
+
+def check_outside_run(cell) -> None:
+    """A cell with a ``pipeline_stage`` called outside ``nn.PipelineCell``: fine unless
+    pipeline parallelism is on, where it would run on no stage (a RuntimeError)."""
+    stages = active_stages(type(cell).__name__)
+    if stages > 1:
+        raise RuntimeError(f"{type(cell).__name__}: this cell has pipeline_stage="
+                           f"{cell.pipeline_stage} and pipeline_stages={stages}, but it "
+                           f"runs outside nn.PipelineCell; train the network wrapped as "
+                           f"nn.PipelineCell(net_with_loss, micro_size), which runs each "
+                           f"cell on its stage's devices")
+
+
 def staged_cells(network, stages: int, owner: str):
     """``[(name, cell, stage)]`` for the cells of `network` with a ``pipeline_stage``,
     checked: every stage below `stages` has a cell, none is at or past `stages`."""
@@ -436,6 +452,7 @@ class PipelineRun:
         self.sent = []                # under "mpi": (value, stage, event, cell) sent on
 
     def __enter__(self) -> "PipelineRun":
+        RUNNING[0] += 1
         self.view.wait_sends()
         for name, cell, k in self.cells:
             d = cell.__dict__
@@ -462,6 +479,7 @@ class PipelineRun:
                     cell.__dict__[attr] = y
 
     def __exit__(self, *exc) -> bool:
+        RUNNING[0] -= 1
         for d, attr, p in self._lent:
             d[attr] = p
         self._lent.clear()
