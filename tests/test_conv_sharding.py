@@ -203,8 +203,9 @@ def test_conv_hw_strategy_and_bn_in_both_modes(graph):
 @pytest.mark.parametrize("strategy, match", [
     (((1, 2, 1, 1), (1, 4, 1, 1)), r"Conv2D: in_strategy\[0\]\[1\]=2 and in_strategy\[1\]\[1\]=4 "
                                    r"split the input channel dim differently"),
-    (((1, 1, 3, 1), (1, 1, 1, 1)), r"Conv2D: in_strategy\[0\]\[2\]=3 does not divide dim 2 "
-                                   r"\(size 8\) of input 0"),
+    # (8 rows in 3 pieces would be 3, 3, 2; but 3 parts do not fit 8 devices)
+    (((1, 1, 3, 1), (1, 1, 1, 1)), r"Conv2D: in_strategy\[0\]=\(1, 1, 3, 1\) needs 3 devices, "
+                                   r"which does not divide device_num=8"),
 ])
 def test_bad_conv_strategies_are_named(strategy, match):
     x = Tensor(np.zeros((8, 4, 8, 8), np.float32))

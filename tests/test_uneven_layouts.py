@@ -236,26 +236,34 @@ def test_a_dim_of_size_zero_may_still_be_split():
     assert lay.even and lay.local_shape == (0, 3)
 
 
-def test_ops_without_unequal_pieces_refuse_them_by_name(eight_devices):
+def test_ops_on_unequal_pieces_and_rules_that_do_not_handle_them(eight_devices):
     x = np.arange(30.0 * 3).reshape(30, 3).astype(np.float32)
     t = dm.reshard(Tensor(x), (4, 1))
-    img = dm.reshard(Tensor(np.ones((1, 1, 30, 3), np.float32)), (1, 1, 4, 1))
-    w = dm.Parameter(Tensor(np.ones((1, 1, 3, 3), np.float32)), name="w")
-    with pytest.raises(ValueError, match=E(
-            "Conv2D: input 0 is split into pieces of unequal size (dim 2, size 30, in 4 "
-            "parts: 8 or 7 rows each); Conv2D does not handle unequal pieces yet")):
-        dm.ops.Conv2D(1, 3, pad_mode="same")(img, w)
-    # a strategy that does not divide is refused before anything moves
-    conv = dm.ops.Conv2D(1, 3, pad_mode="same").shard(((1, 1, 4, 1), (1, 1, 1, 1)))
-    with pytest.raises(ValueError, match=E("Conv2D: in_strategy[0][2]=4 does not divide "
-                                           "dim 2 (size 30) of input 0, and Conv2D does not "
-                                           "handle pieces of unequal size yet")):
-        conv(Tensor(np.ones((1, 1, 30, 3), np.float32)), w)
-    assert w.layout is None and np.array_equal(w.asnumpy(), np.ones((1, 1, 3, 3)))
-    # an op whose rule handles them: the single device's numbers, zeros in the pads
+    # an op's rule: the single device's numbers, zeros in the pads
     y = dm.ops.ReLU()(t - 40.0)
     assert np.array_equal(y.asnumpy(), np.maximum(x - 40.0, 0))
     assert not y._data[2, 7].any() and not y._data[3, 7].any()
+    # a rule registered without uneven=True is refused by name, before it runs
+    from dualmode.parallel.sharding import check_even
+    with pytest.raises(ValueError, match=E(
+            "NewOp: input 0 is split into pieces of unequal size (dim 0, size 30, in 4 "
+            "parts: 8 or 7 rows each); NewOp does not handle unequal pieces yet")):
+        check_even(lambda attrs, lays, dtypes: None, "NewOp", [t._layout])
+    # and so is a strategy that does not divide, before anything moves
+    from dualmode.ops.primitive import Primitive
+
+    class NoRule(Primitive):
+        name = "NoRule"
+
+        def construct(self, a):
+            return a
+
+    w = dm.Parameter(Tensor(np.ones((30, 3), np.float32)), name="w")
+    with pytest.raises(ValueError, match=E("NoRule: in_strategy[0][0]=4 does not divide dim 0 "
+                                           "(size 30) of input 0, and NoRule does not handle "
+                                           "pieces of unequal size yet")):
+        NoRule().shard(((4, 1),))(w)
+    assert w.layout is None and np.array_equal(w.asnumpy(), np.ones((30, 3)))
 
 
 def test_dataset_tiles_that_do_not_divide_are_refused(eight_devices):

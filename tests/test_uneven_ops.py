@@ -195,21 +195,19 @@ def test_softmax(name, strategy, axis, compiled):
 
 def test_an_op_without_unequal_pieces_refuses_them_by_name():
     _setup(4)
-    x = Tensor(_f32(2, 3, 10, 10))
-    w = Tensor(_f32(4, 3, 3, 3))
-    with pytest.raises(ValueError, match=r"Conv2D: in_strategy\[0\]\[2\]=4 does not divide "
-                                         r"dim 2 \(size 10\) of input 0, and Conv2D does not "
-                                         r"handle pieces of unequal size yet"):
-        ops.Conv2D(4, 3, pad_mode="same").shard(((1, 1, 4, 1), (1, 1, 1, 1)))(x, w)
+    x = Tensor(_f32(10, 6))
     with pytest.raises(ValueError, match=r"MatMul: in_strategy\[0\]\[0\]=8 exceeds dim 0 "
                                          r"\(size 5\) of input 0: some devices would hold an "
                                          r"empty piece"):
         ops.MatMul().shard(((8, 1), (1, 1)))(Tensor(_f32(5, 3)), Tensor(_f32(3, 2)))
-    y = dm.reshard(x, (1, 1, 4, 1))
-    with pytest.raises(ValueError, match=r"Conv2D: input 0 is split into pieces of unequal "
-                                         r"size \(dim 2, size 10, in 4 parts: 3 or 2 rows "
-                                         r"each\); Conv2D does not handle unequal pieces yet"):
-        ops.Conv2D(4, 3, pad_mode="same")(y, w)
+    # (every sharding rule handles unequal pieces now; a rule registered without
+    # uneven=True is refused by name, as sharding.check_even says)
+    from dualmode.parallel.sharding import check_even
+    y = dm.reshard(x, (4, 1))
+    with pytest.raises(ValueError, match=r"NewOp: input 0 is split into pieces of unequal "
+                                         r"size \(dim 0, size 10, in 4 parts: 3 or 2 rows "
+                                         r"each\); NewOp does not handle unequal pieces yet"):
+        check_even(lambda attrs, lays, dtypes: None, "NewOp", [y._layout])
 
 
 # ---------------------------------------------------------------- the rest of the families
@@ -352,3 +350,27 @@ def test_diag_of_unequal_pieces(compiled):
         e = ops.Exp().shard(((4,),))
         return lambda t: ops.Diag()(e(t))
     _check(build, [_f32(10)], 0, compiled)
+
+
+# ---------------------------------------------------------------- images
+
+@MODES
+@pytest.mark.parametrize("strategy", [
+    ((4, 1, 1, 1), (1, 1, 1, 1)),          # the batch: 10 images in 3, 3, 2, 2
+    ((1, 1, 1, 1), (4, 1, 1, 1)),          # output channels 6 in 2, 2, 1, 1
+    ((1, 4, 1, 1), (1, 4, 1, 1)),          # input channels 5 (contracted) in 2, 1, 1, 1
+    ((1, 1, 4, 1), (1, 1, 1, 1)),          # rows 9 in 4: made whole (halos need equal rows)
+    ((2, 2, 1, 2), (1, 2, 1, 1)),
+], ids=str)
+def test_conv2d(strategy, compiled):
+    _check(lambda: (lambda x, w: ops.Conv2D(6, 3, pad_mode="same").shard(strategy)(x, w)),
+           [_f32(10, 5, 9, 7), _f32(6, 5, 3, 3)], (0, 1), compiled)
+
+
+@MODES
+@pytest.mark.parametrize("cls", [ops.MaxPool, ops.AvgPool])
+@pytest.mark.parametrize("strategy", [((4, 1, 1, 1),), ((1, 4, 1, 1),), ((2, 1, 4, 1),)],
+                         ids=str)
+def test_pooling(cls, strategy, compiled):
+    _check(lambda: (lambda x: cls(2, 2).shard(strategy)(x)), [_f32(10, 5, 9, 8)], 0,
+           compiled)

@@ -211,7 +211,7 @@ def _conv_splits(attrs, x_map, dm, co_axes, k_axes, in_hw, out_hw, n_axes=None):
     return n, k, co, keep, halos
 
 
-@register_rule("Conv2D", shared=conv_pairs)
+@register_rule("Conv2D", shared=conv_pairs, uneven=True)
 def _conv2d(attrs, lays, dtypes):
     x, w = lays
     if x is None or w is None or x.partial or w.partial:
@@ -236,7 +236,7 @@ def _conv2d(attrs, lays, dtypes):
     return ShardPlan((need_x, need_w), (out,), local, _halo_post(halos))
 
 
-@register_rule("Conv2DBackpropFilter")
+@register_rule("Conv2DBackpropFilter", uneven=True)
 def _conv_filter_grad(attrs, lays, dtypes):
     dy, x = lays
     if dy is None or x is None or dy.partial or x.partial:
@@ -261,7 +261,7 @@ def _conv_filter_grad(attrs, lays, dtypes):
     return ShardPlan((need_dy, need_x), (out,), local, _halo_post(halos))
 
 
-@register_rule("Conv2DBackpropInput")
+@register_rule("Conv2DBackpropInput", uneven=True)
 def _conv_input_grad(attrs, lays, dtypes):
     dy, w = lays
     if dy is None or w is None or dy.partial or w.partial:
@@ -350,13 +350,13 @@ def _pool_grad_rule(name, mode):
     return rule
 
 
-register_rule("MaxPool")(_pool_rule("MaxPool", "max"))
-register_rule("AvgPool")(_pool_rule("AvgPool", "avg"))
-register_rule("MaxPoolGrad")(_pool_grad_rule("MaxPoolGrad", "max"))
-register_rule("AvgPoolGrad")(_pool_grad_rule("AvgPoolGrad", "avg"))
+register_rule("MaxPool", uneven=True)(_pool_rule("MaxPool", "max"))
+register_rule("AvgPool", uneven=True)(_pool_rule("AvgPool", "avg"))
+register_rule("MaxPoolGrad", uneven=True)(_pool_grad_rule("MaxPoolGrad", "max"))
+register_rule("AvgPoolGrad", uneven=True)(_pool_grad_rule("AvgPoolGrad", "avg"))
 
 
-@register_rule("MaxPoolSelect", per_device=True)
+@register_rule("MaxPoolSelect", per_device=True, uneven=True)
 def _max_pool_select(attrs, lays, dtypes):
     """Second-order backward of MaxPool: batch and channel splits only."""
     x, gg = lays
