@@ -259,11 +259,12 @@ def test_parameter_plan_unknown_name_warns_and_bad_split_raises():
                   parameter_plan={"nope": (2, 1)})
     with pytest.warns(UserWarning, match=r"parameter_plan names 'nope'"):
         f(x)
-    w2 = Parameter(Tensor(np.ones((6, 4), np.float32)), name="w2")
+    w2 = Parameter(Tensor(np.ones((6, 3), np.float32)), name="w2")
     g = ops.shard(lambda x: ops.matmul(x, w2), in_strategy=((2, 1),),
-                  parameter_plan={"w2": (4, 1)})
-    with pytest.raises(ValueError, match=r"parameter_plan\['w2'\]\[0\]=4 does not divide "
-                                         r"dim 0 \(size 6\) of parameter w2"):
+                  parameter_plan={"w2": (1, 4)})
+    with pytest.raises(ValueError, match=r"parameter_plan\['w2'\]\[1\]=4 exceeds dim 1 "
+                                         r"\(size 3\) of parameter w2: some devices would "
+                                         r"hold an empty piece"):
         g(x)
     assert w2._layout is None                    # nothing moved
 

@@ -276,16 +276,3 @@ def test_dataset_tiles_that_do_not_divide_are_refused(eight_devices):
     with pytest.raises(ValueError, match=E("entry 0 ((1, 4)) does not divide dim 1 (size 6) "
                                            "of input 0 (shape (2, 6)): tiles of unequal size")):
         Net()(Tensor(np.ones((2, 6), np.float32)))
-
-
-def test_parameters_are_not_placed_in_unequal_pieces(eight_devices):
-    p = dm.Parameter(Tensor(np.ones((3, 6), np.float32)), name="p")
-    x = Tensor(np.ones((5, 3), np.float32))
-    L = Layout((4,), ("dp",))
-    f = dm.ops.shard(lambda x: dm.ops.matmul(x, p), in_strategy=((1, 1),),
-                     parameter_plan={"p": L("None", "dp")})
-    with pytest.raises(ValueError, match=E("parameter_plan['p']=") + ".*" + E(
-            "cuts dim 1 (size 6) of parameter p into 4 pieces of unequal size; parameters "
-            "are not stored in unequal pieces yet")):
-        f(x)
-    assert p.layout is None and np.array_equal(p.asnumpy(), np.ones((3, 6)))

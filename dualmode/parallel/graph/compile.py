@@ -110,18 +110,12 @@ def apply_strategies(graph: Graph, n: int, *, name="ops.shard", in_strategy=None
                                  f"entries but parameter {p.name} has rank {len(v.shape)} "
                                  f"(shape {v.shape})")
             for d, (k, size) in enumerate(zip(s, v.shape)):
-                if size % k:
-                    raise ValueError(f"{name}: parameter_plan[{p.name!r}][{d}]={k} does not "
-                                     f"divide dim {d} (size {size}) of parameter {p.name}")
-        lay = _layout_of(s, v.shape, n, f"{name}: parameter_plan[{p.name!r}]", 0,
-                         "parameter_plan") if s is not None else None
-        if lay is not None and not lay.even:
-            d = lay.uneven_dims[0]
-            raise ValueError(f"{name}: parameter_plan[{p.name!r}]={s!r} cuts dim {d} (size "
-                             f"{v.shape[d]}) of parameter {p.name} into {lay.dim_parts[d]} "
-                             f"pieces of unequal size; parameters are not stored in unequal "
-                             f"pieces yet: use a layout that divides its dims")
-        param_layouts.append(lay)
+                if 0 < size < k:
+                    raise ValueError(f"{name}: parameter_plan[{p.name!r}][{d}]={k} exceeds "
+                                     f"dim {d} (size {size}) of parameter {p.name}: some "
+                                     f"devices would hold an empty piece")
+        param_layouts.append(_layout_of(s, v.shape, n, f"{name}: parameter_plan[{p.name!r}]",
+                                        0, "parameter_plan") if s is not None else None)
     for unknown in plan:
         warnings.warn(f"{name}: parameter_plan names {unknown!r}, which the function does "
                       f"not use; known parameters: {[p.name for p, _ in graph.params]}",
