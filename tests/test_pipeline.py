@@ -518,6 +518,22 @@ def test_staged_cell_outside_pipeline_cell_is_refused():
     assert net(dm.Tensor(x)).shape == (B, D)
 
 
+def test_remote_values_say_what_is_wrong():
+    """Under MPI a cell of another stage yields a stand-in for its output; code that
+    unpacks, indexes or reads it gets an error naming the stage."""
+    from dualmode.parallel.pipeline import Remote
+    r = Remote(1)
+    with pytest.raises(TypeError, match=r"unpacking a value of pipeline stage 1, which "
+                                        r"another process computes"):
+        a, b = r
+    with pytest.raises(TypeError, match=r"indexing a value of pipeline stage 1"):
+        r[0]
+    with pytest.raises(AttributeError, match=r"reading .shape of a value of pipeline "
+                                             r"stage 1"):
+        r.shape
+    assert getattr(r, "_layout", None) is None
+
+
 def test_reset_returns_to_the_whole_world():
     _setup(2)
     assert dm.parallel.devices.device_num() == 4

@@ -388,6 +388,23 @@ class Remote:
     def __repr__(self) -> str:
         return f"<value of pipeline stage {self.stage}, computed by another process>"
 
+    def _refuse(self, what):
+        return TypeError(f"PipelineCell: {what} a value of pipeline stage {self.stage}, "
+                         f"which another process computes (backend 'mpi'); code outside "
+                         f"the cells of a stage runs where its inputs are, so give cells "
+                         f"of other stages their values whole (one Tensor in, one out) "
+                         f"and put the code that reads them in a cell of a stage")
+
+    def __getattr__(self, name):
+        # an AttributeError, so that hasattr / getattr with a default still answer
+        raise AttributeError(str(self._refuse(f"reading .{name} of")))
+
+    def __iter__(self):
+        raise self._refuse("unpacking")
+
+    def __getitem__(self, key):
+        raise self._refuse("indexing")
+
 
 def _transfer_backward(node, g):
     attrs = node.attrs
