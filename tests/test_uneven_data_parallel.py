@@ -167,3 +167,49 @@ def test_model_train_with_a_short_last_batch():
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-4)
     for a, b in zip(got[1], ref[1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_image_tiles_that_do_not_divide():
+    """dataset_strategy ((1, 1, 2, 4),) on 9 x 10 images: rows 5, 4 and columns 3,
+    3, 2, 2 per device; a convolution over them (whose halos need equal rows, so the
+    rows are made whole for it) trains as on one device."""
+    rng = np.random.default_rng(4)
+    img = rng.standard_normal((4, 3, 9, 10)).astype(np.float32)
+    target = Tensor(rng.standard_normal((4, 5)).astype(np.float32))
+    seen = {}
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, pad_mode="same", weight_init="ones")
+            self.fc = nn.Dense(4, 5, weight_init="ones")
+
+        def construct(self, a):
+            seen["a"] = a
+            return self.fc(ops.reduce_mean(ops.relu(self.conv(a)), (2, 3)))
+
+    def run(devices):
+        _setup(devices, **({"dataset_strategy": ((1, 1, 2, 4),)} if devices > 1 else {}))
+        dm.set_seed(2)
+        net = Net()
+        opt = nn.SGD(net.trainable_params(), 0.05)
+        g = dm.value_and_grad(lambda x: ops.reduce_mean(ops.square(net(x) - target)), None,
+                              opt.parameters)
+        losses = []
+        for _ in range(2):
+            loss, grads = g(Tensor(img))
+            opt(grads)
+            losses.append(float(loss.asnumpy()))
+        return losses, [p.asnumpy() for p in net.trainable_params()]
+
+    ref = run(1)
+    got = run(8)
+    lay = seen["a"].layout
+    assert [s[2:] for s in lay.device_slices()[:4]] == [
+        (slice(0, 5), slice(0, 3)), (slice(0, 5), slice(3, 6)), (slice(0, 5), slice(6, 8)),
+        (slice(0, 5), slice(8, 10))]
+    assert lay.device_slices()[4][2] == slice(5, 9)
+    assert dm.parallel.local_shape(seen["a"], rank=7) == (4, 3, 4, 2)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

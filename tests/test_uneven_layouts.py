@@ -264,15 +264,3 @@ def test_ops_on_unequal_pieces_and_rules_that_do_not_handle_them(eight_devices):
                                            "pieces of unequal size yet")):
         NoRule().shard(((4, 1),))(w)
     assert w.layout is None and np.array_equal(w.asnumpy(), np.ones((30, 3)))
-
-
-def test_dataset_tiles_that_do_not_divide_are_refused(eight_devices):
-    dm.set_auto_parallel_context(dataset_strategy=((1, 4),))
-
-    class Net(dm.nn.Cell):
-        def construct(self, x):
-            return x * 2
-
-    with pytest.raises(ValueError, match=E("entry 0 ((1, 4)) does not divide dim 1 (size 6) "
-                                           "of input 0 (shape (2, 6)): tiles of unequal size")):
-        Net()(Tensor(np.ones((2, 6), np.float32)))

@@ -84,12 +84,6 @@ def input_layout(i, shape, k, strategy, n):
             raise ValueError(f"dataset_strategy={strategy!r} gives {len(strategy)} "
                              f"strategies but the network got more tensor inputs (input "
                              f"{i}); give one strategy per input")
+        # tiles that do not divide: numpy.array_split's pieces along each split dim
         layout = TensorLayout.from_strategy(strategy[k], shape, n, "dataset_strategy", k)
-        if not layout.even:
-            d = layout.uneven_dims[0]
-            raise ValueError(
-                f"dataset_strategy={strategy!r}: entry {k} ({strategy[k]}) does not divide "
-                f"dim {d} (size {shape[d]}) of input {i} (shape {shape}): tiles of unequal "
-                f"size are not made for network inputs yet; use a shape the strategy "
-                f"divides")
     return layout
