@@ -1,0 +1,27 @@
+"""Pieces of unequal size across real MPI processes (one device per rank): data parallel
+with a batch that does not divide over the ranks equals the same program stand-alone
+(tests/mpi_scripts/uneven_dp.py); every rank holds its own rows, the gradients' AllReduces
+have equal counts (the pieces are padded alike)."""
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import communication
+
+from _mpi import load_mpi_script, run_mpi_script
+
+
+@pytest.mark.parametrize("ranks,batch", [(3, 32), (2, 31)])
+def test_data_parallel_batch_that_does_not_divide_the_ranks(ranks, batch, tmp_path):
+    out = tmp_path / "out.npz"
+    run_mpi_script("uneven_dp.py", [out, batch], tmp_path, ranks=ranks, timeout=180)
+    data = np.load(out)
+    mod = load_mpi_script("uneven_dp.py")
+    try:
+        ref_losses, ref_weights = mod.train(batch, parallel=False)
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init("sim")
+    np.testing.assert_allclose(data["arr_0"], ref_losses, rtol=1e-5)
+    for k, want in enumerate(ref_weights):
+        np.testing.assert_allclose(data[f"arr_{k + 1}"], want, rtol=1e-4, atol=1e-6)
