@@ -1,10 +1,11 @@
-"""One training step (forward, backward, SGD) of the small GPT of examples/gpt_model.py
-on 8 simulated devices (dp x mp Megatron strategies, PyNative and GRAPH_MODE) and
-stand-alone, beside the same model written by hand in numpy on one device, measured
-in the same run (the ``paired`` fixture alternates their rounds).
+"""One training step (forward, backward, SGD) of the GPT of examples/gpt_model.py on 8
+simulated devices -- dp x mp Megatron strategies (PyNative and GRAPH_MODE) and the 3-D
+layout dp=2 x mp=2 x pp=2 with 2 micro-batches and the parallel optimizer -- and
+stand-alone, beside the same model written by hand in numpy on one device, measured in
+the same run (the ``paired`` fixture alternates their rounds).
 
-The size is one where the matrix products dominate the step (hidden 256, 4 heads of
-64, sequence 64, batch 16, vocabulary 512, 2 blocks: about 10 GFLOP a step).
+The size is one where the matrix products dominate the step (hidden 512, 8 heads of
+64, sequence 64, batch 16, vocabulary 1024, 2 blocks: about 30 GFLOP a step).
 Target: <= 1.3x the numpy step.
 """
 import math
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from gpt_model import GPT, GPTConfig, causal_mask, synthetic_batch  # noqa: E402
 
 LR = 0.1
-SIZE = dict(vocab_size=512, seq_length=64, hidden_size=256, num_heads=4, num_layers=2,
+SIZE = dict(vocab_size=1024, seq_length=64, hidden_size=512, num_heads=8, num_layers=2,
             batch_size=16)
 GELU_C = math.sqrt(2 / math.pi)
 
@@ -49,11 +50,14 @@ def _ln_back(dy, cache):
 
 
 class NumpyGPT:
-    """The GPT of gpt_model.py in numpy (float32), parameters by the same names."""
+    """The GPT of gpt_model.py in numpy (float32), parameters by the same names.
+    `loss_scale` multiplies the gradients (``nn.PipelineCell`` sums its micro-batches'
+    mean losses: micro_size times the batch's mean)."""
 
-    def __init__(self, params, cfg):
+    def __init__(self, params, cfg, loss_scale=1):
         self.p = {k: v.copy() for k, v in params.items()}
         self.cfg = cfg
+        self.loss_scale = loss_scale
         s = cfg.seq_length
         self.mask = causal_mask(s)[None, None]
 
@@ -95,7 +99,7 @@ class NumpyGPT:
         loss = float(np.mean(np.log(ssum[:, 0]) + mx[:, 0] - logits[np.arange(N), lab]))
         d = e / ssum
         d[np.arange(N), lab] -= 1.0
-        d /= N
+        d *= np.float32(self.loss_scale / N)
         grads = {"embedding.embedding_table": d.T @ hf}
         dx, grads["head.ln_f.gamma"], grads["head.ln_f.beta"] = _ln_back(d @ E, lnf)
         for i in reversed(range(c.num_layers)):
@@ -133,29 +137,37 @@ class NumpyGPT:
         grads["embedding.position_embedding"] = dx.reshape(B, S, H).sum(0)
         for name, gr in grads.items():
             p[name] -= np.float32(LR) * gr
-        return loss
+        return loss * self.loss_scale
 
 
 # ---------------------------------------------------------------------------
 # dualmode: the example's model
 # ---------------------------------------------------------------------------
-def _context(devices, graph):
+def _context(cfg, devices, graph):
     dm.set_context(mode=dm.GRAPH_MODE if graph else dm.PYNATIVE_MODE)
     dm.reset_auto_parallel_context()
-    if devices > 1:
-        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=devices,
-                                     full_batch=True)
     communication.init()
+    if devices > 1:
+        extra = {}
+        if cfg.pp > 1:
+            extra = dict(pipeline_stages=cfg.pp, enable_parallel_optimizer=True,
+                         parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=devices,
+                                     full_batch=True, **extra)
+        communication.init()
 
 
 def dualmode_step(cfg, devices, graph):
-    """(step(ids, labels) -> loss, the initial parameters as numpy) on `devices`."""
-    _context(devices, graph)
+    """(network, step(ids, labels) -> loss, the initial parameters as numpy) on
+    `devices`; with pp > 1 the network runs in ``nn.PipelineCell`` (on one device too,
+    so the step is the same program)."""
+    _context(cfg, devices, graph)
     dm.set_seed(1)
     net = GPT(cfg)
     params = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
     opt = nn.SGD(net.trainable_params(), LR)
-    grad_fn = dm.value_and_grad(net, None, opt.parameters)
+    model = nn.PipelineCell(net, cfg.micro_size) if cfg.pp > 1 else net
+    grad_fn = dm.value_and_grad(model, None, opt.parameters)
 
     def step(ids, labels):
         loss, grads = grad_fn(ids, labels)
@@ -168,7 +180,7 @@ def dualmode_step(cfg, devices, graph):
 def _matches_numpy(cfg, devices, graph, ids, labels):
     """Two dualmode steps (fresh model) equal two numpy steps: losses and weights."""
     net, step, params = dualmode_step(cfg, devices, graph)
-    ref = NumpyGPT(params, cfg)
+    ref = NumpyGPT(params, cfg, cfg.micro_size)
     ok = True
     for _ in range(2):
         loss = float(step(dm.Tensor(ids), dm.Tensor(labels)).asnumpy())
@@ -184,15 +196,15 @@ def _reset():
     communication.init()
 
 
-CASES = [("numpy", 1, 1, 1, False), ("dualmode-1dev", 1, 1, 1, False),
-         ("dp2xmp4-eager", 8, 2, 4, False), ("dp2xmp4-graph", 8, 2, 4, True),
-         ("dp4xmp2-eager", 8, 4, 2, False)]
+CASES = [("numpy", 1, 1, 1, 1, False), ("dualmode-1dev", 1, 1, 1, 1, False),
+         ("dp2xmp4-eager", 8, 2, 4, 1, False), ("dp2xmp4-graph", 8, 2, 4, 1, True),
+         ("dp4xmp2-eager", 8, 4, 2, 1, False), ("dp2xmp2xpp2-eager", 8, 2, 2, 2, False)]
 
 
-@pytest.mark.parametrize("name,devices,dp,mp,graph", CASES, ids=[c[0] for c in CASES])
-def test_gpt_step(benchmark, record, paired, name, devices, dp, mp, graph):
-    benchmark.group = "gpt train step (hidden 256, seq 64, batch 16, vocab 512, 2 blocks)"
-    cfg = GPTConfig(dp=dp, mp=mp, **SIZE)
+@pytest.mark.parametrize("name,devices,dp,mp,pp,graph", CASES, ids=[c[0] for c in CASES])
+def test_gpt_step(benchmark, record, paired, name, devices, dp, mp, pp, graph):
+    benchmark.group = "gpt train step (hidden 512, seq 64, batch 16, vocab 1024, 2 blocks)"
+    cfg = GPTConfig(dp=dp, mp=mp, pp=pp, micro_size=pp, **SIZE)
     ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
     rounds = dict(rounds=8, warmup_rounds=2)
     try:
@@ -205,7 +217,7 @@ def test_gpt_step(benchmark, record, paired, name, devices, dp, mp, graph):
         benchmark.extra_info["correct"] = _matches_numpy(cfg, devices, graph, ids, labels)
         assert benchmark.extra_info["correct"]
         _, step, params = dualmode_step(cfg, devices, graph)
-        baseline = NumpyGPT(params, cfg)
+        baseline = NumpyGPT(params, cfg, cfg.micro_size)
         paired(benchmark, step, (dm.Tensor(ids), dm.Tensor(labels)), baseline.step,
                (ids, labels), f"dualmode gpt step {name}", f"numpy gpt step, paired ({name})",
                target=1.3, **rounds)
