@@ -17,7 +17,7 @@ from ...communication.trace import comm_cause
 from ..layout_spec import LayoutSpec
 from ..tensor_layout import TensorLayout
 from .planner import plan_redistribution
-from .steps import Plan, RedistributionError
+from .steps import Plan
 
 
 # ============================================================================ executor
@@ -132,27 +132,45 @@ def _run_uneven(plan, stack, backend, op_name, reason):
     """:func:`run_plan` for layouts whose splits do not all divide their dims. The
     plan's collectives over intermediate layouts do not compose for pieces of unequal
     size (gathering 2 of 4 pieces of 6 rows gives 4 rows, where a 2-way split holds 3),
-    so the move goes through the global value (every device in this process), recording
-    the plan's collectives with the bytes of the real pieces; pending sums kept by the
+    so the move goes through the global value: with every device in this process it is
+    assembled and cut, recording the plan's collectives with the bytes of the real
+    pieces; a process holding some devices cuts its blocks from a source that every
+    device holds whole (no communication), resolves pending sums over a layout that
+    stays the same with AllReduces of the (alike padded) pieces, and otherwise gathers
+    the world's padded pieces (one AllGather, recorded as such: more bytes than the plan,
+    until collectives of unequal counts do better). Pending sums kept by the
     destination are stored whole on the first device of each sum."""
     src, dst = plan.src, plan.dst
-    if len(backend.local_ranks) != src.device_num:
-        raise RedistributionError(
-            f"redistribution from {src!r} to {dst!r}: pieces of unequal size (a split that "
-            f"does not divide its dim) can be moved only when one process holds every "
-            f"device (the 'sim' backend); across processes use shapes that the splits "
-            f"divide")
-    if trace._STATE.reports or trace.GROUP_SINKS:
+    ranks = tuple(backend.local_ranks)
+    if len(ranks) == src.device_num:
+        if trace._STATE.reports or trace.GROUP_SINKS:
+            with comm_cause(op_name, reason):
+                _record_steps(plan, stack.itemsize)
+        value = global_value(stack, src)
+        ranks = None
+    elif all(step[0] == "AllReduce" for step in plan):
+        # the same pieces on both sides: sums of alike padded pieces (zeros + zeros)
+        x = as_stack(stack)
+        mesh = plan._mesh(plan.device_matrix)
         with comm_cause(op_name, reason):
-            _record_steps(plan, stack.itemsize)
-    value = global_value(stack, src)
-    if not dst.partial:
-        return dst.local_blocks(value)
+            for step in plan:
+                x = backend.all_reduce(x, mesh.group_members(step[2]))
+        return x
+    elif not src.split_axes and not src.partial:
+        value = np.asarray(stack)[0]                  # every device holds the whole value
+    else:
+        world = np.arange(src.device_num, dtype=np.int64)[None]
+        with comm_cause(op_name, reason):
+            got = backend.all_gather(np.ascontiguousarray(stack)[:, None], world, axis=0)
+        value = src.assemble(np.asarray(got)[0])
     whole = dst.without_partial()
-    out = np.array(whole.local_blocks(value), copy=True)
-    grid = out.reshape(dst.device_matrix + dst.local_shape)
-    for a in dst.partial:                  # the other shares of each sum are zeros
-        grid[(slice(None),) * a + (slice(1, None),)] = 0
+    out = whole.local_blocks(value) if ranks is None else whole.local_blocks_of(value, ranks)
+    if not dst.partial:
+        return out
+    out = np.array(out)
+    coords = dst.rank_coords[np.arange(dst.device_num) if ranks is None else list(ranks)]
+    later = (coords[:, list(dst.partial)] != 0).any(axis=1)
+    out[later] = 0                        # the other shares of each sum are zeros
     return out
 
 
