@@ -263,10 +263,13 @@ def test_gpt_3d_script_prints_equal_losses(capsys):
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
-@pytest.mark.parametrize("args,shape", [(["--pp", "1"], "dp=4 x mp=2 x pp=1")], ids=["dp-mp"])
+@pytest.mark.parametrize("args,shape", [([], "dp=2 x mp=2 x pp=2"),
+                                        (["--pp", "1"], "dp=4 x mp=2 x pp=1")],
+                         ids=["3d", "dp-mp"])
 def test_gpt_3d_script_under_mpi_prints_the_simulated_losses(tmp_path, capsys, args, shape):
-    """8 real ranks (the parallel optimizer on) print the simulated run's losses, which
-    are the stand-alone run's."""
+    """8 real ranks (the parallel optimizer on; in 3-D each rank runs its pipeline stage,
+    activations sent between ranks) print the simulated run's losses, which are the
+    stand-alone run's."""
     pytest.importorskip("mpi4py")
     gpt_3d.main(["--steps", "3", *args])
     sim = _losses(capsys.readouterr().out)
