@@ -103,17 +103,40 @@ def test_parameter_plan_places_a_weight_in_unequal_pieces():
     assert w.layout is not None and not w.layout.even
 
 
-def test_integrated_checkpoint_round_trips_and_sliced_is_refused(tmp_path):
+def test_checkpoints_of_unequal_pieces(tmp_path):
+    """Integrated and per-rank (sliced) saves of weights cut 2, 2, 1, 1: each rank's file
+    holds its own piece (no pads); loading them back into the same layout, into one
+    device, or merging them gives the trained values."""
+    from dualmode.train.safetensors_io import CheckpointFile
     _, net = _train(8, "SGD")
     want = {p.name: p.asnumpy() for p in net.trainable_params()}
-    path = str(tmp_path / "uneven.ckpt")
-    dm.save_checkpoint(net, path)
+    lay = net.w1.layout
+    full = str(tmp_path / "full.ckpt")
+    dm.save_checkpoint(net, full)
+    base = str(tmp_path / "n.ckpt")
+    dm.save_checkpoint(net, base, integrated_save=False)
+    files = [str(tmp_path / f"rank_{r}" / "n.ckpt") for r in range(8)]
+    for r, path in enumerate(files):
+        with CheckpointFile(path) as f:
+            np.testing.assert_array_equal(f.read("w1"), want["w1"][lay.device_slices()[r]])
     fresh = Net()
-    dm.load_param_into_net(fresh, dm.load_checkpoint(path))
+    fresh(Tensor(np.zeros((10, 12), np.float32)))           # stored in its layouts
+    assert dm.load_distributed_checkpoint(fresh, files) == []
+    assert fresh.w1.layout == lay
     for p in fresh.trainable_params():
         np.testing.assert_array_equal(p.asnumpy(), want[p.name])
-    with pytest.raises(ValueError, match=r"save_checkpoint: parameter 'w1' is split into "
-                                         r"pieces of unequal size .*checkpoints of unequal "
-                                         r"pieces are not written yet"):
-        dm.save_checkpoint(net, str(tmp_path / "sliced.ckpt"), integrated_save=False)
-    assert not os.path.exists(tmp_path / "rank_0")
+    short = [r for r in range(8) if lay.local_shape_of(r)[1] == 1]
+    assert not np.asarray(fresh.w1._data)[short, :, 1].any()       # zero pads
+    merged = str(tmp_path / "merged.ckpt")
+    dm.merge_sliced_checkpoints(files, str(tmp_path / "strategy.json"), merged)
+    for name, value in dm.load_checkpoint(merged).items():
+        if name in want:
+            np.testing.assert_array_equal(value.asnumpy(), want[name])
+    _setup(1)
+    one = Net()
+    dm.load_distributed_checkpoint(one, files)
+    for p in one.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name])
+    dm.load_param_into_net(one, dm.load_checkpoint(full))
+    for p in one.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name])

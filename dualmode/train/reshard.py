@@ -99,8 +99,9 @@ class SlicedCheckpoint:
                 raise CheckpointError(f"{self.owner}: parameter {name!r} was sliced over "
                                       f"{lay.device_num} devices (strategy) but "
                                       f"{n} files were given; give one file per rank")
-            want = lay.local_shape if lay is not None else None
-            for f in self.files:
+            for r, f in enumerate(self.files):
+                # (a split that does not divide: each rank its own piece's shape)
+                want = lay.local_shape_of(r) if lay is not None else None
                 got = f.shape(name)
                 if want is not None and got != want:
                     raise CheckpointError(f"{self.owner}: checkpoint file {f.path!r}, parameter "
@@ -139,11 +140,10 @@ class SlicedCheckpoint:
             return self.files[0].read_region(name, box, out)
         lo = np.array([s.start for s in box], np.int64)
         hi = np.array([s.stop for s in box], np.int64)
-        local = np.asarray(lay.local_shape, np.int64)
         blocks, ranks = np.unique(lay.block_index, axis=0, return_index=True)
-        starts = blocks * local
+        starts = lay.part_starts[ranks]                 # each block's real extent
         b_lo = np.maximum(starts, lo)
-        b_hi = np.minimum(starts + local, hi)
+        b_hi = np.minimum(starts + lay.local_shapes[ranks], hi)
         hit = np.all(b_hi > b_lo, axis=1) if len(shape) else np.ones(len(ranks), bool)
         for r, s, a, z in zip(ranks[hit], starts[hit], b_lo[hit], b_hi[hit]):   # one per file
             src = tuple(slice(int(x - o), int(y - o)) for x, y, o in zip(a, z, s))
@@ -378,14 +378,16 @@ def _load_one(src, name, lay):
         region = src.read(name)
         return lay.local_blocks_of(region, _local_ranks(lay.device_num)), lay
     ranks = _local_ranks(lay.device_num)
-    local = np.asarray(lay.local_shape, np.int64)
     blocks = lay.block_index[ranks]
     _, first, inverse = np.unique(blocks, axis=0, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
-    stack = np.empty((len(ranks),) + tuple(lay.local_shape), src.dtype(name))
+    # a split that does not divide: the short pieces' slots keep zeros past their rows
+    stack = (np.empty if lay.even else np.zeros)((len(ranks),) + tuple(lay.local_shape),
+                                                 src.dtype(name))
     for k in first:                                 # one read per distinct block
-        box = tuple(slice(int(a), int(a + m)) for a, m in zip(blocks[k] * local, local))
-        src.read_into(name, box, stack[k])
+        start, size = lay.part_starts[ranks[k]], lay.local_shapes[ranks[k]]
+        box = tuple(slice(int(a), int(a + m)) for a, m in zip(start, size))
+        src.read_into(name, box, stack[k][tuple(slice(0, int(m)) for m in size)])
     source = first[inverse]
     dup = np.flatnonzero(source != np.arange(len(ranks)))
     if dup.size:

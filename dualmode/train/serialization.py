@@ -254,6 +254,14 @@ def _save_integrated(path, entries, meta):
         b.barrier()                       # the file exists for every rank afterwards
 
 
+def _piece(slot, layout, rank):
+    """The part of device `rank`'s `slot` it really holds: the slot itself, or, in a
+    `layout` whose splits do not divide, its rows without the pads."""
+    if layout is None:
+        return slot
+    return slot[tuple(slice(0, int(m)) for m in layout.local_shapes[rank])]
+
+
 def _save_sliced(path, entries, meta, n):
     b = live_backend()
     ranks = tuple(b.local_ranks) if b is not None else (0,)
@@ -265,12 +273,9 @@ def _save_sliced(path, entries, meta, n):
         if lay is not None and lay.device_num != n:
             raise ValueError(f"save_checkpoint: parameter {name!r} is laid out over "
                              f"{lay.device_num} devices but {n} are running")
-        if isinstance(lay, TensorLayout) and not lay.even:
-            raise ValueError(f"save_checkpoint: parameter {name!r} is split into pieces of "
-                             f"unequal size ({lay!r}); checkpoints of unequal pieces are not "
-                             f"written yet")
         if isinstance(lay, TensorLayout) or _is_device_local(v):
-            per_device.append((name, v._data))
+            per_device.append((name, v._data, lay if isinstance(lay, TensorLayout) and
+                               not lay.even else None))
             if isinstance(lay, TensorLayout):
                 layouts[name] = lay
         else:
@@ -279,7 +284,9 @@ def _save_sliced(path, entries, meta, n):
         os.makedirs(os.path.dirname(sliced_path(path, rank)), exist_ok=True)
     # each rank's slices are views of the stacks (written from their memory); every file
     # is written before the first is synced, so the disk flushes while the next is written
-    write_files([(sliced_path(path, rank), [(name, stack[k]) for name, stack in per_device]
+    # a split that does not divide: each rank writes its own piece (its slot's real rows)
+    write_files([(sliced_path(path, rank), [(name, _piece(stack[k], uneven, rank))
+                                            for name, stack, uneven in per_device]
                   + shared, dict(meta, rank=int(rank))) for k, rank in enumerate(ranks)])
     if 0 in ranks:
         dtypes = {name: entries[name].dtype for name in layouts}
@@ -405,9 +412,14 @@ def _prepare_slice(name, target, arr, sliced, owner):
         raise ValueError(f"{owner}: parameter {name!r} was saved in layout {lay!r} but the "
                          f"network stores it as {cur!r}; use load_distributed_checkpoint to "
                          f"load it into another layout")
-    if arr.shape != lay.local_shape:
+    want = lay.local_shape_of(rank)
+    if arr.shape != want:
         raise ValueError(f"{owner}: parameter {name!r}: the slice has shape {arr.shape}, its "
-                         f"layout gives {lay.local_shape}")
+                         f"layout gives {want}")
+    if not lay.even:                   # a piece of unequal size: its padded slot
+        slot = np.zeros((1,) + tuple(lay.local_shape), arr.dtype)
+        slot[(0,) + tuple(slice(0, m) for m in want)] = arr
+        return slot, lay
     return np.array(arr[None]), lay
 
 
