@@ -140,3 +140,33 @@ def test_checkpoints_of_unequal_pieces(tmp_path):
     dm.load_param_into_net(one, dm.load_checkpoint(full))
     for p in one.trainable_params():
         np.testing.assert_array_equal(p.asnumpy(), want[p.name])
+
+
+def test_transform_checkpoints_into_other_unequal_pieces(tmp_path):
+    """Sliced files of 8 devices (w1's columns 2, 2, 1, 1) transformed to 3 devices with
+    w1's rows cut 4, 4, 4 and w2's columns 2, 2, 1: each new rank file holds its piece, and
+    they load into one device as the trained values."""
+    from dualmode.parallel import TensorLayout
+    from dualmode.train.safetensors_io import CheckpointFile
+    from dualmode.train.strategy_file import save_strategy_file
+    _, net = _train(8, "SGD")
+    want = {p.name: p.asnumpy() for p in net.trainable_params()}
+    src = tmp_path / "src"
+    src.mkdir()
+    dm.save_checkpoint(net, str(src / "n.ckpt"), integrated_save=False)
+    layouts = {"w1": TensorLayout((3,), ((0,), ()), (12, 6)),
+               "w2": TensorLayout((3,), ((), (0,)), (6, 5))}
+    dst_strategy = str(tmp_path / "dst.json")
+    save_strategy_file(dst_strategy, layouts)
+    dst = str(tmp_path / "dst")
+    dm.transform_checkpoints(str(src), dst, str(src / "strategy.json"), dst_strategy)
+    files = [os.path.join(dst, f"rank_{r}", "n.ckpt") for r in range(3)]
+    for r, path in enumerate(files):
+        with CheckpointFile(path) as f:
+            for name, lay in layouts.items():
+                np.testing.assert_array_equal(f.read(name), want[name][lay.device_slices()[r]])
+    _setup(1)
+    one = Net()
+    dm.load_distributed_checkpoint(one, files)
+    for p in one.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name])
