@@ -248,14 +248,14 @@ print(json.dumps({{
 def test_gpt3_175b_on_1024_devices_tensor_8_data_128(zero):
     """96 layers, hidden 12,288, 96 heads, sequence 2,048, vocabulary 51,200 on 1,024
     devices as tensor 8 x data 128 with Adam, with and without the parallel optimizer,
-    one sequence per data-parallel group. No pipeline: pipeline stages run eagerly, not
+    one sequence per data-parallel group, in under 2 GB (its time, under 30 s, is
+    measured in bench/test_bench_dry_run.py). No pipeline: pipeline stages run eagerly, not
     through the compile the dry run plans (it refuses pipeline_stages > 1)."""
     script = _GPT3.format(examples=EXAMPLES, zero=zero)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["elapsed"] < 30, out["elapsed"]
     assert out["maxrss_mb"] < 2048, out["maxrss_mb"]
     assert out["made"] == 0                               # no parameter was made
     l, h, t, V, S = 96, 12288, 8, 51200, 2048
