@@ -157,8 +157,12 @@ def test_gpt_trains_in_three_dimensions_as_on_one_device(dp, mp, pp, micro, laye
     for name in ref_w:
         np.testing.assert_allclose(w[name], ref_w[name], rtol=TRAIN_RTOL, atol=1e-6,
                                    err_msg=name)
-    # activations forward and their gradients back, per stage boundary and micro-batch
-    assert report.count("Send", "pipeline") == 3 * 2 * micro * (pp - 1)
+    # activations forward and their gradients back, per stage boundary and micro-batch,
+    # and once a step the tied embedding table (stage 0's weight read by the last
+    # stage's logits) forward and its gradient back
+    assert report.count("Send", "pipeline") == 3 * (2 * micro * (pp - 1) + 2)
+    tied = [r for r in report.records if r.kind == "Send" and r.op == "head"]
+    assert len(tied) == 3 * 2
     assert report.count("Receive", "pipeline") == report.count("Send", "pipeline")
     if dp > 1:
         # the parallel optimizer: gradients ReduceScattered over dp, every weight's
@@ -255,7 +259,7 @@ def test_gpt_3d_script_prints_equal_losses(capsys):
     assert "stage 0 F0 F1 .  B0 .  B1" in out          # the 1F1B table
     for reason in ("pipeline", "gradient", "parallel_optimizer"):
         assert re.search(rf"\n  {reason}\s+\d+ x", out), reason
-    assert report.count("Send", "pipeline") == 3 * 2 * 2
+    assert report.count("Send", "pipeline") == 3 * (2 * 2 + 2)
     assert report.count("AllGather", "parallel_optimizer") > 0
     state = re.search(r"Momentum state per device: (\S+) KiB, weight slices it updates: "
                       r"(\S+) KiB \(one device: (\S+) and (\S+) KiB\)", out)
