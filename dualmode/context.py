@@ -876,6 +876,8 @@ def get_auto_parallel_context(key: str) -> Any:
     if key == "comm_fusion":
         return {op: {"mode": mode, "config": copy.deepcopy(config)}
                 for op, (mode, config) in cfg.comm_fusion.items()}
+    if key == "pipeline_config":
+        return dict(cfg.pipeline_config)
     if key == "strategy_ckpt_config":
         return {name: getattr(cfg, f) for name, f in _STRATEGY_CKPT_KEYS.items()}
     if key == "parallel_optimizer_config":

@@ -8,6 +8,7 @@ program on "sim" in-process to compare.
 TIED=1: the last block also reads the first block's weight (a parameter shared by the
 first and the last stage, as a tied embedding).
 """
+import gc
 import os
 import sys
 
@@ -16,6 +17,7 @@ import numpy as np
 import dualmode as dm
 from dualmode import communication, nn, ops
 from dualmode.parallel import CommReport
+from dualmode.parallel.report import parameter_bytes_per_device
 
 B, D, STEPS = 16, 8, 3
 
@@ -62,6 +64,8 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
                                  pipeline_stages=stages,
                                  pipeline_config={"pipeline_scheduler": scheduler})
     communication.init()
+    gc.collect()                            # the weights of earlier runs in this process
+    before = parameter_bytes_per_device()
     per = n // stages
     blocks = max(stages, 2)
     strategies = [None] * blocks
@@ -95,7 +99,7 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
                                              for p in block.trainable_params()
                                              if not (tied and p is net.blocks[0].w and k))
     counts = (report.count("Send", "pipeline"), report.count("Receive", "pipeline"),
-              report.bytes("Send"), last.parameter_memory)
+              report.bytes("Send"), last.parameter_memory - before)
     return np.array(losses), weights, counts
 
 
