@@ -440,3 +440,13 @@ def test_graph_mode_communicates_what_pynative_does(dp, mp):
                 ops.relu(att(x3)).asnumpy()
             kinds[graph] = [(r.kind, r.op) for r in rep.records]
     assert kinds[True] == kinds[False] == [("AllReduce", "MatMul")], kinds
+
+
+def test_transformer_ops_under_mpi_equal_stand_alone(tmp_path):
+    """On 4 real MPI ranks (tests/mpi_scripts/transformer_ops.py): Dropout sharded
+    three ways gives the stand-alone mask and output for the same seed, Softmax over a
+    split axis, and the attention block (dp=2 x mp=2) in PyNative mode and GRAPH_MODE
+    gives the stand-alone output, loss and every gradient."""
+    from _mpi import run_mpi_script
+    proc = run_mpi_script("transformer_ops.py", [], tmp_path, ranks=4, timeout=180)
+    assert "transformer ops ok: 24 checks" in proc.stdout, proc.stdout
