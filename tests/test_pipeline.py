@@ -342,6 +342,34 @@ def test_parameter_memory_is_one_stages():
     assert report.parameter_memory - before == D * D * 4 // 4 + D * 4
 
 
+def test_transfers_copy_nothing_on_simulated_devices():
+    """Between two stages simulated in one process the activation is not copied: the
+    next stage reads the same shards (forward) and the gradient comes back as it is."""
+    seen = {}
+
+    class Keep(nn.Cell):
+        def __init__(self, block, key):
+            super().__init__()
+            self.block, self.key = block, key
+
+        def construct(self, x):
+            seen[self.key + "_in"] = x
+            out = self.block(x)
+            seen[self.key + "_out"] = out
+            return out
+
+    _setup(2)
+    blocks = [Block(w, s) for w, s in zip(_weights(2), [((2, 2), (2, 1)), None])]
+    net = nn.SequentialCell([Keep(blocks[0], "first"), Keep(blocks[1], "second")])
+    net[0].pipeline_stage, net[1].pipeline_stage = 0, 1
+    model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), 2)
+    x, y = _data()
+    model(dm.Tensor(x), dm.Tensor(y))
+    sent, got = seen["first_out"], seen["second_in"]
+    assert sent is not got and got._layout == sent._layout
+    assert got._data is sent._data
+
+
 def test_two_devices_per_stage_pass_whole_values():
     """Two stages of one device each (device_num=2): activations are whole tensors."""
     _setup(2, device_num=2)
