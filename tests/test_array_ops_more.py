@@ -158,8 +158,12 @@ def test_tile_strategy_refused_by_name():
         with pytest.raises(ValueError, match=r"Tile: in_strategy\[0\]\[0\]=2 splits a new dim "
                                              r"of size 1"):
             ops.Tile().shard(((2, 1, 1),))(x, (1, 1, 2))
-        with pytest.raises(ValueError, match=r"Tile: in_strategy\[0\]\[0\]=3 does not divide "
-                                             r"dim 0 \(size 8\)"):
+        with pytest.raises(ValueError, match=r"Tile: in_strategy\[0\]\[0\]=4 exceeds dim 0 "
+                                             r"\(size 2\) of input 0: some devices would hold "
+                                             r"an empty piece"):
+            ops.Tile().shard(((4, 1),))(Tensor(np.zeros((2, 4), np.float32)), (1, 2))
+        with pytest.raises(ValueError, match=r"Tile: in_strategy\[0\]=\(3, 1\) needs 3 "
+                                             r"devices \(its product\) but device_num is 8"):
             ops.Tile().shard(((3, 1),))(x, (1, 2))
         with pytest.raises(ValueError, match=r"Tile: in_strategy\[0\]=\(4, 4\) needs 16 "
                                              r"devices \(its product\) but device_num is 8"):
@@ -610,9 +614,14 @@ def test_onehot_output_form_values_and_layout():
                                              r"depth dim \(dim 1 of the output\) but does not "
                                              r"divide depth=12"):
             ops.OneHot().shard(((1, 8), (), ()))(Tensor(_IDX), 12, 1.0, 0.0)
-        with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]\[0\]=2 does not "
-                                             r"divide dim 0 \(size 15\) of the indices"):
-            ops.OneHot().shard(((2, 4), (), ()))(Tensor(_IDX[:15]), 8, 1.0, 0.0)
+        # 15 indices in 2 pieces (8, 7: unequal pieces), the classes in 4
+        out = ops.OneHot().shard(((2, 4), (), ()))(Tensor(_IDX[:15]), 8, 1.0, 0.0)
+        np.testing.assert_array_equal(out.asnumpy(),
+                                      np.eye(8, dtype=np.float32)[_IDX[:15]])
+        with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]\[0\]=2 exceeds dim 0 "
+                                             r"\(size 1\) of the indices: some devices would "
+                                             r"hold an empty piece"):
+            ops.OneHot().shard(((2, 4), (), ()))(Tensor(_IDX[:1]), 8, 1.0, 0.0)
         with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]=\(16, 1\) needs 16 "
                                              r"devices \(its product\) but device_num is 8"):
             ops.OneHot().shard(((16, 1), (), ()))(Tensor(_IDX), 8, 1.0, 0.0)

@@ -602,8 +602,9 @@ def test_fill_v2_strategy_errors():
                 (((2, 2), (1,)), r"in_strategy=\(\(2, 2\), \(1,\)\) must be"),
                 (((2, 2, 1), ()), r"in_strategy\[0\]=\(2, 2, 1\) must have one entry per dim "
                                   r"of the output \(shape \(16, 8\)\)"),
-                (((3, 1), ()), r"in_strategy\[0\]\[0\]=3 does not divide dim 0 \(size 16\) "
-                               r"of the output"),
+                # (a split that does not divide gives unequal pieces; 3 does not fit 8)
+                (((3, 1), ()), r"in_strategy\[0\]=\(3, 1\) needs 3 devices \(its product\) "
+                               r"but device_num is 8"),
                 (((4, 4), ()), r"in_strategy\[0\]=\(4, 4\) needs 16 devices \(its product\) "
                                r"but device_num is 8")]:
             with pytest.raises(ValueError, match="FillV2: " + msg):

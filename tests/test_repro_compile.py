@@ -233,7 +233,8 @@ def test_one_hot_strategy_with_python_on_off_values_in_every_mode(mode, strategy
 
 
 @pytest.mark.parametrize("strategy,message", [
-    (((3,),), r"OneHot: in_strategy\[0\]\[0\]=3 does not divide dim 0 \(size 8\)"),
+    (((3,),), r"OneHot: in_strategy\[0\]=\(3,\) needs 3 devices, which does not divide "
+              r"device_num=8"),
     (((4,), (), (), ()), r"OneHot: in_strategy has 4 entries but the op got 1 tensor"),
     (((4,), (2,), ()), r"OneHot: in_strategy has 3 entries but the op got 1 tensor"),
 ])

@@ -374,3 +374,20 @@ def test_conv2d(strategy, compiled):
 def test_pooling(cls, strategy, compiled):
     _check(lambda: (lambda x: cls(2, 2).shard(strategy)(x)), [_f32(10, 5, 9, 8)], 0,
            compiled)
+
+
+@MODES
+@pytest.mark.parametrize("strategy,mult", [(((4, 1),), (1, 2)), (((4, 2),), (1, 2)),
+                                           (((2, 4, 1),), (2, 1, 1))], ids=str)
+def test_tile_strategies_over_unequal_pieces(strategy, mult, compiled):
+    # (a tiled dim's entry still divides its multiple: each device makes its copies)
+    _check(lambda: (lambda t: ops.Tile().shard(strategy)(t, mult)), [_f32(10, 3)], 0,
+           compiled)
+
+
+@MODES
+def test_fill_strategy_over_unequal_pieces(compiled):
+    def build():
+        fill = ops.FillV2().shard(((4, 2), ()))
+        return lambda t: fill((10, 7), ops.reduce_sum(t)) * t
+    _check(build, [_f32(10, 7)], 0, compiled)

@@ -183,9 +183,10 @@ class OneHot(Primitive):
                              f"(dim {pos} of the output) but does not divide depth={depth}")
         dims = tuple(d if d < pos else d + 1 for d in range(ndim))
         for d, o in enumerate(dims):
-            if shape[d] % s[o]:
-                raise ValueError(f"OneHot: in_strategy[0][{o}]={s[o]} does not divide dim "
-                                 f"{d} (size {shape[d]}) of the indices")
+            if 0 < shape[d] < s[o]:
+                raise ValueError(f"OneHot: in_strategy[0][{o}]={s[o]} exceeds dim {d} (size "
+                                 f"{shape[d]}) of the indices: some devices would hold an "
+                                 f"empty piece")
         inner = OneHot(self.axis)
         lay = OUTPUT_STRATEGY_LAYOUTS[0](self.name, s, dims) if OUTPUT_STRATEGY_LAYOUTS \
             else s[:pos] + s[pos + 1:]
@@ -486,9 +487,10 @@ class Tile(Primitive):
             if m == 1 and j < off and k != 1:
                 raise ValueError(f"Tile: in_strategy[0][{j}]={k} splits a new dim of size "
                                  f"1 (multiples[{j}]=1); valid: 1")
-            if m == 1 and j >= off and x.shape[j - off] % k:
-                raise ValueError(f"Tile: in_strategy[0][{j}]={k} does not divide dim "
-                                 f"{j - off} (size {x.shape[j - off]}) of input 0")
+            if m == 1 and j >= off and 0 < x.shape[j - off] < k:
+                raise ValueError(f"Tile: in_strategy[0][{j}]={k} exceeds dim {j - off} "
+                                 f"(size {x.shape[j - off]}) of input 0: some devices would "
+                                 f"hold an empty piece")
         dims = tuple(d + off if mult[d + off] == 1 else None for d in range(x.ndim))
         lay = OUTPUT_STRATEGY_LAYOUTS[0](self.name, s, dims) if OUTPUT_STRATEGY_LAYOUTS \
             else None
@@ -798,9 +800,9 @@ class FillV2(Primitive):
             raise ValueError(f"FillV2: in_strategy[0]={s} must have one entry per dim of the "
                              f"output (shape {shape}), e.g. {(1,) * len(shape)}")
         for j, (k, d) in enumerate(zip(s, shape)):
-            if d % k:
-                raise ValueError(f"FillV2: in_strategy[0][{j}]={k} does not divide dim {j} "
-                                 f"(size {d}) of the output")
+            if 0 < d < k:
+                raise ValueError(f"FillV2: in_strategy[0][{j}]={k} exceeds dim {j} (size {d}) "
+                                 f"of the output: some devices would hold an empty piece")
         if OUTPUT_STRATEGY_LAYOUTS:      # the parallel layer checks the device count
             OUTPUT_STRATEGY_LAYOUTS[0](self.name, s, ())
         key = (st, self.out_strategy)
