@@ -43,3 +43,21 @@ def test_operator_strategies_that_do_not_divide(tmp_path):
     np.testing.assert_allclose(data["arr_0"], ref_losses, rtol=1e-5)
     for k, want in enumerate(ref_weights):
         np.testing.assert_allclose(data[f"arr_{k + 1}"], want, rtol=1e-4, atol=1e-6)
+
+
+def test_moves_of_unequal_pieces_between_processes(tmp_path):
+    """Split to whole, whole to split, rows to columns, 4 pieces to 2 and back, a grid to
+    rows, pending sums to a split, to a grid and to whole, between 4 processes: every
+    rank gets exactly its destination piece. A move that communicates is one AlltoAll
+    of the parts each device lacks (a whole source is only cut)."""
+    out = tmp_path / "out.npz"
+    run_mpi_script("uneven_moves.py", [out], tmp_path, ranks=4, timeout=180)
+    data = np.load(out)
+    mod = load_mpi_script("uneven_moves.py")
+    names = [c[0] for c in mod.cases()]
+    assert dict(zip(names, data["ok"].tolist())) == {n: 1.0 for n in names}
+    spent = dict(zip(names, data["nbytes"].tolist()))
+    assert spent["whole_to_split"] == 0
+    # split to whole: 7 rows of 5 float64 in 4 AlltoAll slots of the largest piece (2
+    # rows): (4 - 1) / 4 of 4 slots of 80 bytes each
+    assert spent["split_to_whole"] == pytest.approx(3 / 4 * 4 * 80)

@@ -131,15 +131,15 @@ def run_plan(plan: Plan, stack: np.ndarray, backend=None, *,
 def _run_uneven(plan, stack, backend, op_name, reason):
     """:func:`run_plan` for layouts whose splits do not all divide their dims. The
     plan's collectives over intermediate layouts do not compose for pieces of unequal
-    size (gathering 2 of 4 pieces of 6 rows gives 4 rows, where a 2-way split holds 3),
-    so the move goes through the global value: with every device in this process it is
-    assembled and cut, recording the plan's collectives with the bytes of the real
-    pieces; a process holding some devices cuts its blocks from a source that every
+    size (gathering 2 of 4 pieces of 6 rows gives 4 rows, where a 2-way split holds 3).
+    With every device in this process the move goes through the global value
+    (assembled, then cut), recording the plan's collectives with the bytes of the real
+    pieces. A process holding some devices cuts its blocks from a source that every
     device holds whole (no communication), resolves pending sums over a layout that
-    stays the same with AllReduces of the (alike padded) pieces, and otherwise gathers
-    the world's padded pieces (one AllGather, recorded as such: more bytes than the plan,
-    until collectives of unequal counts do better). Pending sums kept by the
-    destination are stored whole on the first device of each sum."""
+    stays the same with AllReduces of the (alike padded) pieces, and otherwise makes one
+    AlltoAll in which each device sends every other the part of its piece that the
+    other's new piece holds (:func:`_exchange`). Pending sums kept by the destination
+    are stored whole on the first device of each sum."""
     src, dst = plan.src, plan.dst
     ranks = tuple(backend.local_ranks)
     if len(ranks) == src.device_num:
@@ -147,6 +147,8 @@ def _run_uneven(plan, stack, backend, op_name, reason):
             with comm_cause(op_name, reason):
                 _record_steps(plan, stack.itemsize)
         value = global_value(stack, src)
+        whole = dst.without_partial()
+        out = whole.local_blocks(value)
         ranks = None
     elif all(step[0] == "AllReduce" for step in plan):
         # the same pieces on both sides: sums of alike padded pieces (zeros + zeros)
@@ -158,19 +160,84 @@ def _run_uneven(plan, stack, backend, op_name, reason):
         return x
     elif not src.split_axes and not src.partial:
         value = np.asarray(stack)[0]                  # every device holds the whole value
+        out = dst.without_partial().local_blocks_of(value, ranks)
     else:
-        world = np.arange(src.device_num, dtype=np.int64)[None]
         with comm_cause(op_name, reason):
-            got = backend.all_gather(np.ascontiguousarray(stack)[:, None], world, axis=0)
-        value = src.assemble(np.asarray(got)[0])
-    whole = dst.without_partial()
-    out = whole.local_blocks(value) if ranks is None else whole.local_blocks_of(value, ranks)
+            out = _exchange(plan, as_stack(stack), backend)
     if not dst.partial:
         return out
     out = np.array(out)
     coords = dst.rank_coords[np.arange(dst.device_num) if ranks is None else list(ranks)]
     later = (coords[:, list(dst.partial)] != 0).any(axis=1)
     out[later] = 0                        # the other shares of each sum are zeros
+    return out
+
+
+def _exchange_plan(plan):
+    """Who sends what in :func:`_exchange` (a function of the layouts, kept on the plan):
+    ``(box_lo, box_hi, longest)``, the boxes ``(n, n, ndim)`` of the global tensor that
+    device i sends device j (empty where it sends nothing) and the largest one's size.
+    Every distinct source piece (a block, and with pending sums each summand of it) is
+    sent once to each destination: by the destination itself when it holds it, else by
+    one of its holders, spread over them."""
+    found = plan.__dict__.get("_exchange")
+    if found is not None:
+        return found
+    src, dst = plan.src, plan.dst
+    n = src.device_num
+    key = np.concatenate([src.block_index, src.rank_coords[:, list(src.partial)]], axis=1)
+    _, group = np.unique(key, axis=0, return_inverse=True)
+    group = np.asarray(group).reshape(-1)
+    sends = np.zeros((n, n), bool)                 # sends[i, j]: device i sends to j
+    everyone = np.arange(n)
+    for g in range(int(group.max()) + 1):          # the distinct source pieces (<= n)
+        holders = np.flatnonzero(group == g)
+        pick = holders[everyone % len(holders)]
+        pick[holders] = holders                    # a holder takes its own
+        sends[pick, everyone] = True
+    s_lo = src.part_starts
+    s_hi = s_lo + src.local_shapes
+    d_lo, d_hi = dst.part_starts, dst.part_starts + dst.local_shapes
+    lo = np.maximum(s_lo[:, None, :], d_lo[None, :, :])
+    hi = np.minimum(s_hi[:, None, :], d_hi[None, :, :])
+    hi = np.where(sends[:, :, None] & (hi > lo).all(axis=2)[:, :, None], np.maximum(hi, lo),
+                  lo)
+    longest = int(np.prod(hi - lo, axis=2).max()) if n else 0
+    found = plan.__dict__["_exchange"] = (lo, hi, longest)
+    return found
+
+
+def _exchange(plan, stack, backend):
+    """The destination's pieces from the source's (`stack`: this process's devices), for
+    a process that holds some devices: one AlltoAll over every device, each sending each
+    other the part of its piece that the other's new piece holds (flattened, in slots of
+    the largest such part), each adding what it receives into its new piece (the
+    summands of a pending sum add up)."""
+    src, dst = plan.src, plan.dst
+    n = src.device_num
+    lo, hi, longest = _exchange_plan(plan)
+    ranks = list(backend.local_ranks)
+    send = np.zeros((len(ranks), n, max(longest, 1)), stack.dtype)
+    for k, i in enumerate(ranks):
+        for j in range(n):                          # this device's parts for each device
+            size = int(np.prod(hi[i, j] - lo[i, j]))
+            if size:
+                box = tuple(slice(int(a - o), int(b - o))
+                            for a, b, o in zip(lo[i, j], hi[i, j], src.part_starts[i]))
+                send[k, j, :size] = stack[k][box].ravel()
+    got = np.asarray(backend.all_to_all(send.reshape(len(ranks), -1), np.arange(n)[None],
+                                        split_axis=0, concat_axis=0))
+    got = got.reshape(len(ranks), n, -1)
+    dtype = np.result_type(stack.dtype)
+    out = np.zeros((len(ranks),) + tuple(dst.local_shape), dtype)
+    for k, j in enumerate(ranks):
+        for i in range(n):                          # what each device sent this one
+            shape = tuple(int(v) for v in hi[i, j] - lo[i, j])
+            size = int(np.prod(shape))
+            if size:
+                box = tuple(slice(int(a - o), int(b - o))
+                            for a, b, o in zip(lo[i, j], hi[i, j], dst.part_starts[j]))
+                out[k][box] += got[k, i, :size].reshape(shape)
     return out
 
 
