@@ -207,38 +207,62 @@ def _exchange_plan(plan):
     return found
 
 
+def _box_index(lo, hi, origin, slot):
+    """The flat indices, in a slot of shape `slot` whose first element is the global
+    index `origin`, of the box ``[lo, hi)`` of the global tensor (row-major)."""
+    axes = [np.arange(a - o, b - o) for a, b, o in zip(lo, hi, origin)]
+    return np.ravel_multi_index(np.meshgrid(*axes, indexing="ij"), slot).ravel()
+
+
+def _exchange_index(plan, rank):
+    """For device `rank`: ``(send, recv)``, each ``(n, longest)`` flat indices into its
+    source slot (what it sends each device, in order) and its destination slot (where
+    what each device sends it goes); the slot's size marks the unused tail of a slot (a
+    zero appended to the slot, a dump past the new piece). Kept on the plan."""
+    cache = plan.__dict__.setdefault("_exchange_index", {})
+    found = cache.get(rank)
+    if found is not None:
+        return found
+    src, dst = plan.src, plan.dst
+    lo, hi, longest = _exchange_plan(plan)
+    n, width = src.device_num, max(longest, 1)
+    s_size, d_size = int(np.prod(src.local_shape)), int(np.prod(dst.local_shape))
+    send = np.full((n, width), s_size, np.int64)
+    recv = np.full((n, width), d_size, np.int64)
+    for j in range(n):                      # once per plan and device: what it sends j
+        if (hi[rank, j] > lo[rank, j]).all():
+            idx = _box_index(lo[rank, j], hi[rank, j], src.part_starts[rank], src.local_shape)
+            send[j, :idx.size] = idx
+    for i in range(n):                      # and where what i sends it goes
+        if (hi[i, rank] > lo[i, rank]).all():
+            idx = _box_index(lo[i, rank], hi[i, rank], dst.part_starts[rank], dst.local_shape)
+            recv[i, :idx.size] = idx
+    found = cache[rank] = (send, recv)
+    return found
+
+
 def _exchange(plan, stack, backend):
     """The destination's pieces from the source's (`stack`: this process's devices), for
     a process that holds some devices: one AlltoAll over every device, each sending each
     other the part of its piece that the other's new piece holds (flattened, in slots of
     the largest such part), each adding what it receives into its new piece (the
-    summands of a pending sum add up)."""
+    summands of a pending sum add up). Packing and unpacking are one indexing each
+    (:func:`_exchange_index`)."""
     src, dst = plan.src, plan.dst
     n = src.device_num
-    lo, hi, longest = _exchange_plan(plan)
     ranks = list(backend.local_ranks)
-    send = np.zeros((len(ranks), n, max(longest, 1)), stack.dtype)
-    for k, i in enumerate(ranks):
-        for j in range(n):                          # this device's parts for each device
-            size = int(np.prod(hi[i, j] - lo[i, j]))
-            if size:
-                box = tuple(slice(int(a - o), int(b - o))
-                            for a, b, o in zip(lo[i, j], hi[i, j], src.part_starts[i]))
-                send[k, j, :size] = stack[k][box].ravel()
-    got = np.asarray(backend.all_to_all(send.reshape(len(ranks), -1), np.arange(n)[None],
-                                        split_axis=0, concat_axis=0))
-    got = got.reshape(len(ranks), n, -1)
-    dtype = np.result_type(stack.dtype)
-    out = np.zeros((len(ranks),) + tuple(dst.local_shape), dtype)
-    for k, j in enumerate(ranks):
-        for i in range(n):                          # what each device sent this one
-            shape = tuple(int(v) for v in hi[i, j] - lo[i, j])
-            size = int(np.prod(shape))
-            if size:
-                box = tuple(slice(int(a - o), int(b - o))
-                            for a, b, o in zip(lo[i, j], hi[i, j], dst.part_starts[j]))
-                out[k][box] += got[k, i, :size].reshape(shape)
-    return out
+    sends, recvs = zip(*[_exchange_index(plan, r) for r in ranks])
+    flat = np.concatenate([stack.reshape(len(ranks), -1),
+                           np.zeros((len(ranks), 1), stack.dtype)], axis=1)
+    send = np.take_along_axis(flat, np.stack(sends).reshape(len(ranks), -1), axis=1)
+    got = np.asarray(backend.all_to_all(send, np.arange(n)[None], split_axis=0,
+                                        concat_axis=0))
+    size = int(np.prod(dst.local_shape))
+    out = np.zeros((len(ranks), size + 1), stack.dtype)
+    where = np.stack(recvs).reshape(len(ranks), -1)
+    rows = np.broadcast_to(np.arange(len(ranks))[:, None], where.shape)
+    np.add.at(out, (rows, where), got)       # summands of a pending sum add up
+    return out[:, :size].reshape((len(ranks),) + tuple(dst.local_shape))
 
 
 # ============================================================================ direct executor
