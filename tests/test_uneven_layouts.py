@@ -191,7 +191,7 @@ def test_even_tables_have_no_note():
 
 
 @pytest.fixture
-def eight_devices():
+def four_devices():
     dm.reset_auto_parallel_context()
     dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=4)
     communication.init()
@@ -199,7 +199,7 @@ def eight_devices():
     dm.reset_auto_parallel_context()
 
 
-def test_local_shape_of_a_tensor(eight_devices):
+def test_local_shape_of_a_tensor(four_devices):
     x = np.arange(30.0 * 3).reshape(30, 3).astype(np.float32)
     t = dm.reshard(Tensor(x), (4, 1))
     assert dm.parallel.local_shape(t) == (8, 3)
@@ -236,7 +236,7 @@ def test_a_dim_of_size_zero_may_still_be_split():
     assert lay.even and lay.local_shape == (0, 3)
 
 
-def test_ops_on_unequal_pieces_and_rules_that_do_not_handle_them(eight_devices):
+def test_ops_on_unequal_pieces_and_rules_that_do_not_handle_them(four_devices):
     x = np.arange(30.0 * 3).reshape(30, 3).astype(np.float32)
     t = dm.reshard(Tensor(x), (4, 1))
     # an op's rule: the single device's numbers, zeros in the pads
