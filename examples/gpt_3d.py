@@ -12,7 +12,7 @@ from the same seed and the same batches: stand-alone, then under
   updating its slice of the weights and optimizer states, the slices AllGathered back;
 - pipeline parallel over pp (``pipeline_stages``): the blocks on pp stages of
   dp * mp devices each (``block.pipeline_stage``), the batch cut into micro-batches
-  (``nn.PipelineCell``), activations sent between stages, scheduled 1F1B.
+  (``nn.PipelineCell``), activations and their gradients sent between stages.
 
 The script prints both runs' losses side by side (the mean cross-entropy of each
 batch), the strategies of one block, where each weight lives, the per-stage schedule,
