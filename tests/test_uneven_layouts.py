@@ -3,7 +3,6 @@ numpy.array_split cuts it (the first n % k parts one row longer), stacks padded 
 zeros to the largest piece, tables and local shapes showing the real pieces; a split
 into more parts than the dim has rows (an empty piece) refused by name."""
 import io
-import itertools
 import math
 
 import numpy as np
