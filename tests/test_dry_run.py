@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -193,6 +194,96 @@ def test_gpt_dp2_mp4_equals_the_real_step(settings):
             unfused.bytes("AllGather", reason="parallel_optimizer")
 
 
+def _key(r, reason=True):
+    return (r.kind, r.group_size, r.num_groups, r.op, r.reason if reason else None,
+            r.buffer_bytes, r.resolved_by)
+
+
+_ONCE = ("gradient", "parallel_optimizer")       # once per step; the rest per micro-batch
+
+
+@pytest.mark.parametrize("settings", [{}, _ZERO], ids=["adam", "adam-parallel-optimizer"])
+def test_gpt_pp2_equals_the_real_pipeline(settings):
+    """dp 2 x mp 2 x pp 2 on 8 devices, 2 micro-batches: the dry run of the PipelineCell
+    step against a real simulated pipeline step (PyNative) and against a real compiled
+    step of one micro-batch on one stage's 4 devices. The Send/Receive records, the
+    forward collectives and the per-device parameter and state storage equal the
+    pipeline run's; the backward and gradient collectives are the compiled step's
+    (a compiled step and a PyNative one resolve the tensor-parallel gradient sums at
+    different points: PyNative each MatMul's input gradient per micro-batch, the
+    compiled step also the replicated weights' gradients once per step), per
+    micro-batch and once per step as the pipeline runs them."""
+    cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2, batch_size=8)
+    micro, stages = 2, 2
+    ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
+    shapes = [abstract(x.shape, dm.int32) for x in (ids, labels)]
+    with devices(8, pipeline_stages=stages, **settings):
+        dm.set_seed(0)
+        with no_init_parameters():
+            net = GPT(cfg)
+            opt = nn.Adam(net.trainable_params(), 1e-3)
+        step = _train_step(nn.PipelineCell(net, micro), opt)
+        dry = dry_run(step, *shapes, device_num=8, link="100GbE", device_flops=1e12)
+        assert all(p.has_init for p in net.trainable_params()), "the dry run made one"
+        dm.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "gpipe"})
+        gpipe = dry_run(step, *shapes, device_num=8)
+        dm.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "1f1b"})
+        step(Tensor(ids), Tensor(labels))               # makes the parameters
+        gc.collect()
+        with CommReport(link="100GbE") as real:
+            step(Tensor(ids), Tensor(labels))
+    with devices(4, **settings):                       # one micro-batch, one stage
+        dm.set_seed(0)
+        one = GPT(GPTConfig(dp=2, mp=2, batch_size=4))
+        compiled = AutoParallel(_train_step(lambda i, l: one(i, l),
+                                            nn.Adam(one.trainable_params(), 1e-3)),
+                                "semi_auto")
+        compiled(Tensor(ids[:4]), Tensor(labels[:4]))
+        with CommReport() as ref:
+            compiled(Tensor(ids[:4]), Tensor(labels[:4]))
+    # the pipeline's transfers, exactly: per micro-batch the activation into blocks.1
+    # and its gradient back (b s h / dp bytes per device: 4 sequences of 8 tokens of
+    # hidden 32 over dp 2), once per step the tied table (its mp half) into the head
+    # and its gradient back
+    pipe = Counter(_key(r) for r in dry.records if r.reason == "pipeline")
+    assert pipe == Counter(_key(r) for r in real.records if r.reason == "pipeline")
+    assert dry.count("Send", "pipeline") == 2 * micro + 2
+    assert dry.bytes("Send", "pipeline") == 2 * micro * 4 * (4 * 8 // 2) * 32 + \
+        4 * (64 // 2) * 32 + 8192
+    for k, sub in enumerate(dry.stages):               # each stage sends and receives
+        assert sub.count("Send") == sub.count("Receive") == micro + 1
+    # the forward collectives (PyNative lists a pending sum's resolution under
+    # "redistribution", a compiled step under "forward")
+    fwd = ("forward", "redistribution")
+    assert Counter(_key(r, False) for r in dry.records if r.reason in fwd) == \
+        Counter(_key(r, False) for r in real.records if r.reason in fwd)
+    # everything but the transfers: the compiled step's, per micro-batch / per step
+    expected = Counter()
+    for r in ref.records:
+        expected[_key(r)] += 1 if r.reason in _ONCE else micro
+    assert Counter(_key(r) for r in dry.records if r.reason != "pipeline") == expected
+    # one gathered weight each: the table and positions, 16 per block, the final LayerNorm
+    assert dry.count(reason="parallel_optimizer") == (2 + 16 * 2 + 2 if settings else 0)
+    # per device: the stage's weights (stage 0: the table's mp half, the positions and
+    # block 0; stage 1: block 1 and the final LayerNorm) and their Adam moments
+    h = 32
+    block = 12 * h * h // 2 + 3 * h // 2 + h + 4 * h // 2 + h + 4 * h
+    assert [s.parameter_bytes for s in dry.stages] == [4 * (block + 64 * h // 2 + 8 * h),
+                                                       4 * (block + 2 * h)]
+    if not settings:
+        assert [s.optimizer_state_bytes for s in dry.stages] == \
+            [2 * s.parameter_bytes for s in dry.stages]
+    storage = max(s.parameter_bytes + s.optimizer_state_bytes for s in dry.stages)
+    assert real.parameter_memory == storage            # the largest stage's, simulated
+    # activations: 1F1B keeps 2 micro-batches on stage 0 and 1 on stage 1, GPipe 2 on both
+    assert dry.schedule.in_flight == (2, 1) and gpipe.schedule.in_flight == (2, 2)
+    assert gpipe.stages[0].activation_bytes == dry.stages[0].activation_bytes
+    assert gpipe.stages[1].activation_bytes > dry.stages[1].activation_bytes
+    # the time: (micro + stages - 1) slots of the slowest stage's micro-batch
+    assert dry.bubble_time == pytest.approx((stages - 1) * dry.micro_batch_time)
+    assert dry.step_time > (micro + stages - 1) * dry.micro_batch_time > 0
+
+
 def test_the_dry_run_leaves_the_context_and_the_backend_as_they_were():
     with devices(4):                        # planned for 8 devices while 4 are up
         backend = get_backend()
@@ -293,17 +384,123 @@ def test_gpt3_175b_on_1024_devices_tensor_8_data_128(zero):
     assert {(r[1], r[5]) for r in fwd + bwd} == {(t, 4 * b * S * h)}
 
 
+_GPT3_PP = r"""
+import json, resource, sys, time
+sys.path.insert(0, {examples!r})
+import dualmode as dm
+from dualmode import nn
+from dualmode.nn.utils import no_init_parameters
+from dualmode.parallel import abstract, dry_run
+from gpt_model import GPT, GPTConfig
+t, p, d, m = 8, 16, 8, 16
+cfg = GPTConfig(vocab_size=51200, seq_length=2048, hidden_size=12288, num_heads=96,
+                num_layers=96, batch_size=d * m, dp=d, mp=t, pp=p, micro_size=m)
+start = time.perf_counter()
+dm.set_auto_parallel_context(pipeline_stages=p)
+with no_init_parameters():
+    net = GPT(cfg)
+    opt = nn.Adam(net.trainable_params(), 1e-4)
+grad_fn = dm.value_and_grad(nn.PipelineCell(net, m), None, opt.parameters)
+def step(i, l):
+    loss, grads = grad_fn(i, l)
+    opt(grads)
+    return loss
+dm.set_auto_parallel_context(dataset_strategy=((d, 1), (d, 1)),
+                             enable_parallel_optimizer=True)
+ids = abstract((cfg.batch_size, cfg.seq_length), dm.int32)
+rep = dry_run(step, ids, ids, device_num=t * p * d, link="nvlink", device_flops=312e12)
+print(json.dumps({{
+    "elapsed": time.perf_counter() - start,
+    "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "made": sum(not q.has_init for q in net.get_parameters()),
+    "in_flight": rep.schedule.in_flight,
+    "stages": [[s.parameter_bytes, s.optimizer_state_bytes, s.peak_memory,
+                s.activation_bytes, s.device_num] for s in rep.stages],
+    "peak_memory": rep.peak_memory,
+    "records": {{k: [[r.kind, r.group_size, r.op, r.reason, r.resolved_by, r.buffer_bytes]
+                   for r in rep.stages[k].records] for k in (0, 1, p - 1)}},
+}}))
+"""
+
+
+def test_gpt3_175b_on_1024_devices_tensor_8_pipeline_16_data_8():
+    """GPT-3 on 1,024 devices as tensor 8 x pipeline 16 x data 8 with the parallel
+    optimizer: 16 micro-batches of one sequence per data-parallel group, 6 layers a
+    stage on 64 devices, planned in under 2 GB (time: bench/test_bench_dry_run.py)."""
+    script = _GPT3_PP.format(examples=EXAMPLES)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["maxrss_mb"] < 2048, out["maxrss_mb"]
+    assert out["made"] == 0
+    l, h, t, p, d, V, S, m = 96, 12288, 8, 16, 8, 51200, 2048, 16
+    b = 1                                                 # sequences per group, micro-batch
+    stages = out["stages"]
+    assert len(stages) == p and {s[4] for s in stages} == {t * d}
+    # parameters per device: the closed form 12 l h^2 / (t p) of a stage's 6 layers, plus
+    # the layers' biases and LayerNorms (as in the tensor 8 x data 128 test), plus the
+    # embeddings on the first stage (vocabulary-parallel table V h / t, positions S h)
+    # and the final LayerNorm on the last
+    layers = l // p
+    per_layer = 12 * h * h // t + 7 * h // t + 6 * h
+    params = [s[0] // 4 for s in stages]
+    assert params[0] == layers * per_layer + V * h // t + S * h
+    assert params[1:p - 1] == [layers * per_layer] * (p - 2)
+    assert params[p - 1] == layers * per_layer + 2 * h
+    assert params[1] == pytest.approx(12 * l * h * h / (t * p), rel=1e-3)
+    # Adam's moments under the parallel optimizer: the weights of 64 KB or more cut over
+    # the 8 data-parallel devices (the positions, replicated on the stage's 64, 64 ways),
+    # the smaller biases and the LayerNorms whole
+    over_dp = layers * (12 * h * h // t + 4 * h // t)
+    whole = layers * (3 * h // t + 6 * h)
+    states = [s[1] for s in stages]
+    assert states[1] == 2 * 4 * (over_dp // d + whole)
+    assert states[0] == 2 * 4 * ((over_dp + V * h // t) // d + S * h // (t * d) + whole)
+    assert states[p - 1] == 2 * 4 * (over_dp // d + whole + 2 * h)
+    # per device memory: the first stage (the most micro-batches in flight under 1F1B,
+    # and the embeddings) is the largest
+    assert out["in_flight"] == list(range(p, 0, -1))
+    assert out["peak_memory"] == stages[0][2] == max(s[2] for s in stages)
+    assert out["peak_memory"] == stages[0][0] + stages[0][1] + stages[0][3]
+    assert out["peak_memory"] < 80 * 2 ** 30
+    # tensor parallel on a middle stage, per micro-batch: 2 AllReduces of b s h elements
+    # over t devices per layer forward, 2 backward; on the first stage one more each way
+    # (the vocabulary-parallel lookup's sum forward; backward, the first block's input
+    # gradient summed where the embedding's gradient reads it)
+    recs = out["records"]
+    for k, extra_fwd, extra_bwd in (("1", 0, 0), (str(p - 1), 0, 0), ("0", 1, 1)):
+        fwd = [r for r in recs[k] if r[0] == "AllReduce" and r[3] == "forward"]
+        bwd = [r for r in recs[k] if r[0] == "AllReduce" and r[3] == "backward"]
+        assert len(fwd) == m * (2 * layers + extra_fwd), k
+        assert len(bwd) == m * (2 * layers + extra_bwd), k
+        assert {(r[1], r[5]) for r in fwd + bwd} == {(t, 4 * b * S * h)}
+        # point to point: per micro-batch b s h elements across each boundary, forward
+        # in, gradient out (the first stage only sends, the last only receives
+        # activations); the tied table once a step from the first stage to the last (its
+        # V h / t rows; its gradient comes back whole, V h, as the head's MatMul makes it)
+        pipe = [r for r in recs[k] if r[3] == "pipeline"]
+        acts = [r for r in pipe if r[5] == 4 * b * S * h]
+        assert {r[1] for r in pipe} == {2}
+        assert len(acts) == (2 * m if k in ("0", str(p - 1)) else 4 * m), k
+        assert len(pipe) - len(acts) == (0 if k == "1" else 2), k
+        assert {r[5] for r in pipe} - {4 * b * S * h} <= {4 * V * h // t, 4 * V * h}
+
+
 def test_plan_gpt3_example_prints_the_three_strategies():
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "plan_gpt3.py"),
-                           "--layers", "4"], capture_output=True, text=True, timeout=600,
+                           "--layers", "16"], capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
-    for name in ("data 1024", "tensor 8 x data 128", "tensor 16 x data 64"):
+    for name in ("data 1024", "tensor 8 x data 128", "tensor 8 x pipeline 16 x data 8"):
         assert name in text
-    for row in ("memory per device", "bytes per step", "predicted step time"):
+    for row in ("memory per device", "bytes per step", "predicted step time",
+                "pipeline bubble"):
         assert row in text
-    assert "fits in 80 GB" in text or "none fits in 80 GB" in text
+    fits = [line for line in text.splitlines() if line.startswith("fits in 80 GB: ")]
+    assert len(fits) == 1, text
+    assert "tensor 8 x pipeline 16 x data 8" in fits[0] and "data 1024" not in fits[0]
 
 
 # ---------------------------------------------------------------------------
@@ -409,8 +606,22 @@ def test_a_convolution_exchanging_halos_is_refused_rather_than_missed():
         assert dry_run(step, abstract((8, 1, 16, 16)), device_num=8).records
 
 
-def test_pipeline_stages_are_refused_until_the_dry_run_plans_them():
+def test_pipeline_bad_input_is_refused_by_name():
     with devices(8):
         dm.set_auto_parallel_context(pipeline_stages=2)
-        with pytest.raises(RuntimeError, match=r"dry_run: pipeline_stages=2 is not planned"):
+        with pytest.raises(ValueError, match=r"dry_run: pipeline_stages=2 does not divide "
+                                             r"device_num=9"):
+            dry_run(lambda x: x, abstract((8, 8)), device_num=9)
+        with pytest.raises(ValueError, match=r"dry_run: pipeline_stages=2 plans a step that "
+                                             r"runs one nn.PipelineCell .* 0 were found"):
             dry_run(lambda x: x, abstract((8, 8)), device_num=8)
+        cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2)
+        with no_init_parameters():
+            net = GPT(cfg)
+        train = nn.PipelineCell(net, 3)
+        with pytest.raises(ValueError, match=r"dry_run: micro_size=3 \(nn.PipelineCell\) "
+                                             r"does not divide the batch of input 0 "
+                                             r"\(shape \(8, 8\)\)"):
+            dry_run(train, abstract((8, 8), dm.int32), abstract((8, 8), dm.int32),
+                    device_num=8)
+        assert dm.get_auto_parallel_context("pipeline_stages") == 2

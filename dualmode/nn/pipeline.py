@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from .. import context
-from ..parallel.pipeline import (PipelineRun, Remote, active_stages, micro_batches,
-                                 note_parameter_stages, staged_cells)
+from ..parallel.pipeline import (PLANNING, PipelinePlan, PipelineRun, Remote,
+                                 active_stages, micro_batches, note_parameter_stages,
+                                 staged_cells)
 from .cell import Cell
 
 __all__ = ["PipelineCell", "MicroBatchInterleaved"]
@@ -61,6 +62,9 @@ class PipelineCell(Cell):
         (names as ``network.cells_and_names()`` gives them).
     """
 
+    #: what a dry run looks for to plan the pipeline schedule of a step
+    runs_pipeline = True
+
     def __init__(self, network, micro_size, stage_config=None):
         super().__init__(auto_prefix=False)
         owner = "PipelineCell"
@@ -87,6 +91,10 @@ class PipelineCell(Cell):
 
     def construct(self, *inputs):
         owner = "PipelineCell"
+        if PLANNING[0] is not None:       # a dry run: one micro-batch, traced
+            staged = staged_cells(self.network, PLANNING[0], owner)
+            with PipelinePlan(self.network, staged, owner) as run:
+                return run.output(self.network(*inputs))
         stages = active_stages(owner)
         if stages > 1 and context._STATE.run.mode == context.GRAPH_MODE:
             raise RuntimeError(f"{owner}: pipeline parallelism (pipeline_stages={stages}) "

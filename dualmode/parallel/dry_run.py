@@ -28,6 +28,10 @@ executor would run:
   function ``(attrs, input shapes, output shapes) -> flops``) that, any other op one
   operation per element of the largest tensor it reads or writes (an estimate).
 
+With ``pipeline_stages`` > 1 the step must run one ``nn.PipelineCell``: one micro-batch
+of it is compiled for one stage's devices, its nodes are given to their stages, and the
+schedule multiplies and overlaps them (see :func:`_walk_pipeline`).
+
 Delayed parameters (made under ``no_init_parameters()``) are never made: tracing only
 reads shapes and dtypes. :func:`abstract` makes an input with a shape and dtype only.
 """
@@ -35,8 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
+import types
 
 import numpy as np
 
@@ -51,9 +57,10 @@ from ..tensor import DeclaredShape, Parameter, Tensor
 from .graph.api import AutoParallel, ShardFunction
 from .graph.executor import _releases
 from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref
-from .graph.trace import find_parameters
+from .graph.trace import find_parameters, is_cell
 from .inputs import input_layout
 from . import optimizer_shard
+from .pipeline import PLANNING, TRANSFER, parameter_stage, pipeline_schedule
 from .grad_reduce import bucket_name, fused_bucket, grouped_buckets, single_step, step_group
 from .redistribution.executor import _record_steps
 from .redistribution.planner import plan_redistribution
@@ -157,6 +164,17 @@ class DryRunReport(CommReport):
         The chosen strategy per op (``compiled.strategies()`` of the compiled step).
     compiled : CompiledGraph
         The compiled step (``compiled.program.graph`` is the lowered graph).
+    stages : list of DryRunReport or None
+        With pipeline stages: one report per stage (its ``device_num`` devices, the
+        figures of one of them over the whole step). The report's own memory figures
+        are then the stage that needs the most, its ``records`` every stage's.
+    schedule : PipelineSchedule or None
+        The pipeline's time table (``in_flight``: micro-batches each stage keeps).
+    micro_batch_time, bubble_time : float or None
+        With pipeline stages: the slowest stage's time for one micro-batch (compute
+        plus its communication), and the schedule's ``stages - 1`` idle slots of it;
+        ``step_time`` is then ``(micro_size + stages - 1) * micro_batch_time`` plus the
+        slowest stage's once-per-step communication.
     """
 
     def __init__(self, device_num, model, link):
@@ -176,6 +194,10 @@ class DryRunReport(CommReport):
         self.step_time = None
         self.strategies = {}
         self.compiled = None
+        self.stages = None
+        self.schedule = None
+        self.micro_batch_time = None
+        self.bubble_time = None
         self._buffers = 0
 
     # the walk offers collective buffers only; storage is added once at the end
@@ -233,14 +255,14 @@ def _check_flops(v):
 
 
 @contextlib.contextmanager
-def _virtual_devices(n, mode, search_mode=None):
+def _virtual_devices(n, mode, search_mode=None, **more):
     """`n` simulated devices that hold no data, for the compile: the context's
-    device_num, parallel mode (and an AutoParallel's own search mode), and a stand-in
-    backend; everything restored after."""
+    device_num, parallel mode (and an AutoParallel's own search mode, and the `more`
+    keys given), and a stand-in backend; everything restored after."""
     st = context._STATE
     saved_ap, comm = st.auto_parallel, st.comm
     saved = (comm.backend, comm.groups, comm.member_arrays)
-    changes = {"device_num": n, "parallel_mode": mode}
+    changes = dict(more, device_num=n, parallel_mode=mode)
     if search_mode is not None:
         changes["search_mode"] = search_mode
     st.auto_parallel = dataclasses.replace(saved_ap, **changes)
@@ -307,14 +329,12 @@ def dry_run(fn_or_cell, *inputs, device_num, link=None, alpha_s=None,
             raise ValueError(f"dry_run: parallel_mode={parallel_mode!r} is not valid; "
                              f"expected one of {list(_MODES)}")
         mode = "semi_auto_parallel"
-    stages = getattr(context._STATE.auto_parallel, "pipeline_stages", 1)
-    if stages > 1:
-        raise RuntimeError(f"dry_run: pipeline_stages={stages} is not planned by the dry run "
-                           f"yet (a compiled step runs no pipeline schedule); plan with "
-                           f"pipeline_stages=1")
     sf = fn_or_cell if isinstance(fn_or_cell, ShardFunction) else AutoParallel(
         fn_or_cell, "semi_auto" if mode == "semi_auto_parallel"
         else context._STATE.auto_parallel.search_mode)
+    stages = getattr(context._STATE.auto_parallel, "pipeline_stages", 1)
+    if stages > 1:
+        return _dry_run_pipeline(sf, inputs, n, stages, mode, model, link, flops_rate)
     params = find_parameters(sf.fn)
     report = DryRunReport(n, model, link)
     with _virtual_devices(n, sf.mode or mode, sf.search_mode), _unplaced(params, n):
@@ -529,7 +549,7 @@ def _optimizer_states(call):
     return []
 
 
-def _update_records(call, planned, n):
+def _update_records(call, planned, n, keep=None):
     """The collectives an optimizer update (a CALL node) makes itself: with the parallel
     optimizer, each sharded weight's updated slices gathered back into the weight's
     layout (reason "parallel_optimizer"), as ``ParameterShards.gather`` moves them: the
@@ -540,7 +560,8 @@ def _update_records(call, planned, n):
     fusion = "allgather" in (context.get_auto_parallel_context("comm_fusion") or {})
     moves = []                       # (weight, slice layout, use layout, plan)
     for p in call.attrs.get("params") or ():
-        if id(p) not in planned or not p.requires_grad:
+        if id(p) not in planned or not p.requires_grad or \
+                (keep is not None and id(p) not in keep):
             continue
         use = planned[id(p)]
         sliced = optimizer_shard.shard_layout(p, use)
@@ -636,3 +657,286 @@ def _walk(compiled, report):
     report.peak_memory = storage + peak
     report.parameter_memory = storage
     report.comm_peak_memory = storage + report._buffers
+
+
+
+# ---------------------------------------------------------------------------
+# pipeline parallelism
+# ---------------------------------------------------------------------------
+def _pipeline_cells(fn, depth=4) -> list:
+    """The ``nn.PipelineCell`` objects reachable from `fn` (its closure, the globals it
+    names, the cells inside the cells found), as :func:`find_parameters` searches."""
+    found, seen = {}, set()
+
+    def visit(obj, d):
+        if id(obj) in seen or d < 0:
+            return
+        seen.add(id(obj))
+        if is_cell(obj):
+            for _, c in obj.cells_and_names():
+                if getattr(type(c), "runs_pipeline", False):
+                    found.setdefault(id(c), c)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj[:64]:
+                visit(x, d - 1)
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__self__, d)
+            visit(obj.__func__, d)
+        elif isinstance(obj, functools.partial):
+            visit(obj.func, d - 1)
+            for a in obj.args:
+                visit(a, d - 1)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, d - 1)
+                except ValueError:            # an empty cell
+                    pass
+            for name in obj.__code__.co_names:
+                if name in obj.__globals__:
+                    visit(obj.__globals__[name], d - 1)
+            if getattr(obj, "__wrapped__", None) is not None:
+                visit(obj.__wrapped__, d - 1)
+        elif callable(obj) and not isinstance(obj, type) and hasattr(obj, "__dict__") \
+                and type(obj).__module__.startswith("dualmode"):
+            for v in vars(obj).values():
+                visit(v, d - 1)
+
+    visit(fn, depth)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _planning(stages):
+    PLANNING[0] = stages
+    try:
+        yield
+    finally:
+        PLANNING[0] = None
+
+
+class _Records:
+    """Collects the records (and the largest collective buffers) of one part of a step."""
+
+    def __init__(self):
+        self.records = []
+        self.buffers = 0
+
+    def _add_record(self, rec):
+        self.records.append(rec)
+
+    def _note_memory(self, nbytes):
+        self.buffers = max(self.buffers, nbytes)
+
+
+def _dry_run_pipeline(sf, inputs, n, stages, mode, model, link, rate):
+    """The dry run of a step built on ``nn.PipelineCell`` over `stages` pipeline stages:
+    one micro-batch of the whole step compiled on one stage's ``n / stages`` devices,
+    each compiled node given to the stage it runs on, then the schedule applied."""
+    if n % stages:
+        raise ValueError(f"dry_run: pipeline_stages={stages} does not divide device_num={n}; "
+                         f"each stage runs on device_num / pipeline_stages devices")
+    cells = _pipeline_cells(sf.fn)
+    if len(cells) != 1:
+        raise ValueError(f"dry_run: pipeline_stages={stages} plans a step that runs one "
+                         f"nn.PipelineCell (its network's cells carry pipeline_stage); "
+                         f"{len(cells)} were found in what the step reaches")
+    micro = cells[0].micro_size
+    per = n // stages
+    schedule = pipeline_schedule(stages, micro)
+    cut = []
+    for i, a in enumerate(inputs):
+        if isinstance(a, TensorBase) and not isinstance(a, Parameter) and len(a.shape):
+            if a.shape[0] % micro:
+                raise ValueError(f"dry_run: micro_size={micro} (nn.PipelineCell) does not "
+                                 f"divide the batch of input {i} (shape {tuple(a.shape)}); "
+                                 f"the batch must be a multiple of micro_size")
+            a = abstract((a.shape[0] // micro,) + tuple(a.shape[1:]), a.dtype)
+        cut.append(a)
+    params = find_parameters(sf.fn)
+    report = DryRunReport(n, model, link)
+    with _virtual_devices(per, sf.mode or mode, sf.search_mode, pipeline_stages=1), \
+            _unplaced(params, per), _planning(stages):
+        args = _placed_inputs(sf, cut, per)
+        compiled = sf._compile(args, {}, True)
+        report.compiled = compiled
+        report.strategies = compiled.strategies()
+        _walk_pipeline(compiled, report, schedule, per, rate)
+    return report
+
+
+def _node_stages(g, stages):
+    """``(node stages, value stages)``: the stage each node of the lowered graph runs on
+    (None for the optimizer update, which each stage runs for its weights). A pipeline
+    transfer runs on its receiving stage; a parameter belongs to its stage; any other
+    node to the latest stage of what it reads; a node reading nothing staged (the labels'
+    moves) to the earliest stage that reads what it makes."""
+    nodes = g.nodes
+    vstage = {}
+    for p, v in g.params:
+        k = parameter_stage(p)
+        if k is not None:
+            vstage[v.id] = k
+    nst = [None] * len(nodes)
+    for i, node in enumerate(nodes):
+        if node.op == CALL:
+            continue
+        if node.op is TRANSFER:
+            k = node.attrs["dst"]
+        else:
+            ks = [vstage[x.id] for x in node.inputs if isinstance(x, Ref) and x.id in vstage]
+            k = max(ks) if ks else None
+        nst[i] = k
+        if k is not None:
+            for v in node.outputs:
+                vstage[v.id] = k
+    need = {}
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        if node.op == CALL:
+            continue
+        if nst[i] is None:
+            ks = [need[v.id] for v in node.outputs if v.id in need]
+            nst[i] = min(ks) if ks else 0
+            for v in node.outputs:
+                vstage[v.id] = nst[i]
+        for x in node.inputs:
+            if isinstance(x, Ref) and x.id not in vstage:
+                need[x.id] = min(need.get(x.id, stages), nst[i])
+    for v in list(g.args) + [v for _, v in g.params]:
+        vstage.setdefault(v.id, min(need.get(v.id, 0), stages - 1))
+    return nst, vstage
+
+
+def _walk_pipeline(compiled, report, schedule, per, rate):
+    """Fill `report` (and one report per stage, ``report.stages``) from the lowered graph
+    of one micro-batch of a pipelined step."""
+    S, micro = schedule.stages, schedule.micro_size
+    g = compiled.program.graph
+    lays, plans, values = g.meta["layouts"], g.meta["params"], g.values()
+    nst, vstage = _node_stages(g, S)
+    subs = [DryRunReport(per, report.model, report.link) for _ in range(S)]
+    per_micro = [_Records() for _ in range(S)]
+    per_step = [_Records() for _ in range(S)]
+    by_weight = {id(p): plans[v.id].layout for p, v in g.params}
+    for p, v in g.params:
+        subs[vstage[v.id]].parameter_bytes += _local_bytes(plans[v.id].layout, v)
+    weight_stage = {id(p): vstage[v.id] for p, v in g.params}
+    size = {}
+    live = [0] * S
+    for v in g.args:
+        size[v.id] = _local_bytes(lays.get(v.id), v)
+        live[vstage[v.id]] += size[v.id]
+    for _, v in g.params:
+        size[v.id] = 0                               # counted as parameter storage
+    peak, stash = list(live), None
+    flops = [0.0] * S
+    states = []
+    reports = _trace._STATE.reports
+    saved = list(reports)
+    try:
+        for i, (node, done) in enumerate(zip(g.nodes, _releases(g))):
+            if stash is None and node.backward:
+                stash = list(live)                   # what the forward keeps per stage
+            if node.op == CALL:
+                states += _optimizer_states(node)
+                for x in node.inputs:
+                    if isinstance(x, Ref):
+                        subs[vstage[x.id]].gradient_bytes += _local_bytes(lays.get(x.id),
+                                                                          values[x.id])
+                for k in range(S):
+                    reports[:] = [per_step[k]]
+                    keep = {id(p) for p in node.attrs.get("params") or ()
+                            if weight_stage.get(id(p)) == k}
+                    _update_records(node, by_weight, per, keep)
+            elif node.op is TRANSFER:
+                a = node.attrs
+                x = node.inputs[0]
+                b = _local_bytes(lays.get(x.id), values[x.id])
+                part = per_step if a["once"] else per_micro
+                with comm_cause(a["cell"], "pipeline"):
+                    reports[:] = [part[a["src"]]]
+                    _trace.record("Send", 2, per, b)
+                    reports[:] = [part[a["dst"]]]
+                    _trace.record("Receive", 2, per, b)
+            else:
+                k = nst[i]
+                if node.op in (FUSED, FUSED_RS, FUSED_AG):
+                    across = {vstage[x.id] for x in node.inputs if isinstance(x, Ref)}
+                    if len(across) > 1:
+                        raise RuntimeError(
+                            f"dry_run: {node.name} fuses the collectives of weights of "
+                            f"pipeline stages {sorted(across)}, which run on different "
+                            f"devices; plan a pipelined step without comm_fusion")
+                extra = _step_reason(node)
+                once = extra in ("gradient", "parallel_optimizer")
+                reports[:] = [(per_step if once else per_micro)[k]]
+                _node_records(node, lays, extra)
+                if node.op not in (MOVE, REDUCE, FUSED, FUSED_RS, FUSED_AG):
+                    _check_no_inner_collective(node)
+                    flops[k] += _flops(node, lays, values)
+            for v in node.outputs:
+                aliased = node.op == MOVE and node.attrs["kind"] in ("view", "gridview")
+                size[v.id] = 0 if aliased else _local_bytes(lays.get(v.id), v)
+                live[vstage[v.id]] += size[v.id]
+            for k in range(S):
+                peak[k] = max(peak[k], live[k])
+            for vid in done:
+                live[vstage.get(vid, 0)] -= size.pop(vid, 0)
+    finally:
+        reports[:] = saved
+    if stash is None:
+        stash = list(live)
+    seen = set()
+    for st, w in states:
+        if id(st) not in seen and id(w) in weight_stage:
+            seen.add(id(st))
+            lay = by_weight.get(id(w))
+            lay = optimizer_shard.shard_layout(w, lay) or lay
+            shape = tuple(st.shape) if lay is None else tuple(lay.local_shape)
+            subs[weight_stage[id(w)]].optimizer_state_bytes += \
+                math.prod(shape) * np.dtype(st.dtype).itemsize
+    in_flight = schedule.in_flight
+    model = report.model
+    for k, sub in enumerate(subs):
+        sub.records = per_micro[k].records * micro + per_step[k].records
+        sub.activation_bytes = (in_flight[k] - 1) * stash[k] + peak[k]
+        storage = sub.parameter_bytes + sub.optimizer_state_bytes
+        sub.parameter_memory = storage
+        sub.peak_memory = storage + sub.activation_bytes
+        sub.comm_peak_memory = storage + max(per_micro[k].buffers, per_step[k].buffers)
+        sub.flops = flops[k] * micro
+        sub.device_flops = rate
+        sub.micro_batch_flops = flops[k]
+        sub.micro_batch_records = per_micro[k].records
+        sub.step_records = per_step[k].records
+        sub.strategies = report.strategies
+        if rate is not None:
+            sub.compute_time = sub.flops / rate
+        if model is not None:
+            sub.comm_time = sub.predicted_time()
+        if rate is not None and model is not None:
+            sub.step_time = sub.compute_time + sub.comm_time
+    report.stages = subs
+    report.schedule = schedule
+    report.records = [r for sub in subs for r in sub.records]
+    worst = max(subs, key=lambda r: r.peak_memory)
+    for key in ("parameter_bytes", "optimizer_state_bytes", "gradient_bytes",
+                "activation_bytes", "peak_memory", "parameter_memory", "comm_peak_memory"):
+        setattr(report, key, getattr(worst, key))
+    busiest = max(range(S), key=lambda k: flops[k])
+    report.flops = subs[busiest].flops
+    report.device_flops = rate
+    report.compute_time = subs[busiest].compute_time
+    report.comm_time = None if model is None else max(sub.comm_time for sub in subs)
+    report.micro_batch_time = report.bubble_time = None
+    if rate is not None and model is not None:
+        def predicted(records):
+            part = CommReport()
+            part.model, part.records = model, records
+            return part.predicted_time()
+        slot = max(flops[k] / rate + predicted(per_micro[k].records) for k in range(S))
+        report.micro_batch_time = slot
+        report.bubble_time = (S - 1) * slot
+        report.step_time = (micro + S - 1) * slot + \
+            max(predicted(per_step[k].records) for k in range(S))

@@ -34,13 +34,16 @@ from .._core._tensor import TensorBase
 from ..communication.sim import replicated_view
 from ..communication.trace import comm_cause
 from ..ops._registry import register, same_as_input
+from ..tensor import Parameter
 from .devices import live_backend, parallel_active
 from .moves import redistribute_tensor
+from .rules import FAMILIES, family_of
 from .tensor_layout import TensorLayout
 
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
            "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS",
-           "parameter_stage", "note_parameter_stages", "check_outside_run", "RUNNING"]
+           "parameter_stage", "note_parameter_stages", "check_outside_run", "RUNNING",
+           "PipelinePlan", "PLANNING"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -415,6 +418,9 @@ def _transfer_backward(node, g):
         full = np.zeros((part.shape[0],) + layout.local_shape, part.dtype)
         full[:, start:start + rows] = part
         return (_core.wrap_dist(full, layout),)
+    if attrs["kind"] == "plan":       # a traced boundary: the gradient crosses it back
+        back = dict(attrs, src=attrs["dst"], dst=attrs["src"], grad=True)
+        return (_core.apply(TRANSFER, back, (g,)),)
     return attrs["run"].backward(node, g)
 
 
@@ -424,9 +430,13 @@ def _transfer_backward(node, g):
 #: device's shard goes to the same device of the other stage; the backward moves the
 #: gradient back), or, under "mpi", the output of a stage that does not compute the
 #: loss (kind "output": its inputs are the values the stage sent on; the backward
-#: receives their gradients). Made by PipelineRun only (never dispatched).
-TRANSFER = register("PipelineTransfer", infer=same_as_input,
-                    kernel=lambda attrs, *x: x[0], backward=_transfer_backward)
+#: receives their gradients). Made by PipelineRun, not dispatched; only a traced plan
+#: (kind "plan", :class:`PipelinePlan`) dispatches it: an identity that keeps its
+#: input's layout (each device's shard goes to the same device of the other stage).
+TRANSFER = register("PipelineTransfer", linear=(0,), family=("elementwise",),
+                    infer=same_as_input, kernel=lambda attrs, *x: x[0],
+                    backward=_transfer_backward)
+FAMILIES[family_of(TRANSFER)[0]](TRANSFER)   # the rules were built before this op existed
 
 #: the input of a transfer received from another process (a constant: no gradient)
 _ANCHOR = _core.wrap_dist(np.zeros((), np.float32), None)
@@ -632,3 +642,49 @@ class PipelineRun:
                 got, layout = view.recv(k, 2 * event + 1)
                 return (_unstack(got, layout),)
         return (g,)                                   # for the constant input: unused
+
+
+#: the number of stages while a dry run traces a pipelined step (None otherwise): then
+#: ``nn.PipelineCell`` runs its network once, on one micro-batch, inside a
+#: :class:`PipelinePlan`
+PLANNING: List[Optional[int]] = [None]
+
+
+class PipelinePlan(PipelineRun):
+    """One micro-batch of a pipelined network traced for a plan (``dm.parallel.dry_run``):
+    every stage's cells on one stage's devices, as :class:`PipelineRun` runs them on
+    simulated devices, with each value that goes from stage ``j`` to stage ``k`` passed
+    through a recorded ``PipelineTransfer`` (kind ``"plan"``, attrs ``src``, ``dst``,
+    ``cell``, ``once``: a weight read on a later stage, sent once per step), whose
+    backward records the gradient's way back. The plan reads the stages off these
+    transfers."""
+
+    def __init__(self, network, staged, owner: str):
+        self.owner = owner
+        self.view = None
+        self.here = None
+        explicit = {id(cell): k for _, cell, k in staged}
+        self.cells = [(name or type(cell).__name__, cell, explicit.get(id(cell), -1))
+                      for name, cell in network.cells_and_names()]
+        self._holders = _holders(network, explicit)
+        self._lent, self._marks, self._moved, self._saved = [], {}, {}, []
+        self._events = 0
+        self.sent = []
+
+    def __enter__(self) -> "PipelinePlan":
+        RUNNING[0] += 1
+        for name, cell, k in self.cells:
+            d = cell.__dict__
+            self._saved.append((d, d.get("construct")))
+            d["construct"] = self._wrap(name, cell, k)
+        self._share_parameters()
+        return self
+
+    def _cross(self, x, j, k, name, event):
+        return _core.apply(TRANSFER, {"kind": "plan", "src": j, "dst": k, "cell": name,
+                                      "once": isinstance(x, Parameter), "grad": False},
+                           (x,))
+
+    def output(self, total):
+        return total
+
