@@ -54,6 +54,8 @@ from .devices import backend as _backend, device_num
 from .grad_reduce import (bucket_name, fuse_gradient_moves, fused_bucket, grouped_buckets,
                           is_dp_partial, replica_gradient_scale, single_step, step_group)
 from .moves import move_stack, redistribute_tensor
+from .pipeline import parameter_stage
+from .devices import live_backend
 from .redistribution.planner import plan_redistribution
 from .tensor_layout import TensorLayout
 
@@ -165,20 +167,34 @@ class _Target:
         self.requires_grad, self.layerwise_parallel = True, False
 
 
-def plan(optimizer) -> Optional["ParameterShards"]:
+def other_stages(params) -> frozenset:
+    """Positions in `params` of the weights another process updates: under pipeline
+    parallelism with one stage per process (backend "mpi"), the weights of the other
+    stages (this rank holds them but never reads their gradients). Empty otherwise."""
+    view = live_backend()
+    here = getattr(view, "stage", None) if view is not None else None
+    if here is None:
+        return frozenset()
+    return frozenset(i for i, p in enumerate(params)
+                     if parameter_stage(p) not in (None, here))
+
+
+def plan(optimizer, skip=frozenset()) -> Optional["ParameterShards"]:
     """The optimizer slices of `optimizer`'s parameters for this update, or None when
-    the parallel optimizer shards none of them. Errors are raised before anything
-    changes. States left as slices by earlier updates of weights this update does not
-    split (the parallel optimizer turned off, a larger threshold) are first put back
-    into their weights' layouts."""
+    the parallel optimizer shards none of them; the positions in `skip` (weights this
+    process does not update: :func:`other_stages`) are not sharded. Errors are raised
+    before anything changes. States left as slices by earlier updates of weights this
+    update does not split (the parallel optimizer turned off, a larger threshold) are
+    first put back into their weights' layouts."""
     on = settings() is not None
     sliced = optimizer.__dict__.get("_sliced_states")
     if not on and not sliced:
         return None                                  # the usual case: nothing to do
-    layouts = [shard_layout(p, use_layout(p)) for p in optimizer.parameters] if on \
+    layouts = [None if i in skip else shard_layout(p, use_layout(p))
+               for i, p in enumerate(optimizer.parameters)] if on \
         else [None] * len(optimizer.parameters)
     if sliced:
-        for i in [i for i in sliced if layouts[i] is None]:
+        for i in [i for i in sliced if layouts[i] is None and i not in skip]:
             _unslice_states(optimizer, i)
             sliced.discard(i)
     if all(s is None for s in layouts):

@@ -43,7 +43,7 @@ from .tensor_layout import TensorLayout
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
            "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS",
            "parameter_stage", "note_parameter_stages", "check_outside_run", "RUNNING",
-           "PipelinePlan", "PLANNING"]
+           "PipelinePlan", "PLANNING", "first_stage_values"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -688,3 +688,36 @@ class PipelinePlan(PipelineRun):
     def output(self, total):
         return total
 
+
+
+#: the tag of the checkpoint values a later stage's process sends to the first stage's
+#: (one tag: MPI keeps the order of the messages between two processes)
+_CHECKPOINT_TAG = 30000
+
+
+def first_stage_values(named_values, owners):
+    """``(values, writes)`` for a checkpoint written by one process under pipeline
+    parallelism. `named_values` is ``[(name, numpy value)]`` as this process computed
+    them, `owners` the saved objects by name (Parameters, optimizer states). With one
+    stage per process (backend "mpi") only a stage's own processes hold its weights'
+    trained values: each later stage's process sends the values of its stage's entries
+    to the same device of the first stage, whose processes put them in place of their
+    own copies; `writes` is True on the first stage only. Without stages (or with every
+    stage in this process) the values are returned as they are, ``writes`` True."""
+    view = live_backend()
+    here = getattr(view, "stage", None) if view is not None else None
+    if here is None:
+        return named_values, True
+    stages = [parameter_stage(owners.get(name)) for name, _ in named_values]
+    out = list(named_values)
+    for (name, value), k in zip(named_values, stages):
+        if k is not None and k == here and here != 0:
+            view.send(replicated_view(np.ascontiguousarray(value), len(view.local_ranks)),
+                      0, _CHECKPOINT_TAG, record=False)
+    view.wait_sends()
+    if here == 0:
+        for i, ((name, value), k) in enumerate(zip(named_values, stages)):
+            if k is not None and k != 0:
+                got, _ = view.recv(k, _CHECKPOINT_TAG, record=False)
+                out[i] = (name, np.array(got[0]))
+    return out, here == 0

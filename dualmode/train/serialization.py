@@ -30,6 +30,7 @@ from .._core._tensor import TensorBase
 from ..nn.cell import Cell
 from ..nn.optim.optimizer import Optimizer
 from ..parallel.devices import live_backend, some_devices
+from ..parallel.pipeline import first_stage_values
 from ..parallel.tensor_layout import TensorLayout
 from ..tensor import Parameter
 from .safetensors_io import CheckpointFile, write_file, write_files
@@ -246,12 +247,14 @@ def _value(name, v, owner):
 def _save_integrated(path, entries, meta):
     # every rank takes part in the gathers (in the same order); rank 0 writes
     tensors = [(name, _value(name, v, "save_checkpoint")) for name, v in entries.items()]
+    # pipeline stages on their own processes: the first stage's gets every stage's values
+    tensors, first = first_stage_values(tensors, entries)
     b = live_backend()
-    writer = b is None or not some_devices() or 0 in b.local_ranks
+    writer = first and (b is None or not some_devices() or 0 in b.local_ranks)
     if writer:
         write_file(path, tensors, meta)
-    if b is not None and some_devices():
-        b.barrier()                       # the file exists for every rank afterwards
+    if b is not None and some_devices():  # the file exists for every rank afterwards
+        (getattr(b, "world", None) or b).barrier()
 
 
 def _piece(slot, layout, rank):
@@ -264,6 +267,12 @@ def _piece(slot, layout, rank):
 
 def _save_sliced(path, entries, meta, n):
     b = live_backend()
+    if getattr(b, "stage", None) is not None:
+        raise RuntimeError(f"save_checkpoint: integrated_save=False with one pipeline stage "
+                           f"per process (stage {b.stage} of {b.stages}) is not supported: "
+                           f"the processes of different stages would write the same rank "
+                           f"files; save with integrated_save=True (the first stage's "
+                           f"process writes every stage's weights)")
     ranks = tuple(b.local_ranks) if b is not None else (0,)
     layouts = {}
     shared = []                          # (name, value) of parameters stored whole

@@ -3,10 +3,14 @@ rank running its own stage's cells) it writes each rank's losses, its stage's we
 and its CommReport counts to OUT_DIR/rank<r>.npz; tests import it and run the same
 program on "sim" in-process to compare.
 
-    mpiexec -n N python pipeline_train.py OUT_DIR STAGES MICRO SCHEDULER OPTIMIZER SHARD TIED
+    mpiexec -n N python pipeline_train.py OUT_DIR STAGES MICRO SCHEDULER OPTIMIZER SHARD TIED [ZERO]
 
 TIED=1: the last block also reads the first block's weight (a parameter shared by the
-first and the last stage, as a tied embedding).
+first and the last stage, as a tied embedding). OPTIMIZER "adamw": Adam with weight
+decay. ZERO=1: the parallel optimizer (every weight's states split over its replicas).
+Besides the losses and weights, a rank records how many of the other stages' weights
+it holds changed (none should: they are their processes' to update) and the gradient
+and parallel-optimizer collectives of its last step.
 """
 import gc
 import os
@@ -17,6 +21,7 @@ import numpy as np
 import dualmode as dm
 from dualmode import communication, nn, ops
 from dualmode.parallel import CommReport
+from dualmode.parallel.pipeline import parameter_stage
 from dualmode.parallel.report import parameter_bytes_per_device
 
 B, D, STEPS = 16, 8, 3
@@ -54,7 +59,8 @@ class MLP(nn.Cell):
         return x
 
 
-def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
+def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False,
+          zero=False, ckpt=None):
     """Losses, {stage: weights of its blocks} and the Send/Receive counts; `devices`:
     simulated devices (None: the MPI world)."""
     dm.reset_auto_parallel_context()
@@ -63,6 +69,9 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
     dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=n,
                                  pipeline_stages=stages,
                                  pipeline_config={"pipeline_scheduler": scheduler})
+    if zero:
+        dm.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
+            "parallel_optimizer_threshold": 0})
     communication.init()
     gc.collect()                            # the weights of earlier runs in this process
     before = parameter_bytes_per_device()
@@ -78,7 +87,9 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
     params = net.trainable_params()
     opt = {"sgd": lambda: nn.SGD(params, learning_rate=0.05),
            "momentum": lambda: nn.Momentum(params, learning_rate=0.05, momentum=0.9),
-           "adam": lambda: nn.Adam(params, learning_rate=0.01)}[optimizer]()
+           "adam": lambda: nn.Adam(params, learning_rate=0.01),
+           "adamw": lambda: nn.Adam(params, learning_rate=0.01, weight_decay=0.1)}[optimizer]()
+    initial = [p.asnumpy().copy() for p in params]
     grad_fn = dm.value_and_grad(model, None, opt.parameters)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((B, D)).astype(np.float32)
@@ -98,15 +109,31 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False):
             weights.setdefault(k, []).extend(p.asnumpy().copy()
                                              for p in block.trainable_params()
                                              if not (tied and p is net.blocks[0].w and k))
+    refused = 0
+    if ckpt is not None:                    # every stage's trained weights, one file
+        dm.save_checkpoint(net, ckpt)
+        if stage is not None:               # per-rank files are refused, by name
+            try:
+                dm.save_checkpoint(net, ckpt + ".sliced", integrated_save=False)
+            except RuntimeError as e:
+                refused = int("integrated_save=False with one pipeline stage per process"
+                              in str(e))
+    # the other stages' weights this rank holds (under "mpi"): changed ones
+    changed = sum(not np.array_equal(p.asnumpy(), w0) for p, w0 in zip(params, initial)
+                  if stage is not None and parameter_stage(p) != stage)
     counts = (report.count("Send", "pipeline"), report.count("Receive", "pipeline"),
-              report.bytes("Send"), last.parameter_memory - before)
+              report.bytes("Send"), last.parameter_memory - before, changed,
+              last.count(reason="gradient"), last.count(reason="parallel_optimizer"),
+              refused)
     return np.array(losses), weights, counts
 
 
 if __name__ == "__main__":
     out, stages, micro, scheduler, optimizer, shard, tied = sys.argv[1:8]
+    zero = sys.argv[8:9] == ["1"]
     losses, weights, counts = train(int(stages), int(micro), scheduler, optimizer,
-                                    shard == "1", tied=tied == "1")
+                                    shard == "1", tied=tied == "1", zero=zero,
+                                    ckpt=os.path.join(out, "net.ckpt"))
     rank = communication.get_rank()
     (stage, ws), = weights.items()
     np.savez(os.path.join(out, f"rank{rank}.npz"), losses=losses, stage=stage,

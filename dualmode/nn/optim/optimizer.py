@@ -260,17 +260,26 @@ class Optimizer(Cell):
         # the parallel optimizer: the weights whose states and update are split over
         # their replicas (None: none is); their gradients moved into the slices (their
         # ReduceScatters; a whole gradient, e.g. one LARS reduced, is cut locally)
-        shards = optimizer_shard.plan(self) if worker is None else None
+        # pipeline parallelism under "mpi": the other stages' weights are their
+        # processes' to update (this rank's copies keep their values)
+        skip = optimizer_shard.other_stages(params) if worker is None else frozenset()
+        shards = optimizer_shard.plan(self, skip) if worker is None else None
         if shards is not None:
             gradients = shards.scatter(gradients)
         if distributed:
             targets = params if shards is None else shards.targets
+            mine = [i for i in range(len(params)) if i not in skip]
+            grads = [gradients[i] for i in mine]
+            tgts = [targets[i] for i in mine]
             if worker is None:
                 # the sharded weights' gradient ReduceScatters and AllReduces, in fused
                 # buckets per comm_fusion (as a compiled step fuses them); the others
                 # move one by one below
-                gradients = fuse_gradient_moves(gradients, targets)
-            gradients = reduce_gradients(gradients, targets)   # data-parallel AllReduce
+                grads = fuse_gradient_moves(grads, tgts)
+            grads = reduce_gradients(grads, tgts)              # data-parallel AllReduce
+            gradients = list(gradients)
+            for i, g in zip(mine, grads):
+                gradients[i] = g
         # parameter server mode: the servers update the weights they hold (push the
         # gradients, pull the new values); this optimizer updates the others
         on_servers = worker.step(self, gradients) if worker is not None else ()
@@ -282,7 +291,7 @@ class Optimizer(Cell):
             lr = group.lr(step)
             for i in range(group.start, group.stop):
                 p = params[i]
-                if not p.requires_grad or i in on_servers:
+                if not p.requires_grad or i in on_servers or i in skip:
                     continue
                 g = gradients[i]
                 if shards is not None and shards.sharded(i):
