@@ -162,9 +162,11 @@ def test_changing_fusion_or_gradients_mean_recompiles():
 
 
 def test_a_sharded_networks_gradient_all_reduces_fuse_per_device_group():
-    """With the sharded weight, the gradients of w2, w3 and b are pending over the same
-    4 groups of 2 devices, w0's over all 8 and w1's moves into its column split: fused,
-    the three AllReduces of one device group become one, the bytes unchanged."""
+    """With the sharded weight, the gradients of w1 (column split), w3 and b are pending
+    over the same 4 groups of 2 devices, w0's over all 8, and w2's (its rows split like
+    the column-parallel output it multiplies) is summed over those groups and gathered
+    whole: fused, the three AllReduces of whole gradients of one device group become
+    one, the bytes unchanged."""
     fusion = {"allreduce": {"mode": "size", "config": 32}}
     *_, unfused_rep, _ = _train(8, compiled=True)
     *_, fused_rep, graph = _train(8, compiled=True, fusion=fusion)
@@ -176,7 +178,7 @@ def test_a_sharded_networks_gradient_all_reduces_fuse_per_device_group():
     assert gradient_reduces(fused_rep) == [(2, 4)] * 2 + [(8, 1)]
     assert fused_rep.bytes("AllReduce", reason="gradient") == \
         unfused_rep.bytes("AllReduce", reason="gradient")
-    assert [n.attrs["cause"] for n in graph.nodes if n.op == FUSED] == ["w2, w3, b"]
+    assert [n.attrs["cause"] for n in graph.nodes if n.op == FUSED] == ["w1, w3, b"]
 
 
 def test_gather_and_scatter_fusion_leave_the_all_reduce_buckets_alone():

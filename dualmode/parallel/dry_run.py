@@ -431,7 +431,8 @@ def _move_records(attrs, value, extra):
             return
         if kind == "gather":
             with comm_cause(cause, _reason(extra)):
-                _gather_records(src, value, cause)
+                _gather_records(src, value, cause,
+                                "gradient" if attrs["reason"] == "gradient" else None)
             return
         if plan is not None:
             with comm_cause(cause, attrs["reason"]):
@@ -440,19 +441,20 @@ def _move_records(attrs, value, extra):
         _move_stack_records(src, dst, value, cause, attrs["reason"])
 
 
-def _gather_records(src, value, cause):
-    """What ``moves.gather_stack`` records for a value in `src` gathered whole."""
+def _gather_records(src, value, cause, reason=None):
+    """What ``moves.gather_stack`` records for a value in `src` gathered whole (with
+    `reason`, as the executor passes it)."""
     lay = src
     if lay.partial:
         b = _local_bytes(lay, value)
         group = math.prod(lay.device_matrix[a] for a in lay.partial)
-        with comm_cause(cause, _reason(None)), pending_sum(lay.partial_op):
+        with comm_cause(cause, _reason(reason)), pending_sum(lay.partial_op):
             _record("AllReduce", group, lay.device_num // group, b, b)
         lay = lay.without_partial()
         if all(m == () for m in lay.tensor_map):
             return
     b = _local_bytes(lay, value)
-    with comm_cause(cause, "redistribution"):
+    with comm_cause(cause, reason or "redistribution"):
         if is_batch_layout(lay):
             _record("AllGather", lay.device_num, 1, b, b * (lay.device_num + 1))
         else:

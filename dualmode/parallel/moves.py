@@ -38,12 +38,12 @@ def resolve_partial(t, op_name):
     return moved(t, stack, layout)
 
 
-def resolve_stack(stack, layout, op_name):
+def resolve_stack(stack, layout, op_name, reason=None):
     """`stack` in `layout` with its pending sums AllReduced: ``(stack, layout without
     partial)``, or ``(global value, None)`` when nothing else is split. The AllReduce is
     reported under the op that made the sums (``layout.partial_op``), resolved by
-    `op_name`."""
-    with _cause(op_name), pending_sum(layout.partial_op):
+    `op_name` (with `reason`; None: the forward or backward pass running)."""
+    with _cause(op_name, reason), pending_sum(layout.partial_op):
         out = _backend().all_reduce(stack, members=_members(layout, layout.partial), op="sum")
     rest = layout.without_partial()
     if all(m == () for m in rest.tensor_map):
@@ -73,16 +73,17 @@ def gather_global(t, op_name):
     return gather_stack(t._data, t._layout, op_name)
 
 
-def gather_stack(stack, layout, op_name):
+def gather_stack(stack, layout, op_name, reason=None):
     """The global value of `stack` in `layout`: pending sums AllReduced, splits
-    AllGathered (reported as "redistribution")."""
+    AllGathered (reported with `reason`; None: the resolve as the pass running, the
+    gathers as "redistribution")."""
     if layout.partial:
-        stack, layout = resolve_stack(stack, layout, op_name)
+        stack, layout = resolve_stack(stack, layout, op_name, reason)
         if layout is None:
             return stack
     backend = _backend()
     if is_batch_layout(layout):
-        with _cause(op_name, "redistribution"):
+        with _cause(op_name, reason or "redistribution"):
             out = backend.all_gather(stack, members=None, axis=0)
         return np.asarray(out[0])
     if stack.shape[0] != layout.device_num:
@@ -91,7 +92,7 @@ def gather_stack(stack, layout, op_name):
         # records; every device's block is then the one of the member of this process's
         # group at its coordinates along those axes (one replica of each block)
         groups = layout.group_members(layout.split_axes)
-        with _cause(op_name, "redistribution"):
+        with _cause(op_name, reason or "redistribution"):
             out = backend.all_gather(np.ascontiguousarray(stack)[:, None], members=groups,
                                      axis=0)
         k = groups.shape[1]
@@ -103,7 +104,7 @@ def gather_stack(stack, layout, op_name):
     group = 1
     for a in layout.split_axes:
         group *= layout.device_matrix[a]
-    with _cause(op_name, "redistribution"):
+    with _cause(op_name, reason or "redistribution"):
         record("AllGather", group, layout.device_num // group, stack[0].nbytes)
     return layout.assemble(stack)
 

@@ -267,7 +267,10 @@ def _move_value(attrs, x, reason):
                        attrs.get("scale"))
     if kind == "gather":
         with op_cause(cause, reason):
-            return gather_stack(as_stack(x), attrs["src"], cause)
+            # a gradient gathered whole for the update: all its collectives are the
+            # gradient's; otherwise the resolve is the pass's, the gathers redistribution
+            return gather_stack(as_stack(x), attrs["src"], cause,
+                                "gradient" if reason == "gradient" else None)
     plan = attrs["plan"]
     if plan is not None:
         return execute(plan, x, op_name=cause, reason=attrs["reason"])
