@@ -780,6 +780,7 @@ def _arr(shape, dtype, seed=0):
 _W = {"group": "hccl_world_group", "n": 1, "members": None}
 INFER_TABLE = {
     "Redistribute": ({"dst": None}, lambda d: (_arr((2, 3), d),)),
+    "PipelineTransfer": ({}, lambda d: (_arr((2, 3), d),)),
     "AllReduce": ({**_W, "op": "sum"}, lambda d: (_arr((2, 3), d),)),
     "AllGather": (dict(_W), lambda d: (_arr((2, 3), d),)),
     "ReduceScatter": ({**_W, "op": "sum"}, lambda d: (_arr((2, 3), d),)),
