@@ -580,3 +580,68 @@ def test_reset_returns_to_the_whole_world():
     assert dm.parallel.devices.device_num() == 2
     dm.set_auto_parallel_context(pipeline_stages=1)
     assert dm.parallel.devices.device_num() == 8
+
+
+# ------------------------------------------------------------------- the 1F1B order
+
+
+def _wide_step(scheduler, stages, micro, rows=4096, d=64, position=0):
+    """One differentiated call of a 2-block PipelineCell on wide micro-batches: its
+    loss, the input's gradient (None without `position`), the weights' gradients, the
+    order it ran and the most bytes allocated at once during it."""
+    import tracemalloc
+    _setup(stages, scheduler)
+    rng = np.random.default_rng(0)
+    net = MLP([(rng.standard_normal((d, d)) * 0.1).astype(np.float32)
+               for _ in range(stages)])
+    for k, block in enumerate(net.blocks):
+        block.b = dm.Parameter(dm.Tensor(np.zeros((d,), np.float32)), name="b")
+        block.pipeline_stage = k
+    model = nn.PipelineCell(nn.WithLossCell(net, nn.MSELoss()), micro)
+    grad_fn = dm.value_and_grad(model, position, net.trainable_params())
+    x = dm.Tensor(rng.standard_normal((rows, d)).astype(np.float32))
+    y = dm.Tensor(rng.standard_normal((rows, d)).astype(np.float32))
+    grad_fn(x, y)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        loss, grads = grad_fn(x, y)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    gx = None
+    if position is not None:
+        gx, grads = grads
+        gx = gx.asnumpy()
+    return (float(loss.asnumpy()), gx, [g.asnumpy() for g in grads], model.last_order,
+            peak)
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 8), (4, 4), (4, 2)])
+def test_1f1b_runs_in_the_schedule_order(stages, micro):
+    """With the 1F1B scheduler each micro-batch's backward runs where the schedule puts
+    it (the first stage's row of the time table: every micro-batch's forward and
+    backward run on all stages in this process), with the numbers of the GPipe order
+    (every forward, then every backward) and of one device."""
+    loss, gx, grads, order, _ = _wide_step("1f1b", stages, micro, rows=64, d=8)
+    table = pipeline_schedule(stages, micro, "1f1b")
+    assert order == [e for e in table.table[0] if e is not None]
+    g_loss, g_gx, g_grads, g_order, _ = _wide_step("gpipe", stages, micro, rows=64, d=8)
+    assert g_order is None                      # GPipe: the tape's one backward pass
+    np.testing.assert_allclose(loss, g_loss, rtol=1e-6)
+    np.testing.assert_allclose(gx, g_gx, rtol=1e-5, atol=1e-7)
+    for a, b in zip(grads, g_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_1f1b_keeps_fewer_micro_batches_alive():
+    """8 micro-batches over 2 stages: GPipe keeps the activations of all 8 until the
+    backward, 1F1B at most 2 (the first stage's in flight), so the most memory the
+    step allocates at once is far lower; the numbers are the same."""
+    loss, _, grads, order, peak = _wide_step("1f1b", 2, 8, position=None)
+    g_loss, _, g_grads, _, g_peak = _wide_step("gpipe", 2, 8, position=None)
+    assert max(pipeline_schedule(2, 8, "1f1b").in_flight) == 2
+    assert peak < 0.5 * g_peak, (peak, g_peak)
+    np.testing.assert_allclose(loss, g_loss, rtol=1e-6)
+    for a, b in zip(grads, g_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -1,7 +1,9 @@
 """Pipeline parallelism under backend "mpi" (2 and 4 real ranks, each running its own
 stage's cells and exchanging activations and gradients as point-to-point messages)
 equals the same program on simulated devices: losses on every rank, each stage's
-weights, and the Send/Receive traffic (tests/mpi_scripts/pipeline_train.py)."""
+weights, and the Send/Receive traffic; each rank runs its stage's row of the 1F1B
+time table; a rank updates only its own stage's weights and the checkpoint holds every
+stage's (tests/mpi_scripts/pipeline_train.py)."""
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from _mpi import load_mpi_script, run_mpi_script
 
 import dualmode as dm
 from dualmode import communication
+from dualmode.parallel import pipeline_schedule
 
 SCRIPT = "pipeline_train.py"
 
@@ -49,6 +52,15 @@ def test_pipeline_under_mpi_equals_sim(tmp_path, ranks, stages, micro, scheduler
         # this rank sends each micro-batch's activation on (all but the last stage) and
         # its gradient back (all but the first), and receives as many
         sends, receives, nbytes, memory = data["counts"][:4]
+        # the order the rank ran its stage in: the time table's row of its stage (1F1B:
+        # warm-up forwards, one forward one backward, cool-down backwards); GPipe runs
+        # the tape's one backward pass after every forward
+        order = [("F", int(m)) if m >= 0 else ("B", -int(m) - 1) for m in data["order"]]
+        if scheduler == "1f1b":
+            row = pipeline_schedule(stages, micro, "1f1b").table[stage]
+            assert order == [e for e in row if e is not None]
+        else:
+            assert order == []
         # a rank holds its stage's block: w (8 x 8, split over the stage's devices in the
         # first block with shard) and b (8), float32, and the optimizer's states of them
         # (none for SGD, one for Momentum, two for Adam); a shared weight is stage 0's

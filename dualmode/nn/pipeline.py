@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .. import context
+from .._core._tensor import recording
 from ..parallel.pipeline import (PLANNING, PipelinePlan, PipelineRun, Remote,
                                  active_stages, micro_batches, note_parameter_stages,
-                                 staged_cells)
+                                 stage_order, staged_cells)
 from .cell import Cell
 
 __all__ = ["PipelineCell", "MicroBatchInterleaved"]
@@ -87,6 +88,8 @@ class PipelineCell(Cell):
                 cells[name].pipeline_stage = stage
         self.network = network
         self.micro_size = micro_size
+        #: the order of the last differentiated 1F1B call: ``[("F", m), ("B", m), ...]``
+        self.last_order = None
         note_parameter_stages(network)     # for the per-device memory CommReport shows
 
     def construct(self, *inputs):
@@ -100,16 +103,23 @@ class PipelineCell(Cell):
             raise RuntimeError(f"{owner}: pipeline parallelism (pipeline_stages={stages}) "
                                f"runs in PyNative mode only; call "
                                f"set_context(mode=PYNATIVE_MODE) before training")
-        micros = micro_batches(inputs, self.micro_size, owner)
         if stages == 1:
             total = None
-            for mi in micros:
+            for mi in micro_batches(inputs, self.micro_size, owner):
                 total = _add(total, self.network(*mi))
             return total
         staged = staged_cells(self.network, stages, owner)
+        scheduler = context._STATE.auto_parallel.pipeline_config["pipeline_scheduler"]
         total = None
         with PipelineRun(self.network, staged, owner) as run:
-            for mi in micros:
+            if scheduler == "1f1b" and recording():
+                # each micro-batch's backward where the 1F1B order puts it: this
+                # process's stage's order ("sim": the first stage's)
+                order = stage_order(scheduler, stages, self.micro_size, run.here or 0)
+                out, self.last_order = run.run_1f1b(self.network, inputs,
+                                                    self.micro_size, order)
+                return out
+            for mi in micro_batches(inputs, self.micro_size, owner):
                 total = _add(total, self.network(*mi))
             return run.output(total)
 

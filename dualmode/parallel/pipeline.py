@@ -33,6 +33,7 @@ from .._core import _tensor as _core
 from .._core._tensor import TensorBase
 from ..communication.sim import replicated_view
 from ..communication.trace import comm_cause
+from ..ops._math import ADD, MUL
 from ..ops._registry import register, same_as_input
 from ..tensor import Parameter
 from .devices import live_backend, parallel_active
@@ -43,7 +44,7 @@ from .tensor_layout import TensorLayout
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
            "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS",
            "parameter_stage", "note_parameter_stages", "check_outside_run", "RUNNING",
-           "PipelinePlan", "PLANNING", "first_stage_values"]
+           "PipelinePlan", "PLANNING", "first_stage_values", "stage_order"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -127,8 +128,8 @@ class PipelineSchedule:
                 f"bubbles={self.bubbles})")
 
 
-def _stage_order(scheduler: str, stages: int, micro: int, s: int) -> List[Tuple[str, int]]:
-    """What stage `s` runs, in order."""
+def stage_order(scheduler: str, stages: int, micro: int, s: int) -> List[Tuple[str, int]]:
+    """What stage `s` runs, in order: ``[("F", m) | ("B", m), ...]``."""
     if scheduler == "gpipe":          # every forward, then every backward
         return [("F", m) for m in range(micro)] + [("B", m) for m in range(micro)]
     warmup = min(stages - s - 1, micro)   # 1F1B: forwards in flight, then alternate
@@ -167,7 +168,7 @@ def pipeline_schedule(stages: Optional[int] = None, micro_size: int = 1,
     if scheduler not in SCHEDULERS:
         raise ValueError(f"{func}: scheduler={scheduler!r} is not valid; expected one of "
                          + ", ".join(repr(s) for s in SCHEDULERS))
-    orders = [_stage_order(scheduler, stages, micro, s) for s in range(stages)]
+    orders = [stage_order(scheduler, stages, micro, s) for s in range(stages)]
     done = {}                         # (kind, stage, m) -> end slot
     free = [0] * stages
     pos = [0] * stages
@@ -418,6 +419,11 @@ def _transfer_backward(node, g):
         full = np.zeros((part.shape[0],) + layout.local_shape, part.dtype)
         full[:, start:start + rows] = part
         return (_core.wrap_dist(full, layout),)
+    if attrs["kind"] == "accumulated":  # 1F1B: the gradients each micro-batch's backward
+        g0 = g._value() if g._layout is None else None      # made, times the seed
+        one = g0 is not None and np.all(g0 == 1)
+        return tuple(None if a is None else a if one else _core.apply(MUL, None, (a, g))
+                     for a in attrs["grads"])
     if attrs["kind"] == "plan":       # a traced boundary: the gradient crosses it back
         back = dict(attrs, src=attrs["dst"], dst=attrs["src"], grad=True)
         return (_core.apply(TRANSFER, back, (g,)),)
@@ -477,6 +483,10 @@ class PipelineRun:
         self._events = 0
         self._saved = []
         self.sent = []                # under "mpi": (value, stage, event, cell) sent on
+        self._leaves = None           # 1F1B: (private tape, next slot)
+        self._shared = []             # 1F1B: (moved weight, its leaf stand-in)
+        self._kept = set()            # 1F1B: _moved keys of weights (kept all call)
+        self._weights_sent = []       # 1F1B, "mpi": weights sent on (gradients once)
 
     def __enter__(self) -> "PipelineRun":
         RUNNING[0] += 1
@@ -570,7 +580,26 @@ class PipelineRun:
             y = self._cross(x, j, k, name, self.next_event())
             self._moved[(id(x), k)] = y
             self._marks[id(y)] = (y, k)
+            if self._leaves is not None and isinstance(x, Parameter):
+                # 1F1B: a weight moves once per call and its gradient goes back once
+                y = self._leaf_for(y)
+                self._moved[(id(x), k)] = y
+                self._kept.add((id(x), k))
         return y
+
+    def _leaf_for(self, y):
+        """1F1B: a stand-in of the moved weight `y` with a leaf of this run's tape, whose
+        gradient the micro-batches accumulate; :meth:`run_1f1b` moves the sum back once
+        at the end."""
+        if not isinstance(y, TensorBase) or y._node is None:
+            return y
+        tape, slots = self._leaves
+        hit = _core.wrap_dist(y._data, y._layout)
+        hit._node = _core.make_leaf(slots, tape)
+        self._leaves = (tape, slots + 1)
+        self._shared.append((y, hit))
+        self._marks[id(hit)] = (hit, self._marks[id(y)][1])
+        return hit
 
     def next_event(self) -> int:
         """A new transfer's number (every process counts the same transfers in the same
@@ -588,7 +617,10 @@ class PipelineRun:
                 stack, layout = _stack(x, len(view.local_ranks))
                 view.send(stack, k, 2 * event, meta=layout)
             if here == j:                             # "mpi": stage k receives it
-                self.sent.append((x, k, event, name))
+                if self._leaves is not None and isinstance(x, Parameter):
+                    self._weights_sent.append((x, k, event, name))   # 1F1B: once
+                else:
+                    self.sent.append((x, k, event, name))
                 return Remote(k)
             got, layout = view.recv(j, 2 * event)
         data = got[0] if layout is None else got
@@ -597,6 +629,119 @@ class PipelineRun:
         return _core.finish(TRANSFER, {"kind": "move", "src": j, "dst": k, "run": self,
                                        "cell": name, "event": event},
                             (src,), data, rec, None if layout is None else (layout,))
+
+    def run_1f1b(self, network, inputs, micro_size, order):
+        """Run `network` over the micro-batches of `inputs` in `order` (``[("F", m)``,
+        ``("B", m)]``: a stage's 1F1B order; under "sim", where a micro-batch's forward
+        runs every stage, the first stage's), each micro-batch's backward run where the
+        order puts it, so that its activations are dropped then. Called while a tape
+        records: the network's weights and the differentiated inputs get leaves of a
+        tape of this run; each backward adds its gradients to theirs; the result is the
+        summed output (as :meth:`output` gives it) as one op whose backward hands the
+        accumulated gradients (times its seed) to the weights and inputs. A weight that
+        a later stage reads moves there once and its gradient comes back once, after
+        the last backward. Returns ``(result, order run)``."""
+        tape = _next_private_tape()
+        weights = [p for p in network.get_parameters() if p._node is not None]
+        saved = [p._node for p in weights]
+        for slot, p in enumerate(weights):
+            p._node = _core.make_leaf(slot, tape)
+        slots = len(weights)
+        ins, sources = [], []
+        for x in inputs:
+            if isinstance(x, TensorBase) and x._node is not None:
+                leaf = _core.wrap_dist(x._value() if x._layout is None else x._data,
+                                       x._layout)
+                leaf._node = _core.make_leaf(slots, tape)
+                slots += 1
+                sources.append(x)
+                x = leaf
+            ins.append(x)
+        self._leaves = (tape, slots)
+        acc = []
+        try:
+            lent = {}
+            for d, attr, p in self._lent:     # weights lent to later stages' cells
+                y = d[attr]
+                if id(y) not in lent:
+                    lent[id(y)] = self._leaf_for(y)
+                d[attr] = lent[id(y)]
+            self._weights_sent, self.sent = self.sent, []   # their sends: once
+            micros = micro_batches(tuple(ins), micro_size, self.owner)
+            live, total, done = {}, None, []
+            for kind, m in order:
+                done.append((kind, m))
+                if kind == "F":
+                    start = len(self.sent)
+                    marks, moved = set(self._marks), set(self._moved)
+                    out = network(*micros[m])
+                    if isinstance(out, TensorBase):
+                        value = _core.detached(out) if out._layout is not None else \
+                            _core.wrap_dist(out._value(), None)
+                        total = value if total is None else total + value
+                    live[m] = (out, start, len(self.sent), set(self._marks) - marks,
+                               set(self._moved) - moved - self._kept)
+                    continue
+                out, a, b, marks, moved = live.pop(m)
+                for key in marks:                 # its values are dropped after it
+                    if self._marks.get(key, (None,))[0] is not None and \
+                            not any(self._marks[key][0] is h for _, h in self._shared):
+                        self._marks.pop(key, None)
+                for key in moved:
+                    self._moved.pop(key, None)
+                if isinstance(out, TensorBase):
+                    root = out
+                elif b > a:                               # "mpi": what this stage sent on
+                    root = self._sent_root(self.sent[a:b])
+                else:
+                    continue
+                _add_to(acc, _backward(root, tape, self._leaves[1]))
+                del out, root
+                self.sent[a:b] = [None] * (b - a)       # "mpi": dropped once sent back
+            for y, leaf in self._shared:                 # the weights moved, once
+                g = acc[leaf._node.slot] if leaf._node.slot < len(acc) else None
+                if g is not None:
+                    _add_to(acc, _backward(y, tape, self._leaves[1], g))
+            if self.here is not None and self._weights_sent:   # "mpi": their gradients
+                _add_to(acc, _backward(self._sent_root(self._weights_sent), tape,
+                                       self._leaves[1]))
+        finally:
+            for p, node in zip(weights, saved):
+                p._node = node
+            self._leaves = None
+        acc += [None] * (len(weights) + len(sources) - len(acc))
+        value = self.output_value(total)
+        n = len(weights) + len(sources)
+        result = _core.finish(TRANSFER, {"kind": "accumulated", "grads": tuple(acc[:n])},
+                              tuple(weights) + tuple(sources),
+                              value._value() if value._layout is None else value._data,
+                              True, None if value._layout is None else (value._layout,))
+        return result, done
+
+    def _sent_root(self, sent):
+        """Under "mpi": an op over values this stage sent on, whose backward receives
+        their gradients (the root of a backward on a stage without the loss)."""
+        return _core.finish(TRANSFER, {"kind": "output", "run": self, "sent": sent},
+                            tuple(x for x, _, _, _ in sent), np.zeros((), np.float32),
+                            True, None)
+
+    def output_value(self, total):
+        """The summed output as every stage sees it, without a gradient (under "mpi"
+        the stage that computes it sends its value to the others' processes)."""
+        here, view = self.here, self.view
+        if here is None:
+            return total
+        last = view.stages - 1
+        event = self.next_event()
+        if here == last:
+            value = np.asarray(total.asnumpy())
+            for s in range(last):
+                view.send(replicated_view(value, len(view.local_ranks)), s, 2 * event,
+                          record=False)
+            view.wait_sends()
+            return _core.wrap_dist(value, None)
+        got, _ = view.recv(last, 2 * event, record=False)
+        return _core.wrap_dist(np.array(got[0]), None)
 
     def output(self, total):
         """The network's summed output as every stage sees it. Under "mpi" the stage
@@ -629,7 +774,7 @@ class PipelineRun:
         attrs, view = node.attrs, self.view
         if attrs["kind"] == "output":                 # "mpi": the gradients sent back
             grads = []
-            for x, k, event, name in self.sent:
+            for x, k, event, name in attrs.get("sent", self.sent):
                 with comm_cause(name, "pipeline"):
                     got, layout = view.recv(k, 2 * event + 1)
                 grads.append(_unstack(got, layout))
@@ -642,6 +787,34 @@ class PipelineRun:
                 got, layout = view.recv(k, 2 * event + 1)
                 return (_unstack(got, layout),)
         return (g,)                                   # for the constant input: unused
+
+
+_PRIVATE_TAPE = [0]
+
+
+def _next_private_tape() -> int:
+    """A tape id of its own for one 1F1B run's leaves (negative: never a recording's)."""
+    _PRIVATE_TAPE[0] -= 1
+    return _PRIVATE_TAPE[0]
+
+
+def _zeros_like(shape, dtype):
+    return _core.wrap_dist(np.zeros(shape, dtype), None)
+
+
+def _backward(root, tape, slots, seed=None):
+    """The gradients ``root``'s backward gives the leaves of `tape` (seed: ones)."""
+    if seed is None:
+        seed = _core.wrap_dist(np.ones(root.shape, root.dtype), None)
+    return _core.run_backward((root,), (seed,), tape, slots, ADD, _zeros_like)
+
+
+def _add_to(acc, grads):
+    acc += [None] * (len(grads) - len(acc))
+    with _core.paused_recording():
+        for i, g in enumerate(grads):
+            if g is not None:
+                acc[i] = g if acc[i] is None else _core.apply(ADD, None, (acc[i], g))
 
 
 #: the number of stages while a dry run traces a pipelined step (None otherwise): then
@@ -670,6 +843,7 @@ class PipelinePlan(PipelineRun):
         self._lent, self._marks, self._moved, self._saved = [], {}, {}, []
         self._events = 0
         self.sent = []
+        self._leaves, self._shared, self._kept, self._weights_sent = None, [], set(), []
 
     def __enter__(self) -> "PipelinePlan":
         RUNNING[0] += 1

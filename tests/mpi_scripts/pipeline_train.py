@@ -121,6 +121,8 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False,
     # the other stages' weights this rank holds (under "mpi"): changed ones
     changed = sum(not np.array_equal(p.asnumpy(), w0) for p, w0 in zip(params, initial)
                   if stage is not None and parameter_stage(p) != stage)
+    # the order this process ran its last step in: F m as m, B m as -(m + 1)
+    train.order = [m if kind == "F" else -(m + 1) for kind, m in model.last_order or ()]
     counts = (report.count("Send", "pipeline"), report.count("Receive", "pipeline"),
               report.bytes("Send"), last.parameter_memory - before, changed,
               last.count(reason="gradient"), last.count(reason="parallel_optimizer"),
@@ -137,4 +139,4 @@ if __name__ == "__main__":
     rank = communication.get_rank()
     (stage, ws), = weights.items()
     np.savez(os.path.join(out, f"rank{rank}.npz"), losses=losses, stage=stage,
-             counts=np.array(counts), **{f"w{i}": w for i, w in enumerate(ws)})
+             counts=np.array(counts), order=np.array(train.order, np.int64), **{f"w{i}": w for i, w in enumerate(ws)})
