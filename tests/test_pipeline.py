@@ -645,3 +645,34 @@ def test_1f1b_keeps_fewer_micro_batches_alive():
     np.testing.assert_allclose(loss, g_loss, rtol=1e-6)
     for a, b in zip(grads, g_grads):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_1f1b_needs_one_loss_from_the_network():
+    class Pair(nn.Cell):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def construct(self, x, y):
+            out = self.net(x)
+            return ops.reduce_mean((out - y) ** 2), out
+
+    _setup(2)
+    net = MLP(_weights(2))
+    for k, block in enumerate(net.blocks):
+        block.pipeline_stage = k
+    model = nn.PipelineCell(Pair(net), 2)
+    grad_fn = dm.value_and_grad(model, None, net.trainable_params())
+    x, y = _data()
+    before = [p.asnumpy().copy() for p in net.trainable_params()]
+    with pytest.raises(TypeError, match=r"PipelineCell: with pipeline_scheduler '1f1b' the "
+                                        r"network of a differentiated call must return one "
+                                        r"Tensor \(its loss\), got tuple"):
+        grad_fn(dm.Tensor(x), dm.Tensor(y))
+    assert all(p._node is None for p in net.trainable_params())
+    for p, b in zip(net.trainable_params(), before):
+        np.testing.assert_array_equal(p.asnumpy(), b)
+    dm.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "gpipe"})
+    loss, grads = dm.value_and_grad(model, None, net.trainable_params(), has_aux=True)(
+        dm.Tensor(x), dm.Tensor(y))
+    assert np.isfinite(float(loss[0].asnumpy())) and len(grads) == 4

@@ -675,6 +675,13 @@ class PipelineRun:
                     start = len(self.sent)
                     marks, moved = set(self._marks), set(self._moved)
                     out = network(*micros[m])
+                    if not isinstance(out, (TensorBase, Remote)):
+                        raise TypeError(f"{self.owner}: with pipeline_scheduler '1f1b' the "
+                                        f"network of a differentiated call must return "
+                                        f"one Tensor (its loss), got "
+                                        f"{type(out).__name__}; return the loss alone, "
+                                        f"or set pipeline_config={{'pipeline_scheduler': "
+                                        f"'gpipe'}}")
                     if isinstance(out, TensorBase):
                         value = _core.detached(out) if out._layout is not None else \
                             _core.wrap_dist(out._value(), None)
