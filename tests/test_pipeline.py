@@ -514,7 +514,7 @@ def test_bad_cell_attributes_and_wrappers():
     assert [b.pipeline_stage for b in net.blocks] == [0, 1]
 
 
-def test_pipeline_needs_semi_auto_and_pynative():
+def test_pipeline_needs_semi_auto_and_no_attribute_weights_across_stages_in_graph_mode():
     x, y = _data()
     _setup(None)
     dm.set_auto_parallel_context(parallel_mode="data_parallel", device_num=8,
@@ -524,17 +524,22 @@ def test_pipeline_needs_semi_auto_and_pynative():
     with pytest.raises(ValueError, match=r"pipeline_stages=2 needs parallel_mode "
                                          r"'semi_auto_parallel' or 'auto_parallel'"):
         model(dm.Tensor(x), dm.Tensor(y))
+    # GRAPH_MODE: a weight a later stage's compiled cell would read as an attribute
     _setup(2)
     net, model = _staged_model(2, (0, 1))
+    net.blocks[1].tied = net.blocks[0].w
     before = [p.asnumpy().copy() for p in net.trainable_params()]
     dm.set_context(mode=dm.GRAPH_MODE)
     try:
-        with pytest.raises(RuntimeError, match=r"PipelineCell: pipeline parallelism "
-                                               r"\(pipeline_stages=2\) runs in PyNative"):
-            model(dm.Tensor(x), dm.Tensor(y))
+        with pytest.raises(RuntimeError, match=r"PipelineCell: weight 'blocks.0.w' is held "
+                                               r"by cells of pipeline stages 0 and 1 .* "
+                                               r"in GRAPH_MODE"):
+            dm.value_and_grad(model, None, net.trainable_params())(dm.Tensor(x),
+                                                                   dm.Tensor(y))
     finally:
         dm.set_context(mode=dm.PYNATIVE_MODE)
     _unchanged(net, before)
+    assert all(p._node is None for p in net.trainable_params())
 
 
 def test_staged_cell_outside_pipeline_cell_is_refused():
@@ -676,3 +681,79 @@ def test_1f1b_needs_one_loss_from_the_network():
     loss, grads = dm.value_and_grad(model, None, net.trainable_params(), has_aux=True)(
         dm.Tensor(x), dm.Tensor(y))
     assert np.isfinite(float(loss[0].asnumpy())) and len(grads) == 4
+
+
+
+# ------------------------------------------------------------------- GRAPH_MODE
+
+
+@pytest.mark.parametrize("scheduler", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages, strategies", [
+    (2, [((2, 2), (2, 1)), ((4, 1), (1, 1))]),        # tensor parallel in each stage
+    (4, None),
+])
+def test_graph_mode_compiles_each_stage_and_equals_one_device(stages, strategies,
+                                                              scheduler):
+    """GRAPH_MODE: each staged cell is compiled once for its stage's devices (the
+    micro-batches share one shape) and three training steps equal the stand-alone
+    network's; the transfers are those of PyNative."""
+    from dualmode.parallel.graph.api import compile_count
+    ref_losses, ref_w, _ = train(stages, 4, parallel=False)
+    _, _, eager = train(stages, 4, parallel=True, scheduler=scheduler,
+                        strategies=strategies)
+    dm.set_context(mode=dm.GRAPH_MODE)
+    try:
+        before = compile_count()
+        losses, w, report = train(stages, 4, parallel=True, scheduler=scheduler,
+                                  strategies=strategies)
+        compiled = compile_count() - before
+    finally:
+        dm.set_context(mode=dm.PYNATIVE_MODE)
+    assert compiled == stages                    # one graph per staged cell, 3 steps
+    _close(losses, ref_losses)
+    for a, b in zip(w, ref_w):
+        _close(a, b)
+    assert report.count("Send", "pipeline") == eager.count("Send", "pipeline") > 0
+    assert report.bytes("Send", "pipeline") == eager.bytes("Send", "pipeline")
+
+
+def test_graph_mode_gpt_with_a_tied_table_passed_as_an_argument():
+    """The GPT of the examples (dp 2 x mp 2 x pp 2, the embedding table passed to the
+    output layer of the last stage): GRAPH_MODE trains as one device."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "examples"))
+    from gpt_model import GPT, GPTConfig, synthetic_batch
+
+    def run(cfg, n, graph):
+        _setup(None)
+        if n:
+            dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=n,
+                                         pipeline_stages=cfg.pp)
+            communication.init()
+        dm.set_seed(0)
+        net = GPT(cfg)
+        model = nn.PipelineCell(net, cfg.micro_size)
+        opt = nn.SGD(net.trainable_params(), 0.5)
+        grad_fn = dm.value_and_grad(model, None, opt.parameters)
+        ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
+        losses = []
+        if graph:
+            dm.set_context(mode=dm.GRAPH_MODE)
+        try:
+            for _ in range(2):
+                loss, grads = grad_fn(dm.Tensor(ids), dm.Tensor(labels))
+                opt(grads)
+                losses.append(float(loss.asnumpy()))
+        finally:
+            dm.set_context(mode=dm.PYNATIVE_MODE)
+        return np.array(losses), {p.name: p.asnumpy() for p in net.trainable_params()}
+
+    cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2)
+    ref, ref_w = run(GPTConfig(micro_size=2), None, False)
+    losses, w = run(cfg, 8, True)
+    np.testing.assert_allclose(losses, ref, rtol=1e-4)
+    for name in ref_w:
+        np.testing.assert_allclose(w[name], ref_w[name], rtol=1e-4, atol=1e-6,
+                                   err_msg=name)

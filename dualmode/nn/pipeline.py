@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .. import context
 from .._core._tensor import recording
+from ..parallel.graph.api import ShardFunction
 from ..parallel.pipeline import (PLANNING, PipelinePlan, PipelineRun, Remote,
                                  active_stages, micro_batches, note_parameter_stages,
                                  stage_order, staged_cells)
@@ -20,6 +21,21 @@ def _check_args(owner, network, name, value):
                         f"{value!r}")
     if value <= 0:
         raise ValueError(f"{owner}: {name}={value} is not valid; expected an int >= 1")
+
+
+def _stage_graph(cell, construct, name):
+    """GRAPH_MODE under pipeline parallelism: the staged `cell`'s construct compiled for
+    its stage's devices (cached on the cell; compiled again for each new signature of
+    its inputs, e.g. another micro-batch shape)."""
+    fn = cell.__dict__.get("_stage_graph_fn")
+    if fn is None:
+        def run(*args, **kwargs):
+            return construct(cell, *args, **kwargs)
+        auto = context._STATE.auto_parallel.parallel_mode == "auto_parallel"
+        fn = ShardFunction(run, owner=f"{name} (pipeline stage, GRAPH_MODE)",
+                           propagate=auto)
+        cell.__dict__["_stage_graph_fn"] = fn
+    return fn
 
 
 def _add(total, out):
@@ -66,6 +82,14 @@ class PipelineCell(Cell):
     #: what a dry run looks for to plan the pipeline schedule of a step
     runs_pipeline = True
 
+    @property
+    def _eager_only(self):
+        """Under pipeline parallelism this cell runs its micro-batches itself, also in
+        GRAPH_MODE (where each stage's cells are compiled, for their stage's devices)."""
+        cfg = context._STATE.auto_parallel
+        return cfg.pipeline_stages > 1 and cfg.parallel_mode in ("semi_auto_parallel",
+                                                                 "auto_parallel")
+
     def __init__(self, network, micro_size, stage_config=None):
         super().__init__(auto_prefix=False)
         owner = "PipelineCell"
@@ -99,10 +123,7 @@ class PipelineCell(Cell):
             with PipelinePlan(self.network, staged, owner) as run:
                 return run.output(self.network(*inputs))
         stages = active_stages(owner)
-        if stages > 1 and context._STATE.run.mode == context.GRAPH_MODE:
-            raise RuntimeError(f"{owner}: pipeline parallelism (pipeline_stages={stages}) "
-                               f"runs in PyNative mode only; call "
-                               f"set_context(mode=PYNATIVE_MODE) before training")
+        graph = _stage_graph if context._STATE.run.mode == context.GRAPH_MODE else None
         if stages == 1:
             total = None
             for mi in micro_batches(inputs, self.micro_size, owner):
@@ -111,7 +132,7 @@ class PipelineCell(Cell):
         staged = staged_cells(self.network, stages, owner)
         scheduler = context._STATE.auto_parallel.pipeline_config["pipeline_scheduler"]
         total = None
-        with PipelineRun(self.network, staged, owner) as run:
+        with PipelineRun(self.network, staged, owner, graph) as run:
             if scheduler == "1f1b" and recording():
                 # each micro-batch's backward where the 1F1B order puts it: this
                 # process's stage's order ("sim": the first stage's)

@@ -320,8 +320,9 @@ def staged_cells(network, stages: int, owner: str):
                              f"{stages - 1}")
         if "_shard_fn" in cell.__dict__:
             raise ValueError(f"{owner}: cell {label!r} (pipeline_stage={k}) runs as a "
-                             f"compiled graph (Cell.shard); a pipeline stage's cells run "
-                             f"in PyNative mode, give its ops strategies with "
+                             f"compiled graph (Cell.shard); the PipelineCell runs a "
+                             f"pipeline stage's cells itself (compiled for the stage's "
+                             f"devices in GRAPH_MODE), give its ops strategies with "
                              f"Primitive.shard instead")
         found.append((label, cell, k))
     have = {k for _, _, k in found}
@@ -469,8 +470,10 @@ class PipelineRun:
     outputs are :class:`Remote`, and the values this stage made that it reads are sent
     to it."""
 
-    def __init__(self, network, staged, owner: str):
+    def __init__(self, network, staged, owner: str, graph=None):
         self.owner = owner
+        # GRAPH_MODE: graph(cell, construct, name) gives the staged cell's compiled call
+        self.graph = graph
         self.view = live_backend()
         self.here = self.view.stage          # None: every stage runs in this process
         explicit = {id(cell): k for _, cell, k in staged}
@@ -495,7 +498,11 @@ class PipelineRun:
             d = cell.__dict__
             self._saved.append((d, d.get("construct")))
             d["construct"] = self._wrap(name, cell, k)
-        self._share_parameters()
+        try:
+            self._share_parameters()
+        except BaseException:
+            self.__exit__(None, None, None)          # every cell as it was
+            raise
         return self
 
     def _share_parameters(self):
@@ -509,6 +516,15 @@ class PipelineRun:
             for k in sorted(stages):
                 if k == first:
                     continue
+                if self.graph is not None:
+                    _, attr, holder = stages[k][0]
+                    raise RuntimeError(
+                        f"{self.owner}: weight {p.name!r} is held by cells of pipeline "
+                        f"stages {first} and {k} (cell {holder!r}, attribute {attr!r}); "
+                        f"in GRAPH_MODE a stage's compiled cells cannot read a weight of "
+                        f"another stage as an attribute: pass it to the later stage's "
+                        f"cell as an argument (as a tied embedding table passed to the "
+                        f"output layer), or train in PyNative mode")
                 holders = stages[k]
                 y = self._arrive(p, k, holders[0][2])
                 for cell, attr, _ in holders:
@@ -539,7 +555,12 @@ class PipelineRun:
                 return construct(cell, *args, **kwargs)
             args = tuple(self._arrive(a, k, name) for a in args)
             kwargs = {key: self._arrive(v, k, name) for key, v in kwargs.items()}
-            out = construct(cell, *args, **kwargs) if self.here in (None, k) else Remote(k)
+            if self.here not in (None, k):
+                out = Remote(k)
+            elif self.graph is not None and explicit >= 0:
+                out = self.graph(cell, construct, name)(*args, **kwargs)
+            else:
+                out = construct(cell, *args, **kwargs)
             self._mark(out, k)
             return out
         return staged

@@ -3,11 +3,12 @@ rank running its own stage's cells) it writes each rank's losses, its stage's we
 and its CommReport counts to OUT_DIR/rank<r>.npz; tests import it and run the same
 program on "sim" in-process to compare.
 
-    mpiexec -n N python pipeline_train.py OUT_DIR STAGES MICRO SCHEDULER OPTIMIZER SHARD TIED [ZERO]
+    mpiexec -n N python pipeline_train.py OUT_DIR STAGES MICRO SCHEDULER OPTIMIZER SHARD TIED [ZERO [GRAPH]]
 
 TIED=1: the last block also reads the first block's weight (a parameter shared by the
 first and the last stage, as a tied embedding). OPTIMIZER "adamw": Adam with weight
 decay. ZERO=1: the parallel optimizer (every weight's states split over its replicas).
+GRAPH=1: GRAPH_MODE (each stage's cells compiled for its devices).
 Besides the losses and weights, a rank records how many of the other stages' weights
 it holds changed (none should: they are their processes' to update) and the gradient
 and parallel-optimizer collectives of its last step.
@@ -60,7 +61,7 @@ class MLP(nn.Cell):
 
 
 def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False,
-          zero=False, ckpt=None):
+          zero=False, ckpt=None, graph=False):
     """Losses, {stage: weights of its blocks} and the Send/Receive counts; `devices`:
     simulated devices (None: the MPI world)."""
     dm.reset_auto_parallel_context()
@@ -95,12 +96,17 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False,
     x = rng.standard_normal((B, D)).astype(np.float32)
     y = rng.standard_normal((B, D)).astype(np.float32)
     losses = []
-    with CommReport() as report:
-        for step in range(STEPS):
-            with CommReport() as last:      # the last step: every weight in its layout
-                loss, grads = grad_fn(dm.Tensor(x), dm.Tensor(y))
-                opt(grads)
-            losses.append(float(loss.asnumpy()))
+    if graph:                               # each stage's cells compiled
+        dm.set_context(mode=dm.GRAPH_MODE)
+    try:
+        with CommReport() as report:
+            for step in range(STEPS):
+                with CommReport() as last:  # the last step: every weight in its layout
+                    loss, grads = grad_fn(dm.Tensor(x), dm.Tensor(y))
+                    opt(grads)
+                losses.append(float(loss.asnumpy()))
+    finally:
+        dm.set_context(mode=dm.PYNATIVE_MODE)
     stage = communication.get_backend().stage
     weights = {}
     for block in net.blocks:
@@ -133,9 +139,10 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False,
 if __name__ == "__main__":
     out, stages, micro, scheduler, optimizer, shard, tied = sys.argv[1:8]
     zero = sys.argv[8:9] == ["1"]
+    graph = sys.argv[9:10] == ["1"]
     losses, weights, counts = train(int(stages), int(micro), scheduler, optimizer,
                                     shard == "1", tied=tied == "1", zero=zero,
-                                    ckpt=os.path.join(out, "net.ckpt"))
+                                    ckpt=os.path.join(out, "net.ckpt"), graph=graph)
     rank = communication.get_rank()
     (stage, ws), = weights.items()
     np.savez(os.path.join(out, f"rank{rank}.npz"), losses=losses, stage=stage,
