@@ -862,6 +862,7 @@ class PipelinePlan(PipelineRun):
 
     def __init__(self, network, staged, owner: str):
         self.owner = owner
+        self.graph = None             # traced whole: every cell inlined in the plan
         self.view = None
         self.here = None
         explicit = {id(cell): k for _, cell, k in staged}
