@@ -1,11 +1,17 @@
 """Random programs over the op registry, in every parallel mode, against stand-alone.
 
-Each example is a small network (a chain of blocks on a (16, 8) activation, with
+Each example is a small network (a chain of blocks on a (B, F) activation, with
 parameters shared between blocks, some with strategies and some without) run once
 stand-alone and once in a parallel mode with the same initial weights: the loss, the
 gradient of the input, every parameter gradient and the parameters after one SGD step
 must agree (float32: rtol 1e-4, atol 1e-5 times the array's scale). Invalid strategies
 must be refused with an error naming the op.
+
+Shapes: two programs in three run on (16, 8) (with 16 embedding rows), which every
+strategy divides; the others on a shape drawn from ``_UNEVEN_SHAPES``, whose dims the
+strategies' splits mostly cut into pieces of unequal size (numpy.array_split's), never
+into an empty piece: in every mode about a third of the programs that split anything
+(``test_about_a_third_of_the_cases_do_not_divide``).
 
 The ops come from ``REGISTRY``: every elementwise op (unary or binary, float output,
 with a backward rule) is fuzzed as it is registered; the others through the block table
@@ -39,7 +45,10 @@ settings.register_profile("dualmode-explore", deadline=None,
                           suppress_health_check=list(HealthCheck))
 _PROFILE = settings.get_profile("dualmode-explore" if _EXPLORE else "dualmode-ci")
 
-B, F, V = 16, 8, 16          # batch, features, embedding rows
+B, F, V = 16, 8, 16          # batch, features, embedding rows: the dividing shape
+#: (batch, features, embedding rows) that the strategies' splits (factors 1, 2, 4, 8)
+#: need not divide; features even (the slice-and-tile block halves them), rows >= F
+_UNEVEN_SHAPES = [(13, 6, 13), (10, 10, 11), (12, 6, 12), (15, 12, 14), (9, 10, 10)]
 RTOL, ATOL = 1e-4, 1e-5
 
 # ---------------------------------------------------------------------------
@@ -133,13 +142,13 @@ _NOT_FUZZED = {
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Block:
-    """One step ``h -> h'`` on the (16, 8) activation."""
+    """One step ``h -> h'`` on the (B, F) activation."""
     kind: str                               # see _apply_block
     op: str = ""
     strategy: Optional[tuple] = None        # in_strategy of the block's main primitive
     arg: object = None                      # the block's extra (param name, axis, ...)
 
-    def code(self):
+    def code(self, b=B, f=F):
         shard = f".shard({self.strategy})" if self.strategy is not None else ""
         k, a = self.kind, self.arg
         if k == "unary":
@@ -158,7 +167,7 @@ class Block:
         if k == "softmax":
             return f"h = {self.op}(axis=-1){shard}(h)"
         if k == "reshape":
-            return f"h = Reshape()(Tanh(){shard}(Reshape()(h, {a})), (16, 8))"
+            return f"h = Reshape()(Tanh(){shard}(Reshape()(h, {a})), ({b}, {f}))"
         if k == "transpose":
             return f"h = Transpose()(Tanh(){shard}(Transpose()(h, (1, 0))), (1, 0))"
         if k == "select":        # continuous: both branches are 0 where h is
@@ -171,18 +180,18 @@ class Block:
         if k == "prelu":
             return f"h = PReLU(){shard}(h, b)"
         if k == "slice_tile":
-            inner = f"StridedSlice(){shard}(h, (0, 0), (16, 4), (1, 1))"
+            inner = f"StridedSlice(){shard}(h, (0, 0), ({b}, {f // 2}), (1, 1))"
             return f"h = Tile(){_shard_code(a)}(Tanh()({inner}), (1, 2))"
         if k == "expand_squeeze":
             return f"h = Squeeze(1){_shard_code(a)}(Tanh()(ExpandDims(){shard}(h, 1)))"
         if k == "arg" and self.op.endswith("WithValue"):
             return f"h = h * {self.op}(axis={a}, keep_dims=True){shard}(h)[1]"
         if k == "arg":
-            return f"h = h + OneHot()({self.op}(axis=1){shard}(h), 8, 1.0, 0.0)"
+            return f"h = h + OneHot()({self.op}(axis=1){shard}(h), {f}, 1.0, 0.0)"
         if k == "gather":
             return f"h = h + Gather(){shard}(E, idx, 0)"
         if k == "onehot":
-            return f"h = h + OneHot(){shard}(idx, 8, 1.0, 0.0)"
+            return f"h = h + OneHot(){shard}(idx, {f}, 1.0, 0.0)"
         if k == "layernorm":        # gamma and beta both the parameter `a`
             axes = "1, 1" if a == "b" else "1, 0"
             return (f"y, m, v = LayerNorm({axes}){shard}(h, {a}, {a})\n"
@@ -190,7 +199,7 @@ class Block:
         if k == "l2norm":
             return f"h = L2Normalize(axis={a}){shard}(h)"
         if k in _MS_MORE:
-            return _ms_more_code(self, shard)
+            return _ms_more_code(self, shard, b, f)
         return k
 
 
@@ -205,11 +214,14 @@ class Program:
     mode: str = "pynative"
     outer: Optional[tuple] = None            # in_strategy of ops.shard / Cell.shard
     plan: Optional[dict] = field(default=None, hash=False)   # parameter_plan
+    shape: Tuple[int, int, int] = (B, F, V)  # batch, features, embedding rows
 
     def __repr__(self):
+        b, f, v = self.shape
         lines = [f"# mode={self.mode} outer={self.outer} parameter_plan={self.plan}",
+                 f"# x: ({b}, {f}), W: ({f}, {f}), b: ({f},), E: ({v}, {f}), U: ({b}, {f})",
                  "h = h0 = x"]
-        lines += [b.code() for b in self.blocks]
+        lines += [blk.code(b, f) for blk in self.blocks]
         lines.append({"square": "loss = ReduceSum()(Square()(h))",
                       "mean": "loss = ReduceMean()(h * h)",
                       "xent": "loss = SparseSoftmaxCrossEntropyWithLogits()(h, labels)"}[
@@ -229,7 +241,8 @@ def _positive(t):
     return ops.sigmoid(t) + 0.5
 
 
-def _apply_block(blk, h, h0, params, idx):
+def _apply_block(blk, h, h0, params, idx, shape):
+    B, F, _ = shape
     W, b, E = params["W"], params["b"], params["E"]
     k, s = blk.kind, blk.strategy
 
@@ -295,7 +308,7 @@ def _apply_block(blk, h, h0, params, idx):
         l2 = ops.L2Normalize(axis=blk.arg)
         return (l2.shard(s) if s is not None else l2)(h)
     if k in _MS_MORE:
-        return _ms_more_apply(blk, prim, h, h0, params)
+        return _ms_more_apply(blk, prim, h, h0, params, B, F)
     raise AssertionError(k)
 
 
@@ -308,33 +321,50 @@ def _loss(kind, h, labels):
 
 
 # ---------------------------------------------------------------------------
-# strategies: valid by construction (factors of 2 dividing the dims, product <= 8)
+# strategies: valid by construction (factors of 2, product <= 8, never more parts
+# than a dim has rows; they divide the dims of the (16, 8) shape, not always the others)
 # ---------------------------------------------------------------------------
-_F = st.sampled_from([1, 2, 4, 8])
+def _F(d, divide=False):
+    """One split factor for a dim of size `d` (no empty piece; `divide`: one that
+    divides `d`)."""
+    return st.sampled_from([f for f in (1, 2, 4, 8) if f <= d and (d % f == 0 or not divide)])
 
 
 @st.composite
-def _split(draw, shape, total=8):
-    """Per-dim factors (powers of 2) that divide the dims, with product <= total."""
+def _split(draw, shape, total=8, divide=False):
+    """Per-dim factors (powers of 2) with product <= total, none above its dim's size
+    (`divide`: each dividing its dim, for the primitives that refuse unequal pieces by
+    name: StridedSlice, ExpandDims, Squeeze, OneHot's depth -- see the tests
+    test_unequal_pieces_refused_by_name and
+    test_depth_split_that_does_not_divide_is_refused_by_name)."""
     out, left = [], total
     for d in shape:
-        f = draw(st.sampled_from([f for f in (1, 2, 4, 8) if f <= left and d % f == 0]))
+        f = draw(st.sampled_from([f for f in (1, 2, 4, 8)
+                                  if f <= left and f <= d and (d % f == 0 or not divide)]))
         out.append(f)
         left //= f
     return tuple(out)
 
 
+def _reshapes(b, f):
+    """Shapes of b * f elements the reshape block goes through."""
+    if (b, f) == (B, F):
+        return [(32, 4), (8, 16), (128,), (4, 4, 8)]
+    return [(2 * b, f // 2), (f, b), (b * f,), (b, 2, f // 2)]
+
+
 @st.composite
-def _block(draw, with_strategy):
+def _block(draw, with_strategy, shape=(B, F, V)):
+    B, F, V = shape
     kinds = ["unary", "binary_param", "binary_skip", "matmul", "bias_add", "reduce",
              "softmax", "reshape", "transpose", "gather", "onehot",
              "slice_tile", "expand_squeeze", "arg", "layernorm", "l2norm"]
     k = draw(st.sampled_from(kinds + _ELEMENTWISE_MORE + _MS_MORE))
     sharded = with_strategy and draw(st.booleans())
     if k in _MS_MORE:
-        return _ms_more_block(draw, k, sharded)
+        return _ms_more_block(draw, k, sharded, B, F)
     if k in _ELEMENTWISE_MORE:
-        return _elementwise_more_block(draw, k, sharded)
+        return _elementwise_more_block(draw, k, sharded, B, F)
     if k == "unary":
         op = draw(st.sampled_from(UNARY))
         return Block(k, op, (draw(_split((B, F))),) if sharded else None)
@@ -363,22 +393,23 @@ def _block(draw, with_strategy):
                      draw(st.sampled_from([0, 1])))
     if k == "softmax":
         op = draw(st.sampled_from(["Softmax", "LogSoftmax"]))
-        return Block(k, op, ((draw(_F), 1),) if sharded else None)
+        return Block(k, op, ((draw(_F(B)), 1),) if sharded else None)
     if k == "reshape":
-        shape = draw(st.sampled_from([(32, 4), (8, 16), (128,), (4, 4, 8)]))
-        s = (draw(_split(shape)),) if sharded else None
-        return Block(k, "Reshape", s, shape)
+        to = draw(st.sampled_from(_reshapes(B, F)))
+        s = (draw(_split(to)),) if sharded else None
+        return Block(k, "Reshape", s, to)
     if k == "transpose":
         return Block(k, "Transpose", (draw(_split((F, B))),) if sharded else None)
     if k == "slice_tile":      # the sliced dim 1 whole; Tile's entry 1 splits its multiple 2
         if not sharded:
             return Block(k, "StridedSlice")
-        return Block(k, "StridedSlice", ((draw(_F), 1),), (draw(_split((B, 2))),))
+        return Block(k, "StridedSlice", ((draw(_F(B, divide=True)), 1),),
+                     (draw(_split((B, 2))),))
     if k == "expand_squeeze":
         if not sharded:
             return Block(k, "ExpandDims")
-        fb, ff = draw(_split((B, F)))
-        gb, gf = draw(_split((B, F)))
+        fb, ff = draw(_split((B, F), divide=True))
+        gb, gf = draw(_split((B, F), divide=True))
         return Block(k, "ExpandDims", ((fb, ff),), ((gb, 1, gf),))
     if k == "arg":                 # a split reduced axis is gathered
         op = draw(st.sampled_from(["ArgMaxWithValue", "ArgMinWithValue", "Argmax", "Argmin"]))
@@ -393,21 +424,23 @@ def _block(draw, with_strategy):
         arg = draw(st.sampled_from(["b", "U"]))
         if not sharded:
             return Block(k, "LayerNorm", None, arg)
-        f = draw(_F)
+        f = draw(_F(B))
         return Block(k, "LayerNorm", ((f, 1), (1,), (1,)) if arg == "b" else
                      ((f, 1), (f, 1), (f, 1)), arg)
     if k == "l2norm":               # the normalised axis whole, the other split
         axis = draw(st.sampled_from([0, 1, -1]))
         if not sharded:
             return Block(k, "L2Normalize", None, axis)
-        f = draw(_F)
+        f = draw(_F(F if axis == 0 else B))
         return Block(k, "L2Normalize", ((1, f),) if axis == 0 else ((f, 1),), axis)
     if not sharded:
         return Block(k, "OneHot")
     spell = draw(st.sampled_from(["indices", "indices+scalars", "output"]))
     if spell == "output":          # MindSpore's form: (batch, depth), the classes split too
-        return Block(k, "OneHot", (draw(_split((B, F))), (), ()))
-    s = (draw(_F),)
+        fb = draw(_F(B))           # (a split of the depth must divide it: refused by name)
+        fd = draw(st.sampled_from([f for f in (1, 2, 4, 8) if fb * f <= 8 and F % f == 0]))
+        return Block(k, "OneHot", ((fb, fd), (), ()))
+    s = (draw(_F(B)),)
     return Block(k, "OneHot", (s, (), ()) if spell == "indices+scalars" else (s,))
 
 
@@ -415,7 +448,7 @@ def _block(draw, with_strategy):
 _ELEMENTWISE_MORE = ["select", "addn", "prelu"]
 
 
-def _elementwise_more_block(draw, k, sharded):
+def _elementwise_more_block(draw, k, sharded, B, F):
     s = draw(_split((B, F))) if sharded else None
     if k == "select":         # the mask is h > 0, combined by a logical op (or not)
         logical = draw(st.sampled_from([None, "LogicalAnd", "LogicalOr", "LogicalNot"]))
@@ -433,7 +466,7 @@ def _elementwise_more_block(draw, k, sharded):
 _MS_MORE = ["bitwise", "masked_fill", "diag", "fill", "square_sum_all"]
 
 
-def _ms_more_block(draw, k, sharded):
+def _ms_more_block(draw, k, sharded, B, F):
     s = draw(_split((B, F))) if sharded else None
     if k == "diag":
         return Block(k, "Diag")
@@ -451,14 +484,14 @@ def _ms_more_block(draw, k, sharded):
     return Block(k, op, (s, s) if sharded else None)
 
 
-def _ms_more_code(blk, shard):
+def _ms_more_code(blk, shard, b, f):
     if blk.kind == "diag":
         return "h = h + MatMul()(h, Diag()(b))"
     if blk.kind == "square_sum_all":
         return (f"sx, sy = SquareSumAll(){shard}(h, h0)\n"
                 f"h = h * (sy / (sx + sy))")
     if blk.kind == "fill":
-        return f"h = h * FillV2(){shard}((16, 8), ReduceMean()(b))"
+        return f"h = h * FillV2(){shard}(({b}, {f}), ReduceMean()(b))"
     if blk.kind == "masked_fill":
         value = "ReduceMean()(b)" if blk.arg == "tensor" else "0.25"
         return f"h = MaskedFill(){shard}(h, h0 > 0.5, {value})"
@@ -466,7 +499,7 @@ def _ms_more_code(blk, shard):
             f"float32)")
 
 
-def _ms_more_apply(blk, prim, h, h0, params):
+def _ms_more_apply(blk, prim, h, h0, params, B, F):
     if blk.kind == "diag":
         return h + ops.matmul(h, ops.Diag()(params["b"]))
     if blk.kind == "square_sum_all":
@@ -505,25 +538,29 @@ def _one_strategy_per_parameter(blocks):
 @st.composite
 def programs(draw, mode):
     with_strategy = mode not in ("data_parallel",)
+    uneven = draw(st.integers(0, 2)) == 0
+    shape = draw(st.sampled_from(_UNEVEN_SHAPES)) if uneven else (B, F, V)
+    b, f, v = shape
     blocks = _one_strategy_per_parameter(
-        draw(st.lists(_block(with_strategy), min_size=1, max_size=4)))
+        draw(st.lists(_block(with_strategy, shape), min_size=1, max_size=4)))
     loss = draw(st.sampled_from(["square", "mean", "xent"]))
     outer, plan = None, None
     if mode in ("ops.shard", "ops.shard+plan", "Cell.shard"):
-        outer = ((draw(_F), 1), (draw(_F),), (draw(_F),))
+        outer = ((draw(_F(b)), 1), (draw(_F(b)),), (draw(_F(b)),))
         if mode == "ops.shard+plan":
             # a plan and an op strategy placing one parameter differently is a named
             # error (tests/test_graph_mode.py): plan only the parameters no strategy owns
             owned = {_param_of(b) for b in blocks if b.strategy is not None}
-            shapes = {"W": (F, F), "E": (V, F), "U": (B, F), "b": (F,)}
+            shapes = {"W": (f, f), "E": (v, f), "U": (b, f), "b": (f,)}
             plan = {k: draw(_split(v)) for k, v in shapes.items() if k not in owned}
-    return Program(blocks, loss, mode, outer, plan)
+    return Program(blocks, loss, mode, outer, plan, shape)
 
 
 # ---------------------------------------------------------------------------
 # running a program
 # ---------------------------------------------------------------------------
-def _data():
+def _data(shape):
+    B, F, V = shape
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (B, F)).astype(np.float32)
     idx = rng.integers(0, V, B).astype(np.int32) % F
@@ -548,7 +585,7 @@ class _Net(nn.Cell):
         p = {"W": self.W, "b": self.b, "E": self.E, "U": self.U}
         h = h0 = x
         for blk in self.program.blocks:
-            h = _apply_block(blk, h, h0, p, idx)
+            h = _apply_block(blk, h, h0, p, idx, self.program.shape)
         return _loss(self.program.loss, h, labels)
 
 
@@ -560,7 +597,7 @@ _MODES = {"pynative": "semi_auto_parallel", "auto": "auto_parallel",
 
 def _run(program, parallel):
     from dualmode.parallel.auto_parallel import AutoParallel
-    x, idx, labels, init = _data()
+    x, idx, labels, init = _data(program.shape)
     mode = program.mode if parallel else "stand_alone"
     with devices(8 if parallel else None, _MODES.get(mode), gradients_mean=True):
         net = _Net(program, init)
@@ -672,7 +709,8 @@ def bad_programs(draw):
     bad = Block(blk.kind, blk.op,
                 _corrupt(draw, blk.strategy, 2 if blk.kind == "onehot" else 1), blk.arg)
     blocks = program.blocks[:k] + (bad,) + program.blocks[k + 1:]
-    return Program(blocks, program.loss, program.mode, program.outer, program.plan), bad
+    return Program(blocks, program.loss, program.mode, program.outer, program.plan,
+                   program.shape), bad
 
 
 def _owner(blk):
@@ -693,6 +731,64 @@ def test_invalid_strategies_are_refused_by_name():
         else:
             raise AssertionError(f"strategy {bad.strategy} of {_owner(bad)} was accepted")
     prop()
+
+
+def _splits(program):
+    """Whether the program splits anything: a strategy, an outer strategy or a plan
+    with a factor above 1, or data parallel (the batch over 8 devices)."""
+    def any_split(x):
+        return any(any_split(e) for e in x) if isinstance(x, (tuple, list)) else x > 1
+    return (program.mode == "data_parallel" or any_split(program.outer or ())
+            or any_split(tuple((program.plan or {}).values()))
+            or any(any_split(b.strategy or ()) or (b.kind in ("slice_tile", "expand_squeeze")
+                                                   and any_split(b.arg or ()))
+                   for b in program.blocks))
+
+
+@pytest.mark.parametrize("mode", sorted(_EXAMPLES))
+def test_about_a_third_of_the_cases_do_not_divide(mode):
+    """The draw: in every mode about a third of the programs that split something run on
+    a shape from _UNEVEN_SHAPES, where a split in 2 divides only 10 and 12 (and 6 in
+    features), a split in 4 only 12, a split in 8 none; no split leaves a piece empty."""
+    seen = []
+
+    @settings(_PROFILE, max_examples=300)
+    @given(programs(mode))
+    def prop(program):
+        b, f, v = program.shape
+        for blk in program.blocks:      # every factor fits its dim (no empty piece)
+            for entry in (blk.strategy or ()):
+                assert all(0 < k <= max(b, f, v) for k in entry)
+        if _splits(program):
+            seen.append(program.shape != (B, F, V))
+    prop()
+    assert len(seen) >= 100
+    assert 0.2 <= np.mean(seen) <= 0.5, np.mean(seen)
+
+
+def test_depth_split_that_does_not_divide_is_refused_by_name():
+    with devices(8, "semi_auto_parallel"):
+        idx = Tensor(np.arange(13, dtype=np.int32) % 6)
+        with pytest.raises(ValueError, match=r"OneHot: in_strategy\[0\]\[1\]=4 splits the depth "
+                                             r"dim \(dim 1 of the output\) but does not divide "
+                                             r"depth=6"):
+            ops.OneHot().shard(((1, 4), (), ()))(idx, 6, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("name,make", [
+    ("StridedSlice", lambda p, x: p(x, (0, 0), (13, 3), (1, 1))),
+    ("ExpandDims", lambda p, x: p(x, 1)),
+    ("Squeeze", lambda p, x: p(ops.expand_dims(x, 1)))])
+def test_unequal_pieces_refused_by_name(name, make):
+    """The primitives the draw keeps to dividing splits refuse a split that does not
+    divide by name, before anything moves (never a wrong number)."""
+    with devices(8, "semi_auto_parallel"):
+        prim = ops.Squeeze(1) if name == "Squeeze" else getattr(ops, name)()
+        x = Tensor(np.ones((13, 6), np.float32))
+        prim.shard(((2, 1, 1),) if name == "Squeeze" else ((2, 1),))
+        with pytest.raises(ValueError, match=f"{name}: in_strategy\\[0\\]\\[0\\]=2 does not "
+                                             f"divide dim 0 \\(size 13\\).*unequal size"):
+            make(prim, x)
 
 
 def test_every_registered_op_is_fuzzed_or_excused():
