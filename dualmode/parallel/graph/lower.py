@@ -43,8 +43,8 @@ from ..stacks import is_batch_layout
 from ..tensor_layout import TensorLayout
 from ..redistribution.planner import plan_redistribution
 from ..rules.base import pending_sums
-from ..sharding import (RULES, made_by, plan_for, same_placement, shared_replicas,
-                        wants_grids)
+from ..sharding import (RULES, check_even, made_by, plan_for, same_placement,
+                        shared_replicas, wants_grids)
 from ..strategy import is_sharded_layout, placement_conflict, stored_from_file
 from .ir import CALL, MOVE, REDUCE, Graph, Node, Ref, Value, flatten_refs, map_leaves, verify
 
@@ -390,6 +390,10 @@ class _Lowering:
 
     def found_plan(self, node, ins, lays):
         specs, dtypes = self._specs(node, ins, lays)
+        # a rule that does not handle pieces of unequal size refuses them by name, as in
+        # PyNative mode (a rule declining these layouts gathers them, which is not that)
+        check_even(RULES[node.op_name], node.op_name,
+                   [s if isinstance(s, TensorLayout) else None for s in specs])
         try:
             return plan_for(node.op, node.attrs, specs, dtypes)
         except (ValueError, TypeError):
