@@ -39,7 +39,7 @@ from .._core import _tensor as _core
 from .._core._tensor import KIND_GENERIC, TensorBase
 from ..communication.sim import broadcast_view
 from ..communication.totals import (DEFERRING, DeferredShares, as_stack, deferral_on,
-                                   known_totals, stored)
+                                   known_totals, share_of, stored)
 from ..ops._registry import REGISTRY
 from .devices import backend as _backend
 from .devices import holds_all_devices, live_backend as _live_backend, op_cause
@@ -329,6 +329,9 @@ def _local_outputs(op, attrs, inputs, found) -> list:
     """The output stacks of the local computation of the plan `found` (see
     :func:`decide`) on `inputs`, moved where the plan needs them."""
     plan, lays, dm, dtypes, reps, grids, checked, ready, lays_out = found
+    outs = _linear_on_totals(op, attrs, inputs, found)
+    if outs is not None:
+        return outs
     if reps:
         outs = _apply_once_per_replica_set(op, attrs, inputs, lays, plan, dtypes, dm, reps,
                                            validate=not checked)
@@ -352,6 +355,98 @@ def _local_outputs(op, attrs, inputs, found) -> list:
             found[6] = True
         with DEFERRING:                   # the outputs become Tensors: may stay unwritten
             outs = run_local(RULES[op.name], op, attrs, plan, stacks)
+    return outs
+
+
+#: id(plan) -> (plan, the device axes of the pending sums it keeps, or None): whether a
+#: plan may run on the totals of its inputs' pending sums (see :func:`_totals_axes`)
+_ON_TOTALS: dict = {}
+
+
+def _totals_axes(op, plan, dm):
+    """The device axes over which `plan` keeps its inputs' pending sums when its local
+    computation may run once per group of devices sharing a sum, on the group's total:
+    a per-device rule (``per_device=True``) that keeps the sums pending (it does so only
+    for an op linear in them, per its registration), every output pending over the same
+    axes and every other input repeated along them, no finishing collective, even
+    splits, this process holding every device. None otherwise."""
+    if not getattr(RULES[op.name], "per_device", False) or plan.post \
+            or not plan.even_inputs or not plan.even_outputs:
+        return None
+    axes = {need.partial for need in plan.inputs if need is not None and need.partial}
+    if len(axes) != 1:
+        return None
+    axes = axes.pop()
+    for lay, is_output in [(lay, False) for lay in plan.inputs] + \
+            [(lay, True) for lay in plan.outputs]:
+        if lay is None:
+            continue
+        if lay.device_matrix != dm or any(set(m) & set(axes) for m in lay.tensor_map) \
+                or (not set(axes) <= set(lay.partial) if is_output else
+                    lay.partial not in ((), axes)):
+            return None
+    if not holds_all_devices(math.prod(dm)):
+        return None
+    return axes
+
+
+def _linear_on_totals(op, attrs, inputs, found):
+    """The outputs (deferred stacks of equal shares, :class:`DeferredShares`) of an op
+    linear in its inputs' pending sums, computed once per group of devices that share a
+    sum, on the group's total, when every input holding a pending sum knows its totals
+    (a grouped MatMul's shares, or an earlier op of this route): by linearity the sum of
+    the op's per-device results is the op of the sum, so each group's result is that
+    total and its devices hold equal shares of it -- instead of the op run on every
+    device's share. None when this does not apply (the shares are then used)."""
+    plan, lays, dm = found[0], found[1], found[2]
+    entry = _ON_TOTALS.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        if len(_ON_TOTALS) >= _PLANS_MAX:
+            _ON_TOTALS.clear()
+        entry = _ON_TOTALS[id(plan)] = (plan, _totals_axes(op, plan, dm))
+    axes = entry[1]
+    if axes is None:
+        return None
+    dm_c = tuple(1 if a in axes else s for a, s in enumerate(dm))
+    stacks = []
+    for x, have, need, same in zip(inputs, lays, plan.inputs, found[7]):
+        if need is None:
+            stacks.append(x._value() if isinstance(x, TensorBase) else x)
+            continue
+        if not (same and isinstance(x, TensorBase) and x._layout is not None):
+            if any(need.tensor_map) or need.partial or (
+                    isinstance(x, TensorBase) and x._layout is not None):
+                return None
+            value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+            if value.shape != need.local_shape:
+                return None
+            # a whole value every device holds: one block standing for all
+            stacks.append(_compact(value.reshape((1,) * len(dm) + value.shape), dm_c,
+                                   need.local_shape))
+            continue
+        if need.partial:
+            totals = known_totals(stored(x), dm, axes)
+            if totals is None:
+                return None
+            stacks.append(_compact(totals, dm_c, need.local_shape))
+        else:
+            stacks.append(replica_grid(stored(x), need, dm, axes))
+    if not found[6]:
+        _validate(op, attrs, stacks, found[3], plan)
+        found[6] = True
+    out = plan.local(attrs, stacks)
+    outs = list(out) if op.multi_output else [out]
+    n_parts = math.prod(dm[a] for a in axes)
+    for i, lay in enumerate(plan.outputs):
+        o = np.asarray(outs[i]).reshape(dm_c + lay.local_shape)
+        if lay.partial == axes:
+            outs[i] = DeferredShares(o, dm, axes, n_parts)
+        else:
+            # pending over more axes (the op's own sum over a split dim): each device
+            # holds its share of its group's result, partial over the others
+            full = np.empty((math.prod(dm),) + lay.local_shape, dtype=o.dtype)
+            full.reshape(dm + lay.local_shape)[...] = share_of(o, n_parts)
+            outs[i] = full
     return outs
 
 
