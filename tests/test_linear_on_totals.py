@@ -52,6 +52,8 @@ def test_chain_runs_on_totals_and_equals_one_device():
         assert y._layout.partial == h._layout.partial
         assert type(stored(y)) is DeferredShares
         assert s._layout.partial                      # the row sum: pending over more
+        # the MatMul's shares were never written (Tensor operators read the dtype only)
+        assert type(stored(h)) is DeferredShares
         ref_y, ref_s = _reference()
         np.testing.assert_allclose(y.asnumpy(), ref_y, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(s.asnumpy(), ref_s, rtol=1e-5, atol=1e-4)

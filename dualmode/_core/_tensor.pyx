@@ -515,6 +515,17 @@ cdef object _as_const(object x, str opname):
     return _as_operand(x, None, opname)
 
 
+cdef inline object _dtype_source(TensorBase t):
+    """`t`'s storage, or for a distributed tensor whose stack is not written yet (a
+    :class:`Deferred`) the deferred stack itself: it has the dtype and shape, and the
+    parallel layer reads the stacks it needs (equal shares may never be written)."""
+    if t._lazy is not None and t._layout is not None:
+        return t._lazy
+    if _storage(t) is None:
+        t._materialize()
+    return _storage(t)
+
+
 cpdef object binary(OpDef op, object a, object b, bint reflected):
     """a (op) b with promotion: the path behind Tensor operators.
 
@@ -530,15 +541,11 @@ cpdef object binary(OpDef op, object a, object b, bint reflected):
         a, b = b, a
     if isinstance(a, TensorBase):
         ta = <TensorBase>a
-        if _storage(ta) is None:
-            ta._materialize()
-        arr_a = _storage(ta)
+        arr_a = _dtype_source(ta)
         da = arr_a.dtype
         if isinstance(b, TensorBase):
             tb = <TensorBase>b
-            if _storage(tb) is None:
-                tb._materialize()
-            arr_b = _storage(tb)
+            arr_b = _dtype_source(tb)
             db = arr_b.dtype
             # fast path: same dtype and shape, no promotion or broadcasting to check
             if da is db and op.kind == _KIND_BINARY and ta._layout is None \
