@@ -3,15 +3,16 @@ runs once per group of devices on the group's total (sharding._linear_on_totals)
 instead of on every device's share: the values equal the single-device program's, the
 outputs stay pending over the same devices (so the AllReduce that resolves them, and
 its CommReport record, are those of the share-by-share run), and the shares are not
-written."""
+written. A compiled graph's "rule" nodes take the same route."""
 import numpy as np
 import pytest
 
 import dualmode as dm
-from dualmode import Tensor, ops
+from dualmode import Parameter, Tensor, nn, ops
 from dualmode.communication.totals import DeferredShares, stored
 from dualmode.parallel import CommReport
 from dualmode.parallel import sharding
+from dualmode.parallel.graph import executor
 
 from _devices import devices
 
@@ -98,3 +99,53 @@ def test_shares_without_known_totals_run_share_by_share():
         want = ref * G
         want = want - want.mean(-1, keepdims=True)
         np.testing.assert_allclose(y.asnumpy(), want, rtol=1e-5, atol=1e-4)
+
+
+class Chain(nn.Cell):
+    """MatMul((2, 4), (4, 1)) then the linear chain, resolved by ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(W), name="w")
+        self.g = Parameter(Tensor(G), name="g")
+        self.mm = ops.MatMul().shard(((2, 4), (4, 1)))
+
+    def construct(self, x):
+        y = self.mm(x, self.w) * self.g
+        y = y - ops.ReduceMean(keep_dims=True)(y, -1)
+        return ops.ReLU()(y), ops.ReLU()(ops.ReduceSum()(y, 0))
+
+
+def _run_cell(mode):
+    with devices(8, full_batch=True):
+        dm.set_context(mode=dm.GRAPH_MODE if mode == "graph" else dm.PYNATIVE_MODE)
+        net = Chain()
+        net(Tensor(X))                                    # compiles in GRAPH_MODE
+        with CommReport() as rep:
+            out = [o.asnumpy() for o in net(Tensor(X))]
+    return out, [(r.kind, r.group_size, r.num_groups, r.bytes_per_device, r.op,
+                  r.resolved_by, r.reason) for r in rep.records]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_compiled_and_eager_cells_take_it_with_the_same_records(mode, monkeypatch):
+    calls = []
+    real = sharding.linear_on_totals
+
+    def counting(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sharding, "linear_on_totals", counting)
+    monkeypatch.setattr(executor, "linear_on_totals", counting)
+    fast, fast_records = _run_cell(mode)
+    assert sum(calls) >= 4                            # Mul, ReduceMean, Sub, ReduceSum
+    monkeypatch.setattr(sharding, "linear_on_totals", lambda *a: None)
+    monkeypatch.setattr(executor, "linear_on_totals", lambda *a: None)
+    slow, slow_records = _run_cell(mode)
+    assert fast_records == slow_records and len(fast_records) == 2
+    ref_y, ref_s = _reference()
+    for got, other, want in zip(fast, slow, (ref_y, ref_s)):
+        np.testing.assert_allclose(got, np.maximum(want, 0), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got, other, rtol=1e-5, atol=1e-4)

@@ -51,7 +51,7 @@ from .replicas import ReplicaBlocks
 __all__ = ["ShardPlan", "RULES", "register_rule", "sharded_apply", "rule_plan", "decide", "refine",
            "reexpress", "same_placement", "common_device_matrix", "op_strategy_layouts",
            "accepts_grids", "grid_to_stack", "stack_grid", "wants_grids", "made_by",
-           "keep_made_by"]
+           "keep_made_by", "linear_on_totals"]
 
 
 @dataclass(frozen=True)
@@ -391,50 +391,80 @@ def _totals_axes(op, plan, dm):
 
 
 def _linear_on_totals(op, attrs, inputs, found):
+    """:func:`linear_on_totals` for an eager call (`found` from :func:`decide`): the
+    inputs already in the layouts the plan needs, or whole values every device holds."""
+    plan, dm = found[0], found[2]
+    if _totals_route(op, plan, dm) is None:
+        return None
+    stacks = []
+    for x, need, same in zip(inputs, plan.inputs, found[7]):
+        if need is None:
+            stacks.append(x._value() if isinstance(x, TensorBase) else x)
+        elif same and isinstance(x, TensorBase) and x._layout is not None:
+            stacks.append(stored(x))
+        elif any(need.tensor_map) or need.partial or (
+                isinstance(x, TensorBase) and x._layout is not None):
+            return None
+        else:
+            # a whole value every device holds: one block standing for all
+            value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
+            if value.shape != need.local_shape:
+                return None
+            stacks.append(_Whole(value))
+    if not found[6]:                    # the same signature validates the same way
+        _validate(op, attrs, stacks, found[3], plan)
+        found[6] = True
+    return linear_on_totals(op, attrs, plan, dm, stacks)
+
+
+class _Whole:
+    """A whole value standing for the stack of a replicated input (every device's block
+    is the value)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _totals_route(op, plan, dm):
+    """:func:`_totals_axes` of `plan`, remembered per plan."""
+    entry = _ON_TOTALS.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        if len(_ON_TOTALS) >= _PLANS_MAX:
+            _ON_TOTALS.clear()
+        entry = _ON_TOTALS[id(plan)] = (plan, _totals_axes(op, plan, dm))
+    return entry[1]
+
+
+def linear_on_totals(op, attrs, plan, dm, stacks):
     """The outputs (deferred stacks of equal shares, :class:`DeferredShares`) of an op
     linear in its inputs' pending sums, computed once per group of devices that share a
     sum, on the group's total, when every input holding a pending sum knows its totals
     (a grouped MatMul's shares, or an earlier op of this route): by linearity the sum of
     the op's per-device results is the op of the sum, so each group's result is that
     total and its devices hold equal shares of it -- instead of the op run on every
-    device's share. None when this does not apply (the shares are then used)."""
-    plan, lays, dm = found[0], found[1], found[2]
-    entry = _ON_TOTALS.get(id(plan))
-    if entry is None or entry[0] is not plan:
-        if len(_ON_TOTALS) >= _PLANS_MAX:
-            _ON_TOTALS.clear()
-        entry = _ON_TOTALS[id(plan)] = (plan, _totals_axes(op, plan, dm))
-    axes = entry[1]
+    device's share. `stacks`: per input of `plan`, its stack as stored (a deferred
+    stack stays unwritten) in the layout the plan needs, or the value when the plan
+    needs none. None when this does not apply (the shares are then used)."""
+    axes = _totals_route(op, plan, dm)
     if axes is None:
         return None
     dm_c = tuple(1 if a in axes else s for a, s in enumerate(dm))
-    stacks = []
-    for x, have, need, same in zip(inputs, lays, plan.inputs, found[7]):
+    grids = []
+    for x, need in zip(stacks, plan.inputs):
         if need is None:
-            stacks.append(x._value() if isinstance(x, TensorBase) else x)
-            continue
-        if not (same and isinstance(x, TensorBase) and x._layout is not None):
-            if any(need.tensor_map) or need.partial or (
-                    isinstance(x, TensorBase) and x._layout is not None):
-                return None
-            value = x._value() if isinstance(x, TensorBase) else np.asarray(x)
-            if value.shape != need.local_shape:
-                return None
-            # a whole value every device holds: one block standing for all
-            stacks.append(_compact(value.reshape((1,) * len(dm) + value.shape), dm_c,
-                                   need.local_shape))
-            continue
-        if need.partial:
-            totals = known_totals(stored(x), dm, axes)
+            grids.append(x)
+        elif type(x) is _Whole:
+            grids.append(_compact(x.value.reshape((1,) * len(dm) + x.value.shape), dm_c,
+                                  need.local_shape))
+        elif need.partial:
+            totals = known_totals(x, dm, axes)
             if totals is None:
                 return None
-            stacks.append(_compact(totals, dm_c, need.local_shape))
+            grids.append(_compact(totals, dm_c, need.local_shape))
         else:
-            stacks.append(replica_grid(stored(x), need, dm, axes))
-    if not found[6]:
-        _validate(op, attrs, stacks, found[3], plan)
-        found[6] = True
-    out = plan.local(attrs, stacks)
+            grids.append(replica_grid(x, need, dm, axes))
+    out = plan.local(attrs, grids)
     outs = list(out) if op.multi_output else [out]
     n_parts = math.prod(dm[a] for a in axes)
     for i, lay in enumerate(plan.outputs):

@@ -43,8 +43,8 @@ from ..moves import gather_stack
 from ..redistribution.executor import execute, run_plan_grid
 from ..redistribution.planner import plan_redistribution
 from ..moves import local_stack, move_stack, redistribute_tensor
-from ..sharding import (RULES, once_per_replica_set, replica_grid, run_kernel, run_local,
-                        stack_grid, zero_output_pads)
+from ..sharding import (RULES, linear_on_totals, once_per_replica_set, replica_grid,
+                        run_kernel, run_local, stack_grid, zero_output_pads)
 from ..strategy import _to
 from .ir import (CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref, flatten_refs,
                  map_leaves)
@@ -146,7 +146,10 @@ class Program:
                 what["fn"](*self._tensors(ins, xs, extra))
             elif kind not in _COLLECTIVES:
                 with DEFERRING:             # "once" reads a known value's replica itself
-                    res = _run_op(kind, what, xs if kind == "once" else written(xs), extra)
+                    res = _on_totals(what, xs) if kind == "rule" else None
+                    if res is None:
+                        res = _run_op(kind, what, xs if kind == "once" else written(xs),
+                                      extra)
                 for vid, o in zip(outs, res):
                     env[vid] = o
             else:
@@ -284,6 +287,17 @@ def _scaled(x, scale):
 
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+def _on_totals(node, xs):
+    """An op linear in pending sums whose totals its inputs know, run once per group of
+    devices on the totals (:func:`~dualmode.parallel.sharding.linear_on_totals`, as in
+    PyNative mode), or None."""
+    run = node.run
+    if run.plan.post:
+        return None
+    with op_cause(node.op.name, None):
+        return linear_on_totals(node.op, node.attrs, run.plan, run.dm, xs)
 
 
 def _run_op(mode, node, xs, reason):
