@@ -2,12 +2,16 @@
 (2,047 and 255: pieces of unequal size, the short ones padded) against the same step at
 the dividing batch (2,048 and 256), each round of one alternating with a round of the
 other (the ``paired`` fixture). Target: at most 1.1x at B=2,047 (a step one row off
-dividing costs about what the dividing step costs). The uneven step runs each op's
-sharding rule on the padded stacks (the dividing one takes the data-parallel shortcut:
-the op's kernel once over the global rows). Measured on this shared 2-core VM: wall
-time 1.03-1.06x in quiet runs, 1.15-1.17x under a load of ~4.7; process CPU time of the
-two steps alternated by hand 0.89x (the GEMMs are the same sizes: a replicated weight's
-per-device products are one GEMM over every device's rows).
+dividing costs about what the dividing step costs). The uneven step takes the
+data-parallel shortcut as the dividing one does (the op's kernel once over every
+device's rows, here the padded stacks, the pads zeroed after: products, biases,
+activations, sums over the batch) except for the loss and its gradient, which run their
+rule on the padded stacks.
+Measured on this shared 2-core VM under a load of ~3.5-4.8: before that shortcut took
+uneven batches, 1.07x (B2047) and 1.03x (B255); with it, 1.01x and 0.92x (wall, noisy);
+process CPU time of the two steps alternated by hand, one BLAS thread, minimum of 25
+rounds: 1.05x vs 1.09x before at B2047, 1.12x vs 1.14x at B255 (what is left: spreading
+each batch into its padded slots, one copy, and the loss's rule).
 """
 import pytest
 

@@ -20,7 +20,10 @@ sharding rule (parallel/rules/) where one is needed:
    when the op's rule, given these layouts, moves no data and needs no collective, the
    op's own kernel runs once on the global values and the outputs are stored in the
    rule's output layouts (a batch split is a view, a pending sum over the batch n equal
-   shares). One numpy call for all devices.
+   shares). One numpy call for all devices. A batch that does not divide
+   (:func:`_padded_batch_global`): the stacks are the padded global values (a zero row
+   after each short piece), on which the kernels of some ops are exact
+   (:func:`_pads_pass`); those run once the same way, their outputs' pads zeroed.
 4. **the rule** (:func:`dualmode.parallel.sharding.sharded_apply`): inputs moved into
    the layouts the rule asks for, its local computation on the stacks, its collectives.
 5. **fallback**: anything else gathers its distributed inputs to the global value
@@ -114,6 +117,13 @@ def _dist_apply(op, attrs, inputs, rec, layouts, key, batch, partial):
         out = _batch_global(op, attrs, inputs, layouts, rec, key)
         if out is not None:
             return out
+    elif not batch and not _some_devices() and all(
+            lay is None or is_padded_batch_layout(lay) for lay in layouts):
+        # data parallel with a batch that does not divide: each stack is the padded
+        # global value (the pads where the short pieces end)
+        out = _padded_batch_global(op, attrs, inputs, layouts, rec)
+        if out is not None:
+            return out
     out = _sharded(op, attrs, inputs, rec, layouts)
     if out is not None:
         return out
@@ -194,6 +204,78 @@ def _batch_global(op, attrs, inputs, layouts, rec, key=None):
             op.kind == KIND_GENERIC, kinds, out_lays, tuple(layouts)))
     return _core.finish(op, attrs, inputs, dist_apply.stored_outputs(out, op, kinds, merged),
                         rec, out_lays)
+
+
+def is_padded_batch_layout(layout) -> bool:
+    """Split on dim 0 only, over a 1-axis device matrix, into pieces of unequal size
+    (nothing else split or partial): the stack ``(n, ceil(B/n), ...)``, its first two
+    axes merged, is the global value with a zero row after each short piece."""
+    return (isinstance(layout, TensorLayout) and not layout.even
+            and len(layout.device_matrix) == 1 and not layout.partial
+            and layout.tensor_map[0] == (0,)
+            and all(m == () for m in layout.tensor_map[1:]))
+
+
+def _pads_pass(op, kind) -> bool:
+    """Whether `op`'s kernel, run once on padded global values (a zero row after each
+    short piece of the batch), gives exactly what its rule gives for an output of this
+    `kind`, read off its registration: a batch output needs an op whose output rows are
+    its input rows' alone, whatever the batch size (elementwise, a contraction or a
+    reduction of other dims: the pads' rows are zeroed after); a pending sum over the
+    batch needs one to which a zero row adds nothing (a product contracting the batch,
+    a sum over it; not a mean, which counts the rows)."""
+    fam = op.extras.get("family") or ()
+    if kind == "batch":
+        return op.kind != KIND_GENERIC or fam[:1] in (("elementwise",), ("contract",),
+                                                      ("reduce",))
+    if kind == "partial":
+        return (fam[:1] == ("contract",) and (len(fam) < 3 or fam[2] == "mul")) or \
+            fam == ("reduce", "sum")
+    return False
+
+
+def _padded_batch_global(op, attrs, inputs, layouts, rec):
+    """The data-parallel path for batches that do not divide: when the op's rule, given
+    these inputs, moves no data and needs no collective, and the op's kernel is exact
+    on padded rows (:func:`_pads_pass`), the kernel runs once over every device's padded
+    rows (the stacks, first two axes merged: no copy) as it does for a dividing batch,
+    and its outputs take the rule's layouts (a batch output is the padded stack, its
+    pads zeroed; a pending sum, n equal shares). None otherwise (the rule runs)."""
+    rows = {lay.shape[0] for lay in layouts if lay is not None}
+    for x, lay in zip(inputs, layouts):
+        # a whole value with the batch's rows does not line up with the padded ones
+        if lay is None and np.ndim(x) > 0 and np.shape(x)[0] in rows:
+            return None
+    found = decide(op, attrs, inputs, layouts)
+    if found is None:
+        return None
+    plan, lays = found[0], found[1]
+    if plan.post or any(need is not None and (need.partial or (lay is not None and need != have))
+                        for lay, have, need in zip(layouts, lays, plan.inputs)):
+        return None
+    padded = [lay.padded if lay is not None else None for lay in layouts]
+    try:
+        even = decide(op, attrs, inputs, padded)
+    except (ValueError, TypeError):
+        return None
+    if even is None or even[0].post:
+        return None
+    kinds = output_kinds(even[0])
+    for (kind, _), want, got in zip(kinds, plan.outputs, even[0].outputs):
+        if not _pads_pass(op, kind) or got != (want.padded if kind == "batch" else want):
+            return None
+    merged = [_merged(x) for x in inputs]
+    out = _run(op, attrs, merged)
+    stored = dist_apply.stored_outputs(out, op, kinds, merged)
+    outs = list(stored) if op.multi_output else [stored]
+    for i, ((kind, _), lay) in enumerate(zip(kinds, plan.outputs)):
+        if kind == "batch" and not lay.even:
+            o = outs[i]
+            if not (o.flags.writeable and o.strides[0] != 0) or any(o is m for m in merged):
+                o = np.array(o)
+            outs[i] = lay.zero_pads(o)
+    return _core.finish(op, attrs, inputs, tuple(outs) if op.multi_output else outs[0],
+                        rec, tuple(plan.outputs))
 
 
 def output_kinds(plan) -> tuple:

@@ -358,8 +358,9 @@ class TensorLayout:
             n, p = self.shape[d], self.dim_parts[d]
             q, r = divmod(n, p)
             c, pre, rest = q + 1, x.shape[:d], x.shape[d + 1:]
-            out = np.zeros(pre + (p, c) + rest, x.dtype)
+            out = np.empty(pre + (p, c) + rest, x.dtype)     # written once: rows, then pads
             lead = (slice(None),) * d
+            out[lead + (slice(r, p), q)] = 0
             out[lead + (slice(0, r),)] = x[lead + (slice(0, r * c),)].reshape(pre + (r, c) + rest)
             out[lead + (slice(r, p), slice(0, q))] = \
                 x[lead + (slice(r * c, n),)].reshape(pre + (p - r, q) + rest)
