@@ -7,11 +7,13 @@ data-parallel shortcut as the dividing one does (the op's kernel once over every
 device's rows, here the padded stacks, the pads zeroed after: products, biases,
 activations, sums over the batch) except for the loss and its gradient, which run their
 rule on the padded stacks.
-Measured on this shared 2-core VM under a load of ~3.5-4.8: before that shortcut took
-uneven batches, 1.07x (B2047) and 1.03x (B255); with it, 1.01x and 0.92x (wall, noisy);
-process CPU time of the two steps alternated by hand, one BLAS thread, minimum of 25
-rounds: 1.05x vs 1.09x before at B2047, 1.12x vs 1.14x at B255 (what is left: spreading
-each batch into its padded slots, one copy, and the loss's rule).
+Measured on this shared 2-core VM (load ~2-4.8): before that shortcut took uneven
+batches, 1.07x (B2047) and 1.03x (B255); with it (its route remembered per call
+signature), 1.04x and 0.97x (wall, noisy: single runs ranged 1.01-1.04x and 0.92-1.27x);
+process CPU time of the two steps alternated by hand, one BLAS thread, minimum of 25-60
+rounds: 1.04x (B2047) and 1.08x (B255), against 1.09x and 1.14x before (what is left:
+spreading each batch into its padded slots, one copy; the loss's rule; the route looked
+up in Python where the dividing one is looked up in C).
 """
 import pytest
 

@@ -234,48 +234,79 @@ def _pads_pass(op, kind) -> bool:
     return False
 
 
+#: call signature -> the padded data-parallel route taken for it (the outputs' kinds and
+#: layouts), or _MOVES when the rule runs instead (see :func:`_padded_batch_global`)
+_PADDED_ROUTES: dict = {}
+
+
 def _padded_batch_global(op, attrs, inputs, layouts, rec):
     """The data-parallel path for batches that do not divide: when the op's rule, given
     these inputs, moves no data and needs no collective, and the op's kernel is exact
     on padded rows (:func:`_pads_pass`), the kernel runs once over every device's padded
     rows (the stacks, first two axes merged: no copy) as it does for a dividing batch,
     and its outputs take the rule's layouts (a batch output is the padded stack, its
-    pads zeroed; a pending sum, n equal shares). None otherwise (the rule runs)."""
-    rows = {lay.shape[0] for lay in layouts if lay is not None}
-    for x, lay in zip(inputs, layouts):
-        # a whole value with the batch's rows does not line up with the padded ones
-        if lay is None and np.ndim(x) > 0 and np.shape(x)[0] in rows:
-            return None
-    found = decide(op, attrs, inputs, layouts)
-    if found is None:
-        return None
-    plan, lays = found[0], found[1]
-    if plan.post or any(need is not None and (need.partial or (lay is not None and need != have))
-                        for lay, have, need in zip(layouts, lays, plan.inputs)):
-        return None
-    padded = [lay.padded if lay is not None else None for lay in layouts]
+    pads zeroed; a pending sum, n equal shares). None otherwise (the rule runs). The
+    route of a call signature is worked out once."""
     try:
-        even = decide(op, attrs, inputs, padded)
-    except (ValueError, TypeError):
+        key = (op.name, tuple(attrs.items()) if attrs else (), tuple(layouts),
+               tuple([x.dtype for x in inputs]),
+               tuple([() if lay is not None else np.shape(x)
+                      for x, lay in zip(inputs, layouts)]))
+        route = _PADDED_ROUTES.get(key)
+    except TypeError:                       # an unhashable attribute (an array, a list)
+        key, route = None, None
+    checked = route is not None
+    if route is None:
+        route = _padded_route(op, attrs, inputs, layouts)
+        if key is not None:
+            remember(_PADDED_ROUTES, key, route)
+    if route is _MOVES:
         return None
-    if even is None or even[0].post:
-        return None
-    kinds = output_kinds(even[0])
-    for (kind, _), want, got in zip(kinds, plan.outputs, even[0].outputs):
-        if not _pads_pass(op, kind) or got != (want.padded if kind == "batch" else want):
-            return None
+    kinds, out_lays = route
     merged = [_merged(x) for x in inputs]
-    out = _run(op, attrs, merged)
+    if checked:               # this call signature was validated before: the kernel alone
+        out = op.kernel(attrs, *merged) if op.kind == KIND_GENERIC else op.kernel(*merged)
+    else:
+        out = _run(op, attrs, merged)
     stored = dist_apply.stored_outputs(out, op, kinds, merged)
     outs = list(stored) if op.multi_output else [stored]
-    for i, ((kind, _), lay) in enumerate(zip(kinds, plan.outputs)):
+    for i, ((kind, _), lay) in enumerate(zip(kinds, out_lays)):
         if kind == "batch" and not lay.even:
             o = outs[i]
             if not (o.flags.writeable and o.strides[0] != 0) or any(o is m for m in merged):
                 o = np.array(o)
             outs[i] = lay.zero_pads(o)
     return _core.finish(op, attrs, inputs, tuple(outs) if op.multi_output else outs[0],
-                        rec, tuple(plan.outputs))
+                        rec, out_lays)
+
+
+def _padded_route(op, attrs, inputs, layouts):
+    """``(output kinds, output layouts)`` of :func:`_padded_batch_global` for this call,
+    or _MOVES when the rule must run."""
+    rows = {lay.shape[0] for lay in layouts if lay is not None}
+    for x, lay in zip(inputs, layouts):
+        # a whole value with the batch's rows does not line up with the padded ones
+        if lay is None and np.ndim(x) > 0 and np.shape(x)[0] in rows:
+            return _MOVES
+    found = decide(op, attrs, inputs, layouts)
+    if found is None:
+        return _MOVES
+    plan, lays = found[0], found[1]
+    if plan.post or any(need is not None and (need.partial or (lay is not None and need != have))
+                        for lay, have, need in zip(layouts, lays, plan.inputs)):
+        return _MOVES
+    padded = [lay.padded if lay is not None else None for lay in layouts]
+    try:
+        even = decide(op, attrs, inputs, padded)
+    except (ValueError, TypeError):
+        return _MOVES
+    if even is None or even[0].post:
+        return _MOVES
+    kinds = output_kinds(even[0])
+    for (kind, _), want, got in zip(kinds, plan.outputs, even[0].outputs):
+        if not _pads_pass(op, kind) or got != (want.padded if kind == "batch" else want):
+            return _MOVES
+    return kinds, tuple(plan.outputs)
 
 
 def output_kinds(plan) -> tuple:
