@@ -753,43 +753,37 @@ class PipelineRun:
                             tuple(x for x, _, _, _ in sent), np.zeros((), np.float32),
                             True, None)
 
-    def output_value(self, total):
-        """The summed output as every stage sees it, without a gradient (under "mpi"
-        the stage that computes it sends its value to the others' processes)."""
-        here, view = self.here, self.view
-        if here is None:
-            return total
+    def _shared_output(self, total):
+        """Under "mpi": ``(computed here, value)`` of the summed output; the stage that
+        computes it sends its value to the other stages' processes (not recorded: an
+        observation, as MindSpore's ``pipeline_result_broadcast``)."""
+        view = self.view
         last = view.stages - 1
         event = self.next_event()
-        if here == last:
+        if self.here == last:
             value = np.asarray(total.asnumpy())
             for s in range(last):
                 view.send(replicated_view(value, len(view.local_ranks)), s, 2 * event,
                           record=False)
             view.wait_sends()
-            return _core.wrap_dist(value, None)
+            return True, value
         got, _ = view.recv(last, 2 * event, record=False)
-        return _core.wrap_dist(np.array(got[0]), None)
+        return False, np.array(got[0])
+
+    def output_value(self, total):
+        """The summed output as every stage sees it, without a gradient."""
+        if self.here is None:
+            return total
+        return _core.wrap_dist(self._shared_output(total)[1], None)
 
     def output(self, total):
-        """The network's summed output as every stage sees it. Under "mpi" the stage
-        that computes it sends its value to the others' processes (not recorded: an
-        observation, as MindSpore's ``pipeline_result_broadcast``); a stage that sent
-        values on returns it as an op whose gradient receives theirs."""
-        here, view = self.here, self.view
-        if here is None:
+        """The network's summed output as every stage sees it; under "mpi" a stage that
+        sent values on returns it as an op whose gradient receives theirs."""
+        if self.here is None:
             return total
-        last = view.stages - 1
-        event = self.next_event()
-        if here == last:
-            value = np.asarray(total.asnumpy())
-            for s in range(last):
-                view.send(replicated_view(value, len(view.local_ranks)), s, 2 * event,
-                          record=False)
-            view.wait_sends()
+        computed_here, value = self._shared_output(total)
+        if computed_here:
             return total
-        got, _ = view.recv(last, 2 * event, record=False)
-        value = np.array(got[0])
         sent = tuple(x for x, _, _, _ in self.sent)
         rec = _core.recording() and any(x._node is not None for x in sent)
         if not rec:
