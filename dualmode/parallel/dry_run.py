@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import numbers
-import types
 
 import numpy as np
 
@@ -57,7 +55,7 @@ from ..tensor import DeclaredShape, Parameter, Tensor
 from .graph.api import AutoParallel, ShardFunction
 from .graph.executor import _releases
 from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref
-from .graph.trace import find_parameters, is_cell
+from .graph.trace import find_parameters, walk_reachable
 from .inputs import input_layout
 from . import optimizer_shard
 from .pipeline import PLANNING, TRANSFER, parameter_stage, pipeline_schedule
@@ -668,43 +666,14 @@ def _walk(compiled, report):
 def _pipeline_cells(fn, depth=4) -> list:
     """The ``nn.PipelineCell`` objects reachable from `fn` (its closure, the globals it
     names, the cells inside the cells found), as :func:`find_parameters` searches."""
-    found, seen = {}, set()
+    found = {}
 
-    def visit(obj, d):
-        if id(obj) in seen or d < 0:
-            return
-        seen.add(id(obj))
-        if is_cell(obj):
-            for _, c in obj.cells_and_names():
-                if getattr(type(c), "runs_pipeline", False):
-                    found.setdefault(id(c), c)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj[:64]:
-                visit(x, d - 1)
-        elif isinstance(obj, types.MethodType):
-            visit(obj.__self__, d)
-            visit(obj.__func__, d)
-        elif isinstance(obj, functools.partial):
-            visit(obj.func, d - 1)
-            for a in obj.args:
-                visit(a, d - 1)
-        elif isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                try:
-                    visit(cell.cell_contents, d - 1)
-                except ValueError:            # an empty cell
-                    pass
-            for name in obj.__code__.co_names:
-                if name in obj.__globals__:
-                    visit(obj.__globals__[name], d - 1)
-            if getattr(obj, "__wrapped__", None) is not None:
-                visit(obj.__wrapped__, d - 1)
-        elif callable(obj) and not isinstance(obj, type) and hasattr(obj, "__dict__") \
-                and type(obj).__module__.startswith("dualmode"):
-            for v in vars(obj).values():
-                visit(v, d - 1)
+    def on_cell(cell):
+        for _, c in cell.cells_and_names():
+            if getattr(type(c), "runs_pipeline", False):
+                found.setdefault(id(c), c)
 
-    visit(fn, depth)
+    walk_reachable(fn, depth, on_cell)
     return list(found.values())
 
 

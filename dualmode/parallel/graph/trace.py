@@ -39,7 +39,8 @@ from ..strategy import strategies_active
 from ..strategy_checks import check_strategy_for
 from .ir import CALL, Const, Graph, Node, Ref, Value, flatten_refs, verify
 
-__all__ = ["Tracer", "TraceLayout", "TraceError", "trace", "current_trace", "find_parameters"]
+__all__ = ["Tracer", "TraceLayout", "TraceError", "trace", "current_trace", "find_parameters",
+           "walk_reachable"]
 
 
 class TraceError(RuntimeError):
@@ -287,10 +288,57 @@ def is_cell(obj) -> bool:
         callable(getattr(obj, "get_parameters", None))
 
 
+def walk_reachable(fn, depth, on_cell, on_parameter=None) -> None:
+    """Call `on_cell` for every Cell and `on_parameter` for every Parameter reachable
+    from `fn` (`depth` levels): its closure and the globals it names, a method's owner,
+    a partial's function and arguments, the items of lists and tuples, and the
+    attributes of dualmode's callable objects."""
+    seen = set()
+
+    def visit(obj, d):
+        if id(obj) in seen or d < 0:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Parameter):
+            if on_parameter is not None:
+                on_parameter(obj)
+        elif is_cell(obj):
+            on_cell(obj)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj[:64]:
+                visit(x, d - 1)
+        elif isinstance(obj, types.MethodType):
+            visit(obj.__self__, d)
+            visit(obj.__func__, d)
+        elif isinstance(obj, functools.partial):
+            visit(obj.func, d - 1)
+            for a in obj.args:
+                visit(a, d - 1)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, d - 1)
+                except ValueError:        # an empty cell
+                    pass
+            g = obj.__globals__
+            for name in obj.__code__.co_names:
+                if name in g:
+                    visit(g[name], d - 1)
+            wrapped = getattr(obj, "__wrapped__", None)
+            if wrapped is not None:
+                visit(wrapped, d - 1)
+        elif hasattr(obj, "__call__") and not isinstance(obj, type) and \
+                hasattr(obj, "__dict__") and type(obj).__module__.startswith("dualmode"):
+            for v in vars(obj).values():
+                visit(v, d - 1)
+
+    visit(fn, depth)
+
+
 def find_parameters(fn, depth=3) -> list:
     """The Parameters reachable from `fn`: a Cell's parameters, and those of the Cells,
     Parameters and functions in its closure and the globals it names (`depth` levels)."""
-    found, seen = {}, set()
+    found = {}
 
     def add_cell(c):
         for p in c.get_parameters():
@@ -300,46 +348,12 @@ def find_parameters(fn, depth=3) -> list:
                 if isinstance(p, Parameter):
                     found.setdefault(id(p), p)
 
-    def visit(obj, d):
-        if id(obj) in seen or d < 0:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, Parameter):
-            found.setdefault(id(obj), obj)
-        elif is_cell(obj):
-            add_cell(obj)
-            for c in obj.cells_and_names():
-                add_cell(c[1])
-        elif isinstance(obj, (list, tuple)):
-            for x in obj[:64]:
-                visit(x, d - 1)
-        elif isinstance(obj, types.MethodType):
-            visit(obj.__self__, d)
-            visit(obj.__func__, d)
-        elif isinstance(obj, (types.FunctionType, functools.partial)):
-            if isinstance(obj, types.FunctionType):
-                for cell in obj.__closure__ or ():
-                    try:
-                        visit(cell.cell_contents, d - 1)
-                    except ValueError:        # an empty cell
-                        pass
-                g = obj.__globals__
-                for name in obj.__code__.co_names:
-                    if name in g:
-                        visit(g[name], d - 1)
-                wrapped = getattr(obj, "__wrapped__", None)
-                if wrapped is not None:
-                    visit(wrapped, d - 1)
-            else:
-                visit(obj.func, d - 1)
-                for a in obj.args:
-                    visit(a, d - 1)
-        elif hasattr(obj, "__call__") and not isinstance(obj, type) and \
-                hasattr(obj, "__dict__") and type(obj).__module__.startswith("dualmode"):
-            for v in vars(obj).values():
-                visit(v, d - 1)
+    def on_cell(cell):
+        add_cell(cell)
+        for _, c in cell.cells_and_names():
+            add_cell(c)
 
-    visit(fn, depth)
+    walk_reachable(fn, depth, on_cell, lambda p: found.setdefault(id(p), p))
     return list(found.values())
 
 
