@@ -38,7 +38,7 @@ from ..ops._registry import register, same_as_input
 from ..tensor import Parameter
 from .devices import live_backend, parallel_active
 from .moves import redistribute_tensor
-from .rules import FAMILIES, family_of
+from .rules import build_rule
 from .tensor_layout import TensorLayout
 
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
@@ -443,7 +443,7 @@ def _transfer_backward(node, g):
 TRANSFER = register("PipelineTransfer", linear=(0,), family=("elementwise",),
                     infer=same_as_input, kernel=lambda attrs, *x: x[0],
                     backward=_transfer_backward)
-FAMILIES[family_of(TRANSFER)[0]](TRANSFER)   # the rules were built before this op existed
+build_rule(TRANSFER)                         # registered after the rules were built
 
 #: the input of a transfer received from another process (a constant: no gradient)
 _ANCHOR = _core.wrap_dist(np.zeros((), np.float32), None)

@@ -25,7 +25,7 @@ from ..._core._tensor import KIND_BINARY, KIND_UNARY
 from ...ops._registry import REGISTRY
 from . import along_axis, contract, elementwise, reduce, rowwise
 
-__all__ = ["FAMILIES", "family_of"]
+__all__ = ["FAMILIES", "family_of", "build_rule"]
 
 #: family name -> the function registering an op's rule from its declaration
 FAMILIES = {"elementwise": elementwise.rule, "reduce": reduce.rule,
@@ -42,15 +42,22 @@ def family_of(op):
     return fam
 
 
+def build_rule(op) -> None:
+    """Build the sharding rule of `op` from the family its registration declares
+    (nothing for an op without one). Every op registered when the rules load gets its
+    rule so; an op registered later (by a module imported after this package) calls it."""
+    fam = family_of(op)
+    if fam is None:
+        return
+    if fam[0] not in FAMILIES:
+        raise ValueError(f"register: op {op.name} declares sharding family {fam[0]!r}; "
+                         f"known families: {sorted(FAMILIES)}")
+    FAMILIES[fam[0]](op)
+
+
 def _register_families():
     for op in list(REGISTRY.values()):
-        fam = family_of(op)
-        if fam is None:
-            continue
-        if fam[0] not in FAMILIES:
-            raise ValueError(f"register: op {op.name} declares sharding family {fam[0]!r}; "
-                             f"known families: {sorted(FAMILIES)}")
-        FAMILIES[fam[0]](op)
+        build_rule(op)
 
 
 _register_families()
