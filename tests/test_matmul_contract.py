@@ -1,4 +1,4 @@
-"""MatMul whose contracted dim is split over device axes: one GEMM per group of devices
+"""MatMul whose contracted dim is split over device axes: the total of each group of devices
 that share a sum, kept as equal shares of the pending sum (the per-device products,
 summed over each group, are the oracle)."""
 import numpy as np
@@ -7,6 +7,7 @@ import pytest
 import dualmode as dm
 from dualmode import Tensor, communication, ops
 from dualmode.parallel import CommReport
+from dualmode.parallel.rules import contract as rules
 from dualmode.parallel.rules.contract import contract_groups, stack_matmul
 
 
@@ -26,9 +27,13 @@ def _per_device_sums(a, b, dm, axes):
                                      ((2, 4), (0, 1)), ((2, 4), (1, 0)),
                                      ((2, 2, 2), (0, 2))])
 @pytest.mark.parametrize("b_repeats", [False, True])
-def test_contract_groups_equals_the_per_device_products_summed(dm, axes, b_repeats):
+@pytest.mark.parametrize("k", [5, rules.JOIN_BELOW_K + 3])
+def test_contract_groups_equals_the_per_device_products_summed(dm, axes, b_repeats, k):
+    """Both routes: a short contracted length joins the blocks into one GEMM (copying a
+    row-major first operand), a long one adds the per-device products; a column-major
+    first operand whose blocks do not join as a view always takes the second."""
     rng = np.random.default_rng(len(dm) * 10 + len(axes))
-    m, k, c = 3, 5, 4
+    m, c = 3, 4
     a = rng.standard_normal(dm + (m, k))
     # b_repeats: b is the same on every device of the other axes (a grid of size 1
     # there), the case where every group's rows are one GEMM
@@ -73,7 +78,6 @@ def test_grouped_matmul_and_its_gradients_equal_one_device():
     """Products large enough to run as one GEMM per group of devices (the contracted
     dim split over one axis of two): forward value and both gradients equal numpy's,
     and the grouping changes nothing that CommReport sees."""
-    from dualmode.parallel.rules import contract as rules
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 256)).astype(np.float32)
     w = rng.standard_normal((256, 128)).astype(np.float32)

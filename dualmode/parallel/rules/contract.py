@@ -290,10 +290,17 @@ def stack_matmul(a, b):
     return np.matmul(a, b)
 
 
-def _merge_blocks(grid, axes, before):
+#: the per-device contracted length below which a partially contracted product joins
+#: its blocks into one GEMM even when that copies the first operand (short GEMMs run
+#: well below the speed of long ones; above it the copy costs more than it gains)
+JOIN_BELOW_K = 512
+
+
+def _merge_blocks(grid, axes, before, copy=True):
     """`grid` (device axes, x, y) with the device `axes` (in order) moved in front of
     local dim `before` (0: x, 1: y) and merged into it: the blocks of that dim
-    concatenated in the order the axes split it. A view when the strides allow."""
+    concatenated in the order the axes split it. A view when the strides allow; else a
+    copy, or None with ``copy=False``."""
     nd = grid.ndim - 2
     others = [i for i in range(nd) if i not in axes]
     order = others + ([nd] if before == 1 else []) + list(axes) + [nd + before] + \
@@ -302,7 +309,12 @@ def _merge_blocks(grid, axes, before):
     shape = [grid.shape[i] for i in others]
     merged = math.prod(grid.shape[i] for i in axes) * grid.shape[nd + before]
     shape += [grid.shape[nd], merged] if before == 1 else [merged, grid.shape[nd + 1]]
-    return g.reshape(shape)
+    if copy:
+        return g.reshape(shape)
+    try:
+        return g.reshape(shape, copy=False)
+    except ValueError:
+        return None
 
 
 def _rows_view(x):
@@ -315,23 +327,12 @@ def _rows_view(x):
     return x.reshape((-1, x.shape[-1]))
 
 
-def contract_groups(a, b, dm, axes):
-    """The stack of pending sums of a device-local matrix product whose contracted dim is
-    split over the device `axes` (in order), computed as one GEMM per group of devices.
-
-    `a` and `b` are device grids ``dm + (m, k)`` and ``dm + (k, c)`` (size 1 along a
-    device axis where the operand is replicated; full along `axes`). The devices that
-    differ only along `axes` hold the blocks of one sum: their blocks of the contracted
-    dim are concatenated (in the order the axes split it) into one GEMM whose result is
-    that group's total, kept as equal shares of the pending sum (any split of a pending
-    sum that adds up to the total is valid). When `b` repeats over every other device
-    axis, all groups are one GEMM over their stacked rows. Returns a stack
-    ``(prod(dm), m, c)``; with every axis summed it is a stride-0 view of one total.
-    While :data:`~dualmode.communication.totals.DEFERRING` is on, the stack is returned
-    unwritten (a :class:`~dualmode.communication.totals.DeferredShares`)."""
+def _joined_product(a, b, dm, axes, a2):
+    """The totals of :func:`contract_groups` as one GEMM per group: the blocks of the
+    contracted dim concatenated (`a2` is `a`'s, already joined); one GEMM over every
+    group's stacked rows when `b` repeats over the other device axes."""
     nd = len(dm)
     others = [i for i in range(nd) if i not in axes]
-    a2 = _merge_blocks(a, axes, 1)                   # (others..., m, |axes| k)
     b2 = _merge_blocks(b, axes, 0)                   # (others..., |axes| k, c)
     total = None
     if others and all(b2.shape[i] == 1 for i in range(len(others))):
@@ -341,14 +342,45 @@ def contract_groups(a, b, dm, axes):
             total = total.reshape(a2.shape[:-1] + total.shape[-1:])
     if total is None:
         total = np.matmul(a2, b2)
-    parts = _parts(dm, axes)
     grid_shape = [1] * nd
     for i, s in zip(others, total.shape[:-2]):
         grid_shape[i] = s
-    total = total.reshape(tuple(grid_shape) + total.shape[-2:])
+    return total.reshape(tuple(grid_shape) + total.shape[-2:])
+
+
+def contract_groups(a, b, dm, axes):
+    """The stack of pending sums of a device-local matrix product whose contracted dim is
+    split over the device `axes` (in order), as the totals of each group of devices.
+
+    `a` and `b` are device grids ``dm + (m, k)`` and ``dm + (k, c)`` (size 1 along a
+    device axis where the operand is replicated; full along `axes`). The devices that
+    differ only along `axes` hold the blocks of one sum. Its total is computed one of
+    two ways, which give the same sums up to float rounding:
+
+    - joined: the blocks of the contracted dim concatenated (in the order the axes split
+      it) into one GEMM per group -- when `a`'s blocks join without a copy, or its
+      per-device contracted length is short (below :data:`JOIN_BELOW_K`) and it is
+      stored by rows, so the copy is cheap and the longer GEMM much faster;
+    - per device: each device's block product in one batched ``matmul`` over the grid
+      (a weight repeated over the other axes broadcasts, not copied), added over `axes`
+      -- an m x c addition per device instead of copying the m x k blocks.
+
+    The total is kept as equal shares of the pending sum (any split of a pending sum
+    that adds up to the total is valid). Returns a stack ``(prod(dm), m, c)``; with
+    every axis summed it is a stride-0 view of one total. While
+    :data:`~dualmode.communication.totals.DEFERRING` is on, the stack is returned
+    unwritten (a :class:`~dualmode.communication.totals.DeferredShares`)."""
+    axes = tuple(axes)
+    a2 = _merge_blocks(a, axes, 1, copy=False)
+    if a2 is None and a.shape[-1] < JOIN_BELOW_K and a.strides[-1] <= a.strides[-2]:
+        a2 = _merge_blocks(a, axes, 1)
+    if a2 is not None:
+        total = _joined_product(a, b, dm, axes, a2)
+    else:
+        total = np.matmul(a, b).sum(axis=axes, keepdims=True)   # 1 along `axes`
     # the shares (a view of one share when there is one total), remembering their
     # totals: whoever adds them up again reads the totals instead
-    shares = DeferredShares(total, dm, axes, parts)
+    shares = DeferredShares(total, dm, axes, _parts(dm, axes))
     return shares if deferral_on() else shares.materialize()   # written only if read
 
 
