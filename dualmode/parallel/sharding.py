@@ -743,6 +743,10 @@ def _blocks_stored_once(inputs, needs) -> bool:
         if isinstance(x, TensorBase) and type(x._lazy) is ReplicaBlocks \
                 and x._lazy.current_grid(need) is not None:
             return True
+        if isinstance(x, TensorBase) and type(x._lazy) is DeferredShares \
+                and x._layout == need and not need.partial \
+                and known_totals(x._lazy, need.device_matrix, ()) is not None:
+            return True
     return False
 
 
