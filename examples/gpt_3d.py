@@ -100,6 +100,11 @@ def train(config, devices, steps, parallel_optimizer=True, lr=0.1, momentum=0.9,
             optimizer(grads)
             # the sum of the micro-batches' mean losses / micro_size: the batch's mean
             losses.append(float(loss.asnumpy()) / config.micro_size)
+        # the parallel optimizer stores a weight as its slices, gathered where it is next
+        # read (the next step's forward pass): read now, so that the report holds the
+        # last update's gathers as well
+        for p in net.trainable_params():
+            p.asnumpy()
     return losses, net, dm.parallel.optimizer_memory(optimizer), report
 
 

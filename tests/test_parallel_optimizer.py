@@ -64,7 +64,10 @@ OPTIMIZERS = {
 
 
 def _train(opt_name, entry="train_one_step", loss_scale=1.0, strategies=True, steps=STEPS):
-    """`steps` steps in the current context: (losses, weights, optimizer, report)."""
+    """`steps` steps in the current context: (losses, weights, optimizer, report). The
+    report covers the steps and the read of the weights after them: a weight the
+    parallel optimizer stores as its slices is gathered where it is read (the next
+    step's forward pass, or here), so each of the `steps` updates gathers once."""
     net = Net(strategies)
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     opt = OPTIMIZERS[opt_name](net.trainable_params(), loss_scale)
@@ -82,7 +85,8 @@ def _train(opt_name, entry="train_one_step", loss_scale=1.0, strategies=True, st
         else:
             step = nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)
             losses = [float(step(Tensor(X), Tensor(Y)).asnumpy()) for _ in range(steps)]
-    return losses, {p.name: p.asnumpy() for p in net.trainable_params()}, opt, report
+        weights = {p.name: p.asnumpy() for p in net.trainable_params()}
+    return losses, weights, opt, report
 
 
 _SINGLE = {}
@@ -182,8 +186,9 @@ def test_lars_and_gradients_given_as_arrays():
             with CommReport() as report:
                 for _ in range(STEPS):
                     step(Tensor(X), Tensor(Y))
+                weights = {p.name: p.asnumpy() for p in net.trainable_params()}
             shards = optimizer_memory(opt.opt).shards
-        return {p.name: p.asnumpy() for p in net.trainable_params()}, report, shards
+        return weights, report, shards
 
     want, _, _ = lars_run(None)
     got, report, shards = lars_run(N, enable_parallel_optimizer=True,
@@ -292,7 +297,8 @@ def _two_sizes(**settings):
         with CommReport() as report:
             for _ in range(2):
                 step(Tensor(x), Tensor(y))
-    return {p.name: p.asnumpy() for p in net.trainable_params()}, report
+            weights = {p.name: p.asnumpy() for p in net.trainable_params()}
+    return weights, report
 
 
 def test_default_threshold_is_64_kb():

@@ -141,8 +141,15 @@ class DryRunReport(CommReport):
     ----------
     device_num : int
     parameter_bytes, optimizer_state_bytes, gradient_bytes : int
-        Per device: the parameters' storage, the optimizer states' (stored as their
-        weights), the gradients the optimizer update reads (in their weights' layouts).
+        Per device: the parameters' storage as the step reads them, the optimizer
+        states' (stored as their weights, or as their slices under the parallel
+        optimizer), the gradients the optimizer update reads (in their weights' layouts).
+        A weight the parallel optimizer splits counts its whole block here: gathered
+        before its first read, it is held until the update stores it as its slices.
+    stored_parameter_bytes : int
+        Per device, the parameters' storage between steps: a weight the parallel
+        optimizer splits n ways as its slice (1/n of its block); otherwise equal to
+        ``parameter_bytes``.
     activation_bytes : int
         Per device: the most the step's live values other than parameters take at once
         (activations kept for the backward pass, gradients in flight, the buffers of
@@ -181,6 +188,7 @@ class DryRunReport(CommReport):
         self.link = link
         self.device_num = device_num
         self.parameter_bytes = 0
+        self.stored_parameter_bytes = 0
         self.optimizer_state_bytes = 0
         self.gradient_bytes = 0
         self.activation_bytes = 0
@@ -212,6 +220,7 @@ class DryRunReport(CommReport):
     def summary(self) -> str:
         """The per-device figures as a few lines of text."""
         rows = [("parameters", _fmt_bytes(self.parameter_bytes)),
+                ("between steps", _fmt_bytes(self.stored_parameter_bytes)),
                 ("optimizer states", _fmt_bytes(self.optimizer_state_bytes)),
                 ("gradients", _fmt_bytes(self.gradient_bytes)),
                 ("activations (peak)", _fmt_bytes(self.activation_bytes)),
@@ -549,14 +558,15 @@ def _optimizer_states(call):
     return []
 
 
-def _update_records(call, planned, n, keep=None):
-    """The collectives an optimizer update (a CALL node) makes itself: with the parallel
-    optimizer, each sharded weight's updated slices gathered back into the weight's
-    layout (reason "parallel_optimizer"), as ``ParameterShards.gather`` moves them: the
-    buckets of ``comm_fusion["allgather"]`` first (one fused AllGather each), then every
-    other weight alone."""
+def _gather_units(call, planned, n, keep=None):
+    """The parallel optimizer's gathers of the weights an optimizer update (a CALL node)
+    stores as their slices: ``[(weight ids, record)]``, one unit per collective —
+    the buckets of ``comm_fusion["allgather"]`` (one fused AllGather each), then every
+    other weight alone — as ``ParameterShards.gather`` forms them; ``record()``
+    records the unit's collectives (reason "parallel_optimizer"). A real step runs a
+    unit where one of its weights is first read."""
     if optimizer_shard.settings() is None:
-        return
+        return []
     fusion = "allgather" in (context.get_auto_parallel_context("comm_fusion") or {})
     moves = []                       # (weight, slice layout, use layout, plan)
     for p in call.attrs.get("params") or ():
@@ -582,10 +592,8 @@ def _update_records(call, planned, n, keep=None):
         key, members = step_group(plan, step, p.dtype)
         keys.append(key)
         groups.append(members)
-    done = set()
-    for bucket in grouped_buckets(keys, sizes, "allgather"):
-        if not fused_bucket([np.dtype(moves[k][0].dtype) for k in bucket]):
-            continue
+
+    def fused(bucket):
         members = groups[bucket[0]]
         ins = sum(math.prod(moves[k][1].local_shape) * np.dtype(moves[k][0].dtype).itemsize
                   for k in bucket)
@@ -593,12 +601,43 @@ def _update_records(call, planned, n, keep=None):
                         "parallel_optimizer"):
             _record("AllGather", int(members.shape[1]), int(members.shape[0]), ins,
                     ins * int(members.shape[1]))
-        done.update(bucket)
-    for k, (p, sliced, dst, plan) in enumerate(moves):
-        if k not in done:
-            itemsize = np.dtype(p.dtype).itemsize
-            with comm_cause(p.name, "parallel_optimizer"):
-                _record_steps(plan, itemsize)
+
+    def alone(k):
+        p, _, _, plan = moves[k]
+        with comm_cause(p.name, "parallel_optimizer"):
+            _record_steps(plan, np.dtype(p.dtype).itemsize)
+
+    units, done = [], set()
+    for bucket in grouped_buckets(keys, sizes, "allgather"):
+        if fused_bucket([np.dtype(moves[k][0].dtype) for k in bucket]):
+            units.append(([id(moves[k][0]) for k in bucket],
+                          lambda bucket=bucket: fused(bucket)))
+            done.update(bucket)
+    units += [([id(moves[k][0])], lambda k=k: alone(k))
+              for k in range(len(moves)) if k not in done]
+    return units
+
+
+def _update_records(call, planned, n, keep=None):
+    """The parallel optimizer's gathers of the weights an optimizer update (a CALL
+    node) stores as their slices, all at once (see :func:`_gather_units`)."""
+    for _, record in _gather_units(call, planned, n, keep):
+        record()
+
+
+def _split_bytes(call, planned, n, keep=None):
+    """Per device, what the weights an optimizer update (a CALL node) stores as their
+    slices take less between steps than read whole: their blocks minus their slices."""
+    saved = 0
+    for p in call.attrs.get("params") or ():
+        if id(p) in planned and p.requires_grad and (keep is None or id(p) in keep):
+            use = planned[id(p)]
+            sliced = optimizer_shard.shard_layout(p, use)
+            if sliced is not None:
+                whole = tuple(p.shape) if use is None else use.local_shape
+                saved += (math.prod(whole) - math.prod(sliced.local_shape)) * \
+                    np.dtype(p.dtype).itemsize
+    return saved
 
 
 def _walk(compiled, report):
@@ -610,6 +649,27 @@ def _walk(compiled, report):
     values = g.values()
     report.parameter_bytes = sum(_local_bytes(plans[v.id].layout, v) for _, v in g.params)
     by_weight = {id(p): plans[v.id].layout for p, v in g.params}
+    # the parallel optimizer: the weights it stores as their slices are gathered where
+    # the step first reads one of a unit's weights
+    units, unit_of, calls = [], {}, [node for node in g.nodes if node.op == CALL]
+    for node in calls:
+        for ids, record in _gather_units(node, by_weight, report.device_num):
+            unit_of.update((i, len(units)) for i in ids)
+            units.append(record)
+    weight_of = {v.id: id(p) for p, v in g.params}
+    gathered = set()
+    saved = list(_trace._STATE.reports)
+    _trace._STATE.reports[:] = [report]
+    try:
+        for p, v in g.params:     # a weight the graph reads whole: read as it is bound
+            u = unit_of.get(id(p))
+            if plans[v.id].layout is None and u is not None and u not in gathered:
+                gathered.add(u)
+                units[u]()
+    finally:
+        _trace._STATE.reports[:] = saved
+    report.stored_parameter_bytes = report.parameter_bytes - sum(
+        _split_bytes(node, by_weight, report.device_num) for node in calls)
     states = []
     for node in g.nodes:
         if node.op == CALL:
@@ -637,9 +697,12 @@ def _walk(compiled, report):
     try:
         for node, done in zip(g.nodes, _releases(g)):
             extra = _step_reason(node)
+            for x in node.inputs:
+                u = unit_of.get(weight_of.get(x.id)) if isinstance(x, Ref) else None
+                if u is not None and u not in gathered:
+                    gathered.add(u)
+                    units[u]()
             _node_records(node, lays, extra)
-            if node.op == CALL:
-                _update_records(node, by_weight, report.device_num)
             for v in node.outputs:
                 aliased = node.op == MOVE and node.attrs["kind"] in ("view", "gridview")
                 size[v.id] = 0 if aliased else _local_bytes(lays.get(v.id), v)
@@ -793,6 +856,10 @@ def _walk_pipeline(compiled, report, schedule, per, rate):
     for p, v in g.params:
         subs[vstage[v.id]].parameter_bytes += _local_bytes(plans[v.id].layout, v)
     weight_stage = {id(p): vstage[v.id] for p, v in g.params}
+    for k, sub in enumerate(subs):
+        sub.stored_parameter_bytes = sub.parameter_bytes - sum(
+            _split_bytes(node, by_weight, per, {i for i, j in weight_stage.items() if j == k})
+            for node in g.nodes if node.op == CALL)
     size = {}
     live = [0] * S
     for v in g.args:
@@ -892,7 +959,8 @@ def _walk_pipeline(compiled, report, schedule, per, rate):
     report.schedule = schedule
     report.records = [r for sub in subs for r in sub.records]
     worst = max(subs, key=lambda r: r.peak_memory)
-    for key in ("parameter_bytes", "optimizer_state_bytes", "gradient_bytes",
+    for key in ("parameter_bytes", "stored_parameter_bytes", "optimizer_state_bytes",
+                "gradient_bytes",
                 "activation_bytes", "peak_memory", "parameter_memory", "comm_peak_memory"):
         setattr(report, key, getattr(worst, key))
     busiest = max(range(S), key=lambda k: flops[k])

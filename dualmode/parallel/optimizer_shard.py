@@ -22,19 +22,24 @@ group owns 1/n of the weight's slice. A step of a sharded weight is then:
    (``grad_reduce.replica_gradient_scale``);
 2. the optimizer updates each device's slice of the weight, and its states (momentum,
    Adam's moments) exist only as those slices: 1/n of the memory per device;
-3. the updated slices are AllGathered back into the weight's layout (reason
-   "parallel_optimizer"), so the next step's forward reads the whole weight.
+3. the weight is then stored as its updated slices (:class:`GatherOnRead`, the
+   Parameter's deferred value): its whole value is AllGathered (reason
+   "parallel_optimizer") where it is next read — the next forward pass, ``asnumpy``,
+   a checkpoint — and the next update reads the slices themselves (no cut, no copy).
 
 With ``comm_fusion`` entries "reducescatter" / "allgather" the ReduceScatters and the
 AllGathers are bucketed (one collective per bucket), as the other gradient collectives
-are. The eager optimizer and a compiled train step use the same layouts: graph lowering
-(graph/lower.py) moves a sharded weight's gradient into :func:`shard_layout` before the
-update, which then moves nothing.
+are: the first read of any weight of a bucket gathers the whole bucket. The eager
+optimizer and a compiled train step use the same layouts: graph lowering (graph/lower.py)
+moves a sharded weight's gradient into :func:`shard_layout` before the update, which
+then moves nothing.
 
-The weight the forward pass reads stays whole on each device between steps (MindSpore
-gathers it inside the forward and frees it after the backward); the optimizer's own
-memory — its states and the slices it updates — is what is split.
-:func:`optimizer_memory` reports it per device.
+Between steps a device thus holds 1/n of each sharded weight; the gathered whole lives
+from its first read (the forward pass) until the update replaces it (MindSpore gathers
+the weight inside the forward pass and frees it after the step). Every process reads a
+weight where the program does, so under "mpi" the ranks gather in the same order (an
+SPMD program reads its weights in one order on every rank).
+:func:`optimizer_memory` reports the bytes per device.
 """
 from __future__ import annotations
 
@@ -47,20 +52,22 @@ import numpy as np
 
 from .. import context
 from .._core import _tensor as _core
-from .._core._tensor import TensorBase
+from .._core._tensor import Deferred, TensorBase
 from ..communication import trace
+from ..communication.totals import as_stack
 from ..communication.trace import comm_cause
 from .devices import backend as _backend, device_num
 from .grad_reduce import (bucket_name, fuse_gradient_moves, fused_bucket, grouped_buckets,
                           is_dp_partial, replica_gradient_scale, single_step, step_group)
-from .moves import move_stack, redistribute_tensor
+from .moves import redistribute_tensor
 from .pipeline import parameter_stage
 from .devices import live_backend
+from .redistribution.executor import execute
 from .redistribution.planner import plan_redistribution
 from .tensor_layout import TensorLayout
 
-__all__ = ["shard_layout", "settings", "plan", "ParameterShards", "optimizer_memory",
-           "OptimizerMemory", "MODES"]
+__all__ = ["shard_layout", "settings", "plan", "ParameterShards", "GatherOnRead",
+           "stored_slices", "optimizer_memory", "OptimizerMemory", "MODES"]
 
 #: the parallel modes in which the parallel optimizer applies
 MODES = (context.ParallelMode.DATA_PARALLEL, context.ParallelMode.SEMI_AUTO_PARALLEL,
@@ -179,27 +186,38 @@ def other_stages(params) -> frozenset:
                      if parameter_stage(p) not in (None, here))
 
 
+def _layouts(optimizer, skip=frozenset()) -> list:
+    """Per parameter of `optimizer` its optimizer slice's layout for the next update
+    (None: not sharded, or a position in `skip`); raises as :func:`shard_layout`."""
+    if settings() is None:
+        return [None] * len(optimizer.parameters)
+    return [None if i in skip else shard_layout(p, use_layout(p))
+            for i, p in enumerate(optimizer.parameters)]
+
+
 def plan(optimizer, skip=frozenset()) -> Optional["ParameterShards"]:
     """The optimizer slices of `optimizer`'s parameters for this update, or None when
     the parallel optimizer shards none of them; the positions in `skip` (weights this
     process does not update: :func:`other_stages`) are not sharded. Errors are raised
-    before anything changes. States left as slices by earlier updates of weights this
-    update does not split (the parallel optimizer turned off, a larger threshold) are
-    first put back into their weights' layouts."""
-    on = settings() is not None
+    before anything changes. States and weights left as slices by earlier updates of
+    weights this update does not split (the parallel optimizer turned off, a larger
+    threshold) are first put back into their weights' layouts."""
     sliced = optimizer.__dict__.get("_sliced_states")
-    if not on and not sliced:
+    kept = optimizer.__dict__.get("_weight_slices")
+    if settings() is None and not sliced and not kept:
         return None                                  # the usual case: nothing to do
-    layouts = [None if i in skip else shard_layout(p, use_layout(p))
-               for i, p in enumerate(optimizer.parameters)] if on \
-        else [None] * len(optimizer.parameters)
+    layouts = _layouts(optimizer, skip)
     if sliced:
         for i in [i for i in sliced if layouts[i] is None and i not in skip]:
             _unslice_states(optimizer, i)
             sliced.discard(i)
+    if kept:
+        for i in [i for i in kept if layouts[i] is None and i not in skip]:
+            _unslice_weight(optimizer.parameters[i], kept.pop(i))
     if all(s is None for s in layouts):
         return None
-    return ParameterShards(optimizer.parameters, layouts)
+    return ParameterShards(optimizer.parameters, layouts,
+                           optimizer.__dict__.setdefault("_weight_slices", {}))
 
 
 def _unslice_states(optimizer, i):
@@ -216,14 +234,130 @@ def _unslice_states(optimizer, i):
         st._layout = dst
 
 
+def _unslice_weight(p, pending) -> None:
+    """Weight `p`, stored as its optimizer slices (`pending`, its :class:`GatherOnRead`)
+    by an earlier update that this one does not split: its value gathered (where it was
+    not read yet) and stored as an array of its own that updates write in place."""
+    if pending.holds(p):
+        p._data = np.array(p._data)
+
+
+class GatherOnRead(Deferred):
+    """A weight the parallel optimizer updated, stored as its slices: the stack
+    `slices` of this process's blocks in the optimizer slice's layout `slice_layout`,
+    AllGathered into the weight's layout (its whole value when it has none) on the
+    first read of the Parameter's ``_data``. The gather runs for every weight of its
+    ``comm_fusion["allgather"]`` bucket at once (one fused AllGather) and is reported
+    with reason "parallel_optimizer" under the weights' names. Readers of the shape,
+    dtype, name or layout do not gather."""
+
+    def __init__(self, gathers, k, shape, dtype, slices, slice_layout, whole_bytes):
+        super().__init__(shape, dtype)
+        self.gathers, self.k = gathers, k
+        self.slices, self.slice_layout = slices, slice_layout
+        self.whole_bytes = whole_bytes
+        self.out = None                   # the gathered array, once read
+
+    def _write(self):
+        self.out = self.gathers.take(self.k)
+        return self.out
+
+    @property
+    def device_bytes(self) -> int:
+        """What one device stores of the weight now: its slice, or once gathered the
+        whole block (the gathered copy the step reads; the update drops it)."""
+        if self.out is not None:
+            return self.whole_bytes
+        return math.prod(self.slice_layout.local_shape) * self.dtype.itemsize
+
+    def holds(self, p) -> bool:
+        """Is this still `p`'s value (not replaced since: ``set_data``, a checkpoint
+        loaded, an assignment)?"""
+        return p._lazy is self or (p._lazy is None and self.out is not None
+                                   and p._arr is self.out)
+
+    def __deepcopy__(self, memo):
+        # a copy of the Parameter: the gathered value, an array of its own
+        return _Value(np.array(self.materialize()))
+
+    def __reduce__(self):
+        return _Value, (np.array(self.materialize()),)
+
+
+class _Value(Deferred):
+    """A written stack held as a deferred one (a copy of a :class:`GatherOnRead`)."""
+
+    def __init__(self, value):
+        super().__init__(value.shape, value.dtype)
+        self.value = value
+
+    def _write(self):
+        return self.value
+
+
+class _Gathers:
+    """The AllGathers of one update's slices, run when a weight is first read: the
+    positions of :attr:`entries` form units (a fused bucket, or one weight alone), and
+    reading any weight of a unit gathers the unit. The backend is the one of the
+    update (a weight read after the parallel context was left still gathers over the
+    devices that hold its slices)."""
+
+    def __init__(self, backend, entries, units):
+        self.backend = backend
+        self.entries = entries      # (name, slice layout, weight layout or None, stack, plan)
+        self.units = units          # (positions, (members, axes) when fused, else None)
+        self.unit_of = {k: u for u, (ks, _) in enumerate(units) for k in ks}
+        self.outs = {}
+
+    def take(self, k) -> np.ndarray:
+        """Weight `k`'s gathered value (its unit gathered now unless it already was)."""
+        if k not in self.outs:
+            self._run(self.units[self.unit_of[k]])
+        return self.outs.pop(k)
+
+    def _run(self, unit):
+        ks, fused = unit
+        backend = self.backend
+        if fused is not None:
+            members, axes = fused
+            stacks = [self.entries[k][3] for k in ks]
+            if trace._STATE.reports:
+                names = [self.entries[k][0] for k in ks]
+                with comm_cause(bucket_name(names, "parameters"), _REASON):
+                    outs = backend.all_gather_fused(stacks, members, axes)
+            else:
+                outs = backend.all_gather_fused(stacks, members, axes)
+        else:
+            name, _, _, stack, plan_ = self.entries[ks[0]]
+            outs = [execute(plan_, stack, backend, op_name=name, reason=_REASON)]
+        for k, out in zip(ks, outs):
+            self.outs[k] = _own(as_stack(out), self.entries[k][2] is None)
+
+
+def _own(stack, whole) -> np.ndarray:
+    """The gathered `stack` as the weight stores it: its first device's block when
+    the weight is a whole value (`whole`), else the stack; copied when it is a view
+    into a larger buffer (a fused collective's), which it would keep alive."""
+    value = stack[0] if whole else stack
+    base = value
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    if base is not value and base.nbytes > value.nbytes:
+        value = np.array(value)
+    return value
+
+
 class ParameterShards:
     """The parallel optimizer's plan for one update: per parameter its optimizer slice's
     layout (None: not sharded), and the steps of the update (:meth:`scatter`,
-    :meth:`weight_slice`, :meth:`match_states`, :meth:`gather`)."""
+    :meth:`weight_slice`, :meth:`match_states`, :meth:`gather`). `kept` (the
+    optimizer's, position -> :class:`GatherOnRead`) holds the slices the last update
+    stored."""
 
-    def __init__(self, params, layouts):
+    def __init__(self, params, layouts, kept=None):
         self.params = params
         self.layouts = layouts
+        self.kept = {} if kept is None else kept
         self.targets = [p if s is None else _Target(p.name, s)
                         for p, s in zip(params, layouts)]
         self.ready = set()            # positions whose gradient :meth:`scatter` moved
@@ -261,10 +395,16 @@ class ParameterShards:
 
     # ---- 2. the update ---------------------------------------------------------------
     def weight_slice(self, i) -> np.ndarray:
-        """This process's slices of weight `i` in its optimizer slice's layout: a new
-        array the update writes (cut locally from the weight: no communication)."""
-        p = self.params[i]
-        return np.array(redistribute_tensor(p, self.layouts[i], p.name, reason=_REASON))
+        """This process's slices of weight `i` in its optimizer slice's layout, an array
+        the update writes in place: the slices the last update stored (read as they
+        are: no cut, no communication), or, when the weight holds another value (its
+        first update, a value set since), cut locally from it."""
+        p, dst = self.params[i], self.layouts[i]
+        pending = self.kept.pop(i, None)
+        if pending is not None and pending.holds(p) and pending.slice_layout == dst \
+                and pending.slices.dtype == p.dtype:
+            return pending.slices
+        return np.array(redistribute_tensor(p, dst, p.name, reason=_REASON))
 
     def match_states(self, optimizer, i) -> None:
         """Parameter `i`'s optimizer states stored as its optimizer slices: a state held
@@ -285,72 +425,61 @@ class ParameterShards:
             st._layout = dst
             optimizer.__dict__.setdefault("_sliced_states", set()).add(i)
 
-    # ---- 3. the updated slices back into the weights ------------------------------------
+    # ---- 3. the weights stored as their updated slices --------------------------------
     def gather(self, updated: Dict[int, np.ndarray]) -> None:
-        """AllGather each updated slice stack (position -> stack in its optimizer
-        slice's layout) into its weight's layout and store it there; fused per
+        """Store each updated slice stack (position -> stack in its optimizer slice's
+        layout) as its weight's value, a :class:`GatherOnRead`: AllGathered into the
+        weight's layout where the weight is first read, per bucket of
         ``comm_fusion["allgather"]`` (one collective per bucket of a device group and
-        dtype), reason "parallel_optimizer"."""
+        dtype), reason "parallel_optimizer". Nothing is communicated here."""
         if not updated:
             return
         order = sorted(updated)
         fusion = "allgather" in (context.get_auto_parallel_context("comm_fusion") or {})
-        keys, sizes, groups, uses = [], [], [], []
+        keys, sizes, groups, entries = [], [], [], []
         for i in order:
-            p, src = self.params[i], self.layouts[i]
-            dst = use_layout(p) or TensorLayout.replicated(p.shape, src.device_num)
-            uses.append(dst)
+            p, src, stack = self.params[i], self.layouts[i], updated[i]
+            use = use_layout(p)
+            dst = use or TensorLayout.replicated(tuple(p.shape), src.device_num)
             plan_ = plan_redistribution(src, dst, np.dtype(p.dtype).itemsize)
+            entries.append((p.name, src, use, stack, plan_))
             step = single_step(plan_, "AllGather") if fusion else None
             sizes.append(math.prod(dst.local_shape) * np.dtype(p.dtype).itemsize)
             if step is None:
                 keys.append(None)
                 groups.append(None)
                 continue
-            key, members = step_group(plan_, step, updated[i].dtype)
+            key, members = step_group(plan_, step, stack.dtype)
             keys.append(key)
             groups.append((members, step.dim))
-        done = set()
-        backend = _backend()
+        units, done = [], set()
         for bucket in grouped_buckets(keys, sizes, "allgather"):
-            if not fused_bucket([updated[order[k]].dtype for k in bucket]):
-                continue
-            names = [self.params[order[k]].name for k in bucket]
-            stacks = [updated[order[k]] for k in bucket]
-            members = groups[bucket[0]][0]
-            axes = [groups[k][1] for k in bucket]
-            if trace._STATE.reports:
-                with comm_cause(bucket_name(names, "parameters"), _REASON):
-                    outs = backend.all_gather_fused(stacks, members, axes)
-            else:
-                outs = backend.all_gather_fused(stacks, members, axes)
-            for k, out in zip(bucket, outs):
-                _store(self.params[order[k]], np.asarray(out))
-                done.add(k)
+            if fused_bucket([updated[order[k]].dtype for k in bucket]):
+                units.append((list(bucket), (groups[bucket[0]][0],
+                                             [groups[k][1] for k in bucket])))
+                done.update(bucket)
+        units += [([k], None) for k in range(len(order)) if k not in done]
+        gathers = _Gathers(_backend(), entries, units)
         for k, i in enumerate(order):
-            if k in done:
-                continue
-            p = self.params[i]
-            out = move_stack(updated[i], self.layouts[i], uses[k], p.name, _REASON)
-            _store(p, np.asarray(out))
+            p, stack = self.params[i], updated[i]
+            shape = tuple(p.shape) if entries[k][2] is None else \
+                (stack.shape[0],) + tuple(entries[k][2].local_shape)
+            pending = GatherOnRead(gathers, k, shape, p.dtype, stack, self.layouts[i],
+                                   sizes[k])
+            p._data = None
+            p._lazy = pending
+            p._init = None
+            self.kept[i] = pending
 
 
-def _store(p, stack):
-    """Write the gathered `stack` (this process's blocks in the weight's layout) into
-    `p`'s storage, in place where it can (every holder of the array sees the new
-    value). A weight whose replicas were stored once (``parallel.replicas``) was written
-    as a stack when its slices were cut (:meth:`ParameterShards.weight_slice`)."""
-    value = stack[0] if use_layout(p) is None else stack
-    arr = p._data
-    if _writable_like(arr, value):
-        np.copyto(arr, value)
-    else:
-        p._data = np.array(value, dtype=p.dtype)
-
-
-def _writable_like(arr, value) -> bool:
-    return isinstance(arr, np.ndarray) and arr.flags.writeable and arr.shape == value.shape \
-        and arr.dtype == value.dtype and all(s != 0 for s in arr.strides[:1])
+def stored_slices(p):
+    """``(slice layout, stack)`` when the parallel optimizer stores Parameter `p` as its
+    optimizer slices and its whole value is not gathered yet (between steps); else
+    None."""
+    lazy = p._lazy
+    if type(lazy) is GatherOnRead and lazy.out is None:
+        return lazy.slice_layout, lazy.slices
+    return None
 
 
 @dataclass(frozen=True)
@@ -359,31 +488,42 @@ class OptimizerMemory:
 
     #: the optimizer's states (momentum, moments...) on one device
     states: int
-    #: the weights' slices one device updates (the optimizer's master copy of them)
+    #: the weights' slices one device updates (the optimizer's master copy of them),
+    #: which is all a device stores of a sharded weight between steps
     weights: int
     #: per parameter name: into how many slices the parallel optimizer cuts it (1: not)
     shards: Dict[str, int]
+    #: the sharded weights' gathered whole blocks one device holds now: 0 between
+    #: steps; from a weight's first read (the forward pass) until the update drops it,
+    #: its block in the layout the step reads
+    gathered: int = 0
 
 
 def optimizer_memory(optimizer) -> OptimizerMemory:
     """The bytes one device keeps for `optimizer`: its states (as stored now: before
-    the first update they have the shape of their weights) and the slices of the
-    weights it updates, with the parallel optimizer's shard count per parameter (as the
-    next update will cut them). With the parallel optimizer on, both drop by the shard
-    count for every sharded weight."""
-    plan_ = plan(optimizer)
-    shards, weights = {}, 0
+    the first update they have the shape of their weights), the slices of the weights
+    it updates, with the parallel optimizer's shard count per parameter (as the next
+    update will cut them), and the gathered copies of sharded weights held now. With
+    the parallel optimizer on, states and weights drop by the shard count for every
+    sharded weight. Reads no value (gathers nothing)."""
+    layouts = _layouts(optimizer)
+    kept = optimizer.__dict__.get("_weight_slices") or {}
+    shards, weights, gathered = {}, 0, 0
     for i, p in enumerate(optimizer.parameters):
         lay = use_layout(p)
         local = lay.local_shape if lay is not None else tuple(p.shape)
-        s = plan_.layouts[i] if plan_ is not None else None
+        s = layouts[i]
         count = 1 if s is None else local[0] // s.local_shape[0]
         shards[p.name] = count
-        weights += math.prod(local) * np.dtype(p.dtype).itemsize // count
+        nbytes = math.prod(local) * np.dtype(p.dtype).itemsize
+        weights += nbytes // count
+        pending = kept.get(i)
+        if pending is not None and pending.out is not None and pending.holds(p):
+            gathered += nbytes
     states = 0
     for name in optimizer.__dict__.get("_state_names", ()):
         for st in getattr(optimizer, name):
             lay = st._layout
             local = lay.local_shape if lay is not None else tuple(st.shape)
             states += math.prod(local) * np.dtype(st.dtype).itemsize
-    return OptimizerMemory(states, weights, shards)
+    return OptimizerMemory(states, weights, shards, gathered)

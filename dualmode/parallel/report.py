@@ -67,7 +67,9 @@ __all__ = ["CommReport", "CommRecord", "comm_cause", "note_memory",
 def parameter_bytes_per_device(params: Optional[Iterable] = None) -> int:
     """Bytes one device stores for `params` (default: every live Parameter): the local
     block of a parameter stored in a layout (its distinct local data, once), the whole
-    value of a plain one, nothing while its initialisation is delayed. Under pipeline
+    value of a plain one, nothing while its initialisation is delayed; a weight the
+    parallel optimizer stores as its slices, its slice until it is gathered for a read.
+    No value is read (nothing deferred is written or gathered). Under pipeline
     parallelism a device holds its stage's parameters only: the largest stage's (on
     simulated devices), this rank's stage's (under MPI)."""
     if params is None:
@@ -75,11 +77,15 @@ def parameter_bytes_per_device(params: Optional[Iterable] = None) -> int:
     total = 0
     stages: dict = {}
     for p in params:
-        data = p._data
+        data = p._lazy if p._lazy is not None else p._arr   # a deferred value stays so
         if data is None:
             continue
         local = getattr(p._layout, "local_shape", None)
-        nbytes = data.nbytes if local is None else math.prod(local) * data.itemsize
+        held = getattr(data, "device_bytes", None)   # e.g. a weight stored as its slices
+        if held is not None:
+            nbytes = held
+        else:
+            nbytes = data.nbytes if local is None else math.prod(local) * data.itemsize
         stage = parameter_stage(p)
         if stage is None:
             total += nbytes

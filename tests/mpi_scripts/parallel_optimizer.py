@@ -3,7 +3,8 @@ OUT.npz`` trains a small network three steps per run of :data:`RUNS` (semi_auto_
 with a tensor-parallel MatMul, and data_parallel; PyNative and GRAPH_MODE; Momentum and
 Adam with weight decay) with ``enable_parallel_optimizer=True``; rank 0 writes the
 losses, the weights and the counts of the gradient ReduceScatters, the parallel
-optimizer's AllGathers and the gradient AllReduces. Tests import the script and run
+optimizer's AllGathers (the last update's at the read of the weights) and the gradient
+AllReduces. Tests import the script and run
 :func:`train` on simulated devices (and stand-alone) to compare."""
 import sys
 
@@ -76,11 +77,14 @@ def train(mode, graph, opt_name, fused=False, n=None, backend=None):
     step = nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)
     with CommReport() as rep:
         losses = [float(step(Tensor(X), Tensor(Y)).asnumpy()) for _ in range(STEPS)]
+        # a sharded weight is stored as its slices and gathered where it is read (the
+        # next forward pass, or here: every rank reads the weights in the same order)
+        weights = {p.name: p.asnumpy() for p in params}
     dm.set_context(mode=dm.PYNATIVE_MODE)
     counts = (rep.count("ReduceScatter", reason="gradient"),
               rep.count("AllGather", reason="parallel_optimizer"),
               rep.count("AllReduce", reason="gradient"))
-    return losses, {p.name: p.asnumpy() for p in params}, counts
+    return losses, weights, counts
 
 
 if __name__ == "__main__":
