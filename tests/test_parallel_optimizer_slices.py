@@ -440,3 +440,18 @@ def test_dry_run_between_steps_and_during_a_step():
     assert dry.stored_parameter_bytes == between == 32 * 16 * 4 // 2 + 64 * 16 * 4 // 8 + 64
     assert dry.parameter_bytes == blocks == 32 * 16 * 4 + 64 * 16 * 4 + 64
     assert "between steps" in dry.summary()
+
+
+def test_a_copied_network_and_optimizer_train_as_the_original():
+    """copy.deepcopy of the training step (network and optimizer) while the weights
+    are stored as slices: the copy's next update cuts its slices from its own weights;
+    both go on equal to the single device."""
+    _, want = _single("adam", 2)
+    with _parallel():
+        net, _, step = _build("adam")
+        step(Tensor(X), Tensor(Y))
+        twin = copy.deepcopy(step)
+        twin(Tensor(X), Tensor(Y))
+        step(Tensor(X), Tensor(Y))
+        _assert_same(_weights(net), want[1])
+        _assert_same({p.name: p.asnumpy() for p in twin.trainable_params()}, want[1])

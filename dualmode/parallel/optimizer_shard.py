@@ -285,7 +285,11 @@ class GatherOnRead(Deferred):
 
 
 class _Value(Deferred):
-    """A written stack held as a deferred one (a copy of a :class:`GatherOnRead`)."""
+    """A written stack held as a deferred one (a copy of a :class:`GatherOnRead`: in a
+    copied optimizer it stands for slices no weight holds, so its next update cuts its
+    slices from its weights)."""
+
+    out = None
 
     def __init__(self, value):
         super().__init__(value.shape, value.dtype)
@@ -293,6 +297,10 @@ class _Value(Deferred):
 
     def _write(self):
         return self.value
+
+    @staticmethod
+    def holds(p) -> bool:
+        return False
 
 
 class _Gathers:
