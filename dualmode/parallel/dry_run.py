@@ -58,7 +58,8 @@ from .graph.ir import CALL, FUSED, FUSED_AG, FUSED_RS, MOVE, REDUCE, Ref
 from .graph.trace import find_parameters, walk_reachable
 from .inputs import input_layout
 from . import optimizer_shard
-from .pipeline import PLANNING, TRANSFER, parameter_stage, pipeline_schedule
+from .pipeline import (PLANNING, TRANSFER, gradient_layout, parameter_stage,
+                       pipeline_schedule)
 from .grad_reduce import bucket_name, fused_bucket, grouped_buckets, single_step, step_group
 from .redistribution.executor import _record_steps
 from .redistribution.planner import plan_redistribution
@@ -872,6 +873,7 @@ def _walk_pipeline(compiled, report, schedule, per, rate):
     states = []
     reports = _trace._STATE.reports
     saved = list(reports)
+    sent = {}                                        # (cell, src, dst) -> a weight's layout
     try:
         for i, (node, done) in enumerate(zip(g.nodes, _releases(g))):
             if stash is None and node.backward:
@@ -890,7 +892,15 @@ def _walk_pipeline(compiled, report, schedule, per, rate):
             elif node.op is TRANSFER:
                 a = node.attrs
                 x = node.inputs[0]
-                b = _local_bytes(lays.get(x.id), values[x.id])
+                lay = lays.get(x.id)
+                if a["once"]:           # a weight's gradient goes back in its sent pieces
+                    key = (a["cell"],) + ((a["dst"], a["src"]) if a["grad"] else
+                                          (a["src"], a["dst"]))
+                    if a["grad"]:
+                        lay = gradient_layout(sent.get(key), lay)
+                    else:
+                        sent[key] = lay
+                b = _local_bytes(lay, values[x.id])
                 part = per_step if a["once"] else per_micro
                 with comm_cause(a["cell"], "pipeline"):
                     reports[:] = [part[a["src"]]]

@@ -23,6 +23,7 @@ time slot, idle slots (bubbles) included.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -31,20 +32,23 @@ import numpy as np
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
+from ..autograd import _zeros_like_meta
 from ..communication.sim import replicated_view
+from ..communication.totals import stored
 from ..communication.trace import comm_cause
 from ..ops._math import ADD, MUL
 from ..ops._registry import register, same_as_input
 from ..tensor import Parameter
 from .devices import live_backend, parallel_active
-from .moves import redistribute_tensor
+from .moves import move_stack, redistribute_tensor
+from .redistribution.planner import plan_redistribution
 from .rules import build_rule
 from .tensor_layout import TensorLayout
 
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
            "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS",
            "parameter_stage", "note_parameter_stages", "check_outside_run", "RUNNING",
-           "PipelinePlan", "PLANNING", "first_stage_values", "stage_order"]
+           "PipelinePlan", "PLANNING", "first_stage_values", "stage_order", "gradient_layout"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -458,6 +462,36 @@ def _stack(x, n):
     return x._data, layout
 
 
+def gradient_layout(sent, grad):
+    """The layout in which the gradient of a value that crossed a stage boundary in
+    layout `sent` goes back, when it arrives in layout `grad`: `sent`'s pieces with
+    `grad`'s pending sums (each device keeps the part of its share that its device of
+    the other stage holds, without communication), when that is smaller than `grad`'s;
+    else `grad`. A weight sent to a later stage as its slices (a tied embedding table
+    split over the vocabulary) thus has its gradient sent back as those slices, not
+    whole as the later stage's product makes it."""
+    if not isinstance(sent, TensorLayout) or not isinstance(grad, TensorLayout) \
+            or sent.partial or sent == grad or sent.shape != grad.shape \
+            or sent.device_matrix != grad.device_matrix \
+            or set(sent.split_axes) & set(grad.partial):
+        return grad
+    want = sent.with_partial(grad.partial).with_partial_op(grad.partial_op) \
+        if grad.partial else sent
+    if want == grad or math.prod(want.local_shape) >= math.prod(grad.local_shape) \
+            or plan_redistribution(grad, want).bytes:
+        return grad
+    return want
+
+
+def _in_sent_pieces(g, sent, name):
+    """`g` moved into :func:`gradient_layout` (a local cut: nothing is communicated)."""
+    lay = getattr(g, "_layout", None)
+    want = gradient_layout(sent, lay)
+    if want is lay:
+        return g
+    return _core.wrap_dist(move_stack(stored(g), lay, want, name, "pipeline"), want)
+
+
 def _unstack(stack, layout):
     return _core.wrap_dist(stack[0] if layout is None else stack, layout)
 
@@ -648,7 +682,7 @@ class PipelineRun:
         src = x if here is None else _ANCHOR
         rec = _core.recording() and (here is not None or x._node is not None)
         return _core.finish(TRANSFER, {"kind": "move", "src": j, "dst": k, "run": self,
-                                       "cell": name, "event": event},
+                                       "cell": name, "event": event, "layout": layout},
                             (src,), data, rec, None if layout is None else (layout,))
 
     def run_1f1b(self, network, inputs, micro_size, order):
@@ -803,6 +837,7 @@ class PipelineRun:
             return tuple(grads)
         j, k, event = attrs["src"], attrs["dst"], attrs["event"]
         with comm_cause(attrs["cell"], "pipeline"):
+            g = _in_sent_pieces(g, attrs.get("layout"), attrs["cell"])
             stack, layout = _stack(g, len(view.local_ranks))
             view.send(stack, j, 2 * event + 1, meta=layout)
             if self.here is None:
@@ -820,15 +855,11 @@ def _next_private_tape() -> int:
     return _PRIVATE_TAPE[0]
 
 
-def _zeros_like(shape, dtype):
-    return _core.wrap_dist(np.zeros(shape, dtype), None)
-
-
 def _backward(root, tape, slots, seed=None):
     """The gradients ``root``'s backward gives the leaves of `tape` (seed: ones)."""
     if seed is None:
         seed = _core.wrap_dist(np.ones(root.shape, root.dtype), None)
-    return _core.run_backward((root,), (seed,), tape, slots, ADD, _zeros_like)
+    return _core.run_backward((root,), (seed,), tape, slots, ADD, _zeros_like_meta)
 
 
 def _add_to(acc, grads):

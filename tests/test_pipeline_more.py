@@ -1,0 +1,138 @@
+"""Pipeline parallelism, more: the tied embedding table's gradient goes back to the first
+stage in the pieces the table was sent in (CommReport bytes against a hand count, the
+numbers against one device), the layout rule behind it, and that a stage boundary
+copies no activation (the next stage reads the sent buffer itself)."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import dualmode as dm
+from dualmode import communication, nn
+from dualmode.parallel import CommReport
+from dualmode.parallel.pipeline import gradient_layout
+from dualmode.parallel.tensor_layout import TensorLayout
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+from gpt_model import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+
+def _gpt_steps(cfg, devices, scheduler="1f1b", steps=2, watch=None):
+    """Losses, weights by name and the CommReport of `steps` SGD steps of the GPT in a
+    PipelineCell: on `devices` simulated devices with cfg.pp stages, or stand-alone
+    (devices None)."""
+    dm.reset_auto_parallel_context()
+    communication.init()
+    if devices:
+        dm.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=devices,
+                                     pipeline_stages=cfg.pp,
+                                     pipeline_config={"pipeline_scheduler": scheduler})
+        communication.init()
+    try:
+        dm.set_seed(0)
+        net = GPT(cfg)
+        if watch is not None:
+            watch(net)
+        model = nn.PipelineCell(net, cfg.micro_size)
+        opt = nn.SGD(net.trainable_params(), 0.5)
+        grad_fn = dm.value_and_grad(model, None, opt.parameters)
+        ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
+        losses = []
+        with CommReport() as report:
+            for _ in range(steps):
+                loss, grads = grad_fn(dm.Tensor(ids), dm.Tensor(labels))
+                opt(grads)
+                losses.append(float(loss.asnumpy()))
+        return np.array(losses), {p.name: p.asnumpy().copy()
+                                  for p in net.trainable_params()}, report
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()
+
+
+@pytest.mark.parametrize("scheduler", ["1f1b", "gpipe"])
+def test_tied_table_gradient_goes_back_in_the_slices_it_was_sent_in(scheduler):
+    """GPT dp 2 x mp 2 x pp 2, 2 micro-batches: the embedding table (vocabulary 64 x
+    hidden 32, its rows split over mp on the first stage) goes to the head on the last
+    stage once a step as each device's half (32 x 32 floats), and its gradient, which the
+    head's MatMul makes whole on every device (a pending sum over dp), comes back once a
+    step as the same half of each device's share: 4 KiB, not the whole table's 8 KiB.
+    The weights still equal one device's."""
+    cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2)
+    ref_losses, ref_w, _ = _gpt_steps(GPTConfig(micro_size=2), None)
+    losses, w, report = _gpt_steps(cfg, 8, scheduler)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for name, want in ref_w.items():
+        np.testing.assert_allclose(w[name], want, rtol=1e-4, atol=1e-6, err_msg=name)
+    steps, micro = 2, 2
+    half_table = (64 // 2) * 32 * 4                       # bytes per device
+    head = [r for r in report.records if r.reason == "pipeline" and r.op == "head"]
+    assert [(r.kind, r.bytes_per_device) for r in head] == \
+        [("Send", half_table), ("Receive", half_table)] * 2 * steps
+    # per micro-batch one activation into blocks.1 and its gradient back: 2 sequences
+    # (8 / 2 micro-batches / 2 over dp) of 8 tokens of hidden 32 per device
+    act = 2 * 8 * 32 * 4
+    assert report.count("Send", "pipeline") == steps * (2 * micro + 2)
+    assert report.bytes("Send", "pipeline") == steps * (2 * micro * act + 2 * half_table)
+    assert report.bytes("Send") == report.bytes("Send", "pipeline")
+
+
+def test_gradient_layout_keeps_the_sent_pieces_without_communication():
+    dm_, shape = (2, 2), (64, 32)
+    rows = TensorLayout(dm_, ((1,), ()), shape)             # rows split over axis 1
+    whole_dp = TensorLayout(dm_, ((), ()), shape, partial=(0,))   # pending over axis 0
+    got = gradient_layout(rows, whole_dp)
+    assert got == TensorLayout(dm_, ((1,), ()), shape, partial=(0,))
+    assert got.local_shape == (32, 32)
+    # pending over the axis that splits the sent rows: cutting would need a collective
+    whole_mp = TensorLayout(dm_, ((), ()), shape, partial=(1,))
+    assert gradient_layout(rows, whole_mp) is whole_mp
+    # already as small: kept as it arrives
+    cols = TensorLayout(dm_, ((), (1,)), shape, partial=(0,))
+    assert gradient_layout(rows, cols) is cols
+    same = TensorLayout(dm_, ((1,), ()), shape, partial=(0,))
+    assert gradient_layout(rows, same) is same
+    # nothing known about the sent value, or a whole one: kept
+    assert gradient_layout(None, whole_dp) is whole_dp
+    whole = TensorLayout(dm_, ((), ()), shape)
+    assert gradient_layout(whole, whole_dp) is whole_dp
+    assert gradient_layout(rows, None) is None
+
+
+def test_a_stage_boundary_copies_no_activation():
+    """Simulated devices: block 1 (the second stage) reads block 0's output buffer itself,
+    forward, for every micro-batch; what is sent per device is exactly that activation's
+    bytes (no padding, nothing else with it)."""
+    seen = []
+
+    def watch(net):
+        blocks = net.blocks
+        first, second = type(blocks[0]), type(blocks[1])
+
+        class In(second):
+            def construct(self, x):
+                seen.append(("in", x))
+                return super().construct(x)
+
+        class Out(first):
+            def construct(self, x):
+                out = super().construct(x)
+                seen.append(("out", out))
+                return out
+
+        blocks[0].__class__, blocks[1].__class__ = Out, In
+
+    cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2)
+    _, _, report = _gpt_steps(cfg, 8, steps=1, watch=watch)
+    outs = [x for kind, x in seen if kind == "out"]
+    ins = [x for kind, x in seen if kind == "in"]
+    assert len(outs) == len(ins) == 2
+    for sent, got in zip(outs, ins):
+        assert got is not sent and got._layout == sent._layout
+        assert got._data is sent._data                    # the same buffer, not a copy
+    # forward the activation, backward its gradient (the same shape), per micro-batch
+    sends = [r for r in report.records if r.kind == "Send" and r.op == "blocks.1"]
+    assert [r.bytes_per_device for r in sends] == [outs[0]._data[0].nbytes] * 4
+    assert outs[0]._data[0].nbytes == 2 * 8 * 32 * 4
