@@ -461,8 +461,9 @@ class Parameter(DeclaredShape, Tensor):
 
     @property
     def has_init(self) -> bool:
-        """True while the value is delayed (not yet created)."""
-        return self._data is None
+        """True while the value is delayed (not yet created); a deferred value (e.g. a
+        weight stored as its optimizer slices) is not read."""
+        return self._arr is None and self._lazy is None
 
     def _materialize(self):
         if self._init is None:

@@ -158,7 +158,7 @@ def test_reading_shape_dtype_name_or_layout_gathers_nothing():
             assert tuple(w.shape) == (32, 64) and w.ndim == 2 and w.size == 32 * 64
             assert w.dtype == np.float32 and w.name == "w1"
             assert w.layout is not None and local_shape(w) == (32, 16)
-            assert "w1" in repr(w) and w.requires_grad
+            assert "w1" in repr(w) and w.requires_grad and not w.has_init
             optimizer_memory(opt)
             parameter_bytes_per_device()
         assert report.count() == 0
