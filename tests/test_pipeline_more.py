@@ -19,10 +19,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from gpt_model import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
-def _gpt_steps(cfg, devices, scheduler="1f1b", steps=2, watch=None):
-    """Losses, weights by name and the CommReport of `steps` SGD steps of the GPT in a
-    PipelineCell: on `devices` simulated devices with cfg.pp stages, or stand-alone
-    (devices None)."""
+def _gpt_steps(cfg, devices, scheduler="1f1b", steps=2, watch=None, opt="sgd",
+               after=None):
+    """Losses, weights by name and the CommReport of `steps` SGD (or Momentum) steps of
+    the GPT in a PipelineCell: on `devices` simulated devices with cfg.pp stages, or
+    stand-alone (devices None). `watch(net)` runs before, `after(net, optimizer)`
+    after the steps."""
     dm.reset_auto_parallel_context()
     communication.init()
     if devices:
@@ -36,7 +38,8 @@ def _gpt_steps(cfg, devices, scheduler="1f1b", steps=2, watch=None):
         if watch is not None:
             watch(net)
         model = nn.PipelineCell(net, cfg.micro_size)
-        opt = nn.SGD(net.trainable_params(), 0.5)
+        opt = nn.SGD(net.trainable_params(), 0.5) if opt == "sgd" else \
+            nn.Momentum(net.trainable_params(), 0.1, 0.9)
         grad_fn = dm.value_and_grad(model, None, opt.parameters)
         ids, labels = synthetic_batch(cfg, np.random.default_rng(0))
         losses = []
@@ -45,6 +48,8 @@ def _gpt_steps(cfg, devices, scheduler="1f1b", steps=2, watch=None):
                 loss, grads = grad_fn(dm.Tensor(ids), dm.Tensor(labels))
                 opt(grads)
                 losses.append(float(loss.asnumpy()))
+        if after is not None:
+            after(net, opt)
         return np.array(losses), {p.name: p.asnumpy().copy()
                                   for p in net.trainable_params()}, report
     finally:
@@ -136,3 +141,74 @@ def test_a_stage_boundary_copies_no_activation():
     sends = [r for r in report.records if r.kind == "Send" and r.op == "blocks.1"]
     assert [r.bytes_per_device for r in sends] == [outs[0]._data[0].nbytes] * 4
     assert outs[0]._data[0].nbytes == 2 * 8 * 32 * 4
+
+
+def test_per_rank_checkpoint_of_a_pipeline_on_simulated_devices(tmp_path):
+    """save_checkpoint(..., integrated_save=False) with 2 stages of 4 devices writes one
+    file per world rank (rank_0 .. rank_7): ranks 0-3 the first stage's weights and
+    optimizer states as their slices over its 4 devices, ranks 4-7 the second's (the
+    tied table only with the first stage, whose weight it is); merged, and loaded into a
+    network of another layout, they are the weights one device trains."""
+    from dualmode.train.reshard import load_distributed_checkpoint, merge_sliced_checkpoints
+    from dualmode.train.safetensors_io import CheckpointFile
+    from dualmode.train.serialization import sliced_path
+
+    cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2)
+    kept = {}
+
+    def save(net, opt):
+        dm.save_checkpoint([net, opt], str(tmp_path / "gpt.ckpt"), integrated_save=False)
+        kept["names"] = {p.name for p in net.trainable_params()}
+        kept["stage0"] = {p.name for p in net.embedding.trainable_params()} | \
+            {p.name for b in net.blocks if b.pipeline_stage == 0
+             for p in b.trainable_params()}
+
+    ref_losses, ref_w, _ = _gpt_steps(GPTConfig(micro_size=2), None, opt="momentum")
+    losses, w, _ = _gpt_steps(cfg, 8, opt="momentum", after=save)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    files = [sliced_path(str(tmp_path / "gpt.ckpt"), r) for r in range(8)]
+    for r, path in enumerate(files):
+        with CheckpointFile(path) as f:
+            weights = {n for n in f.names if n in kept["names"]}
+            assert f.meta["rank"] == r and f.meta["stage"] == r // 4
+            assert f.meta["stage_rank"] == r % 4 and f.meta["stages"] == 2
+            if r < 4:
+                assert weights == kept["stage0"]
+            else:
+                assert weights == kept["names"] - kept["stage0"]
+            assert all(f"moments.{n}" in f.names for n in weights)
+            assert "global_step" in f.names
+            # the table's rows split over mp: each device of stage 0 holds half of them
+            if r < 4:
+                assert f.shape("embedding.embedding_table") == (32, 32)
+    merge_sliced_checkpoints(files, None, str(tmp_path / "merged.ckpt"))
+    merged = dm.load_checkpoint(str(tmp_path / "merged.ckpt"))
+    for name, want in ref_w.items():
+        np.testing.assert_allclose(merged[name].asnumpy(), want, rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+    # into one device's network, read from the per-rank files directly
+    dm.reset_auto_parallel_context()
+    communication.init()
+    dm.set_seed(1)
+    one = GPT(GPTConfig(micro_size=2))
+    assert load_distributed_checkpoint(one, files) == []
+    for p in one.trainable_params():
+        np.testing.assert_allclose(p.asnumpy(), ref_w[p.name], rtol=1e-4, atol=1e-6,
+                                   err_msg=p.name)
+
+
+def test_a_stage_boundary_copies_no_activation_under_mpi(tmp_path):
+    """Two real ranks, one stage each, 2 micro-batches: stage 0 hands MPI its block's
+    output buffer itself (forward, per micro-batch), stage 1's block reads the buffer MPI
+    received into, and each transfer's Send is the activation's bytes (8 rows of 8
+    floats per micro-batch), forward and its gradient back."""
+    from _mpi import run_mpi_script
+
+    run_mpi_script("pipeline_copies.py", [tmp_path], tmp_path, ranks=2, timeout=120)
+    act = (16 // 2) * 8 * 4                   # one device a stage: the whole micro-batch
+    for rank in range(2):
+        data = np.load(tmp_path / f"rank{rank}.npz")
+        assert int(data["stage"]) == rank
+        assert int(data["act"]) == act
+        assert list(data["same"]) == [True, True]
+        assert list(data["sends"]) == [act, act]   # stage 0: activations, 1: gradients

@@ -2,8 +2,9 @@
 stage's cells and exchanging activations and gradients as point-to-point messages)
 equals the same program on simulated devices: losses on every rank, each stage's
 weights, and the Send/Receive traffic; each rank runs its stage's row of the 1F1B
-time table; a rank updates only its own stage's weights and the checkpoint holds every
-stage's (tests/mpi_scripts/pipeline_train.py)."""
+time table; a rank updates only its own stage's weights, the checkpoint holds every
+stage's, and the per-rank checkpoint files (each rank its stage's slices) merge into
+them (tests/mpi_scripts/pipeline_train.py)."""
 import numpy as np
 import pytest
 
@@ -12,6 +13,8 @@ from _mpi import load_mpi_script, run_mpi_script
 import dualmode as dm
 from dualmode import communication
 from dualmode.parallel import pipeline_schedule
+from dualmode.train.reshard import merge_sliced_checkpoints
+from dualmode.train.serialization import sliced_path
 
 SCRIPT = "pipeline_train.py"
 
@@ -108,9 +111,9 @@ def test_a_rank_updates_only_its_own_stage_weights(tmp_path, ranks, stages, micr
         np.testing.assert_allclose(data["losses"], ref_losses, rtol=1e-5)
         for i, want in enumerate(ref_weights[stage]):
             np.testing.assert_allclose(data[f"w{i}"], want, rtol=1e-4, atol=1e-6)
-        changed, grads, gathers, refused = data["counts"][4:]
+        changed, grads, gathers, reloaded = data["counts"][4:]
         assert changed == 0, f"rank {rank} changed another stage's weights"
-        assert refused == 1                  # integrated_save=False: refused by name
+        assert reloaded == 1                 # its own per-rank file loads back into it
         per_stage.setdefault(stage, set()).add((int(grads), int(gathers)))
     assert all(len(v) == 1 for v in per_stage.values())   # a stage's ranks alike
     # the checkpoint (written by the first stage's process) holds every stage's trained
@@ -124,6 +127,15 @@ def test_a_rank_updates_only_its_own_stage_weights(tmp_path, ranks, stages, micr
     assert len(got) == len(want)
     for p, w in zip(got, want):
         np.testing.assert_allclose(p.asnumpy(), w, rtol=1e-4, atol=1e-6, err_msg=p.name)
+    # the per-rank files (each rank its stage's slices) merged: the same weights
+    files = [sliced_path(str(tmp_path / "sliced.ckpt"), r) for r in range(ranks)]
+    merge_sliced_checkpoints(files, None, str(tmp_path / "merged.ckpt"))
+    merged = dm.load_checkpoint(str(tmp_path / "merged.ckpt"))
+    standalone = mod.MLP(stages, [None] * max(stages, 2))
+    assert not dm.load_param_into_net(standalone, merged)
+    for p, w in zip(standalone.trainable_params(), want):
+        np.testing.assert_allclose(p.asnumpy(), w, rtol=1e-4, atol=1e-6, err_msg=p.name)
+    assert all(f"moment1.{p.name}" in merged for p in standalone.trainable_params())
     assert sum(next(iter(v))[0] for v in per_stage.values()) == ref_counts[5]
     assert sum(next(iter(v))[1] for v in per_stage.values()) == ref_counts[6]
     if zero:

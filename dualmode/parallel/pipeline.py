@@ -48,7 +48,8 @@ from .tensor_layout import TensorLayout
 __all__ = ["PipelineSchedule", "pipeline_schedule", "active_stages", "staged_cells",
            "micro_batches", "PipelineRun", "Remote", "TRANSFER", "SCHEDULERS",
            "parameter_stage", "note_parameter_stages", "check_outside_run", "RUNNING",
-           "PipelinePlan", "PLANNING", "first_stage_values", "stage_order", "gradient_layout"]
+           "PipelinePlan", "PLANNING", "first_stage_values", "stage_order", "gradient_layout",
+           "stage_files"]
 
 SCHEDULERS = ("1f1b", "gpipe")
 _PIPELINE_MODES = ("semi_auto_parallel", "auto_parallel")
@@ -949,3 +950,28 @@ def first_stage_values(named_values, owners):
                 got, _ = view.recv(k, _CHECKPOINT_TAG, record=False)
                 out[i] = (name, np.array(got[0]))
     return out, here == 0
+
+
+def stage_files(owners):
+    """Where a checkpoint of per-rank pieces (``integrated_save=False``) puts each entry
+    under pipeline parallelism: None without stages; else ``[(world rank, index of the
+    device in this process's stack, stage, rank in the stage, names)]`` for each device
+    this process holds. A device of stage ``s`` (world rank ``s * n + i``, ``n`` devices
+    per stage) writes the entries of its stage (`owners`: the saved objects by name;
+    a weight held by several stages belongs to the first, an optimizer's state to its
+    weight's stage) and those of no stage (an optimizer's step counter, weights outside
+    every staged cell), each as its slot ``i`` in its layout over the stage's ``n``
+    devices. Only a stage's own processes hold its weights' trained values, so under
+    "mpi" each process writes its stage's files; on simulated devices this process
+    writes every stage's."""
+    view = live_backend()
+    if view is None or view.world is None or view.stages <= 1:
+        return None
+    n = view.world_size
+    stage_of = {name: parameter_stage(v) for name, v in owners.items()}
+    out = []
+    for s in ([view.stage] if view.stage is not None else range(view.stages)):
+        names = [name for name, k in stage_of.items() if k is None or k == s]
+        for i, r in enumerate(view.local_ranks):
+            out.append((s * n + int(r), i, s, int(r), names))
+    return out

@@ -75,6 +75,14 @@ class SlicedCheckpoint:
             raise CheckpointError(f"{self.owner}: {self.paths[0]!r} is an integrated checkpoint "
                                   f"(global values); pass it alone, not with other files")
         n = len(self.files)
+        # pipeline stages: stage s's files (ranks s * per ..) hold its entries, sliced over
+        # its per devices; without stages every file holds every entry, sliced over n
+        stages = 1 if integrated else self.meta.get("stages", 1)
+        if n % stages:
+            raise CheckpointError(f"{self.owner}: {first.path!r} is a slice of a run of "
+                                  f"{stages} pipeline stages, but {n} files were given; give "
+                                  f"one file per rank of every stage, in rank order")
+        per = n // stages
         for r, f in enumerate(self.files):
             kind, rank = f.meta.get("kind"), f.meta.get("rank")
             if not integrated and (kind != "slice" or rank != r):
@@ -82,24 +90,40 @@ class SlicedCheckpoint:
                     f"{self.owner}: checkpoint_filenames[{r}]={f.path!r} holds "
                     f"{'the slices of rank ' + str(rank) if kind == 'slice' else 'no slices'}; "
                     f"give one sliced file per rank, in rank order")
-            if set(f.names) != set(first.names):
-                diff = sorted(set(f.names) ^ set(first.names))
-                raise CheckpointError(f"{self.owner}: {f.path!r} and {first.path!r} hold "
+            if stages > 1 and (f.meta.get("stages") != stages or f.meta.get("stage") != r // per):
+                raise CheckpointError(
+                    f"{self.owner}: checkpoint_filenames[{r}]={f.path!r} holds pipeline stage "
+                    f"{f.meta.get('stage')} of {f.meta.get('stages')}; the files of a run of "
+                    f"{stages} stages go in rank order (stage {r // per} at position {r})")
+            group = self.files[r - r % per]
+            if set(f.names) != set(group.names):
+                diff = sorted(set(f.names) ^ set(group.names))
+                raise CheckpointError(f"{self.owner}: {f.path!r} and {group.path!r} hold "
                                       f"different parameters ({diff})")
-        recorded = {name: layout_from_dict(d, f"checkpoint file {first.path!r}, parameter "
-                                              f"{name!r}")
-                    for name, d in self.meta.get("layouts", {}).items()} if not integrated \
-            else {}
+        #: name -> the files holding it, in the rank order of its layout (its stage's)
+        self._sources: Dict[str, List[CheckpointFile]] = {}
+        for s in range(stages):
+            group = self.files[s * per:(s + 1) * per]
+            for name in group[0].names:
+                self._sources.setdefault(name, group)
+        self._names = list(self._sources)
+        recorded = {}
+        if not integrated:
+            for name, group in self._sources.items():
+                d = group[0].meta.get("layouts", {}).get(name)
+                if d is not None:
+                    recorded[name] = layout_from_dict(d, f"checkpoint file {group[0].path!r}, "
+                                                         f"parameter {name!r}")
         layouts = dict(recorded) if given is None else {k: v for k, v in given.items()
-                                                         if k in first}
+                                                         if k in self._sources}
         self.layouts: Dict[str, Optional[TensorLayout]] = {}
-        for name in first.names:
+        for name, group in self._sources.items():
             lay = layouts.get(name)
-            if lay is not None and lay.device_num != n:
+            if lay is not None and lay.device_num != len(group):
                 raise CheckpointError(f"{self.owner}: parameter {name!r} was sliced over "
                                       f"{lay.device_num} devices (strategy) but "
-                                      f"{n} files were given; give one file per rank")
-            for r, f in enumerate(self.files):
+                                      f"{len(group)} files were given; give one file per rank")
+            for r, f in enumerate(group):
                 # (a split that does not divide: each rank its own piece's shape)
                 want = lay.local_shape_of(r) if lay is not None else None
                 got = f.shape(name)
@@ -111,14 +135,14 @@ class SlicedCheckpoint:
 
     @property
     def names(self):
-        return self.files[0].names
+        return self._names
 
     def global_shape(self, name):
         lay = self.layouts[name]
-        return tuple(lay.shape) if lay is not None else self.files[0].shape(name)
+        return tuple(lay.shape) if lay is not None else self._sources[name][0].shape(name)
 
     def dtype(self, name):
-        return self.files[0].dtype(name)
+        return self._sources[name][0].dtype(name)
 
     def read(self, name, box=None) -> np.ndarray:
         """``global_value[box]`` of `name` (a new array) from the distinct source blocks
@@ -136,8 +160,9 @@ class SlicedCheckpoint:
         shape = self.global_shape(name)
         box = tuple(box)
         lay = self.layouts[name]
+        files = self._sources[name]
         if lay is None:
-            return self.files[0].read_region(name, box, out)
+            return files[0].read_region(name, box, out)
         lo = np.array([s.start for s in box], np.int64)
         hi = np.array([s.stop for s in box], np.int64)
         blocks, ranks = np.unique(lay.block_index, axis=0, return_index=True)
@@ -148,7 +173,7 @@ class SlicedCheckpoint:
         for r, s, a, z in zip(ranks[hit], starts[hit], b_lo[hit], b_hi[hit]):   # one per file
             src = tuple(slice(int(x - o), int(y - o)) for x, y, o in zip(a, z, s))
             dst = tuple(slice(int(x - o), int(y - o)) for x, y, o in zip(a, z, lo))
-            self.files[int(r)].read_region(name, src, out[dst])
+            files[int(r)].read_region(name, src, out[dst])
         return out
 
     @property
@@ -164,6 +189,10 @@ class SlicedCheckpoint:
 
     def __exit__(self, *exc):
         self.close()
+
+
+#: the header keys that describe one rank's file (its rank, its stage, its layouts)
+_PER_FILE = ("rank", "layouts", "stage", "stage_rank", "stages")
 
 
 # ---------------------------------------------------------------------------------
@@ -184,7 +213,7 @@ def merge_sliced_checkpoints(checkpoint_filenames, strategy_file, output_path):
         raise TypeError(f"{owner}: output_path must be a file path, got {output_path!r}")
     with SlicedCheckpoint(checkpoint_filenames, strategy_file, owner) as src:
         tensors = [(name, src.read(name)) for name in src.names]
-        meta = {k: v for k, v in src.meta.items() if k not in ("rank", "layouts")}
+        meta = {k: v for k, v in src.meta.items() if k not in _PER_FILE}
         meta.update(kind="integrated",
                     layouts={k: layout_to_dict(v) for k, v in src.layouts.items()
                              if v is not None})
@@ -251,7 +280,7 @@ def transform_checkpoints(src_dir, dst_dir, src_strategy_file=None, dst_strategy
                     raise ValueError(f"{owner}: dst_strategy_file gives parameter {name!r} "
                                      f"shape {lay.shape}; the checkpoint holds "
                                      f"{src.global_shape(name)}")
-            meta = {k: v for k, v in src.meta.items() if k not in ("rank", "layouts")}
+            meta = {k: v for k, v in src.meta.items() if k not in _PER_FILE}
             meta.update(kind="slice", device_num=n_dst,
                         layouts={k: layout_to_dict(v) for k, v in dst_layouts.items()
                                  if k in src.layouts})

@@ -30,7 +30,7 @@ from .._core._tensor import TensorBase
 from ..nn.cell import Cell
 from ..nn.optim.optimizer import Optimizer
 from ..parallel.devices import live_backend, some_devices
-from ..parallel.pipeline import first_stage_values
+from ..parallel.pipeline import first_stage_values, stage_files
 from ..parallel.tensor_layout import TensorLayout
 from ..tensor import Parameter
 from .safetensors_io import CheckpointFile, write_file, write_files
@@ -267,43 +267,61 @@ def _piece(slot, layout, rank):
 
 def _save_sliced(path, entries, meta, n):
     b = live_backend()
-    if getattr(b, "stage", None) is not None:
-        raise RuntimeError(f"save_checkpoint: integrated_save=False with one pipeline stage "
-                           f"per process (stage {b.stage} of {b.stages}) is not supported: "
-                           f"the processes of different stages would write the same rank "
-                           f"files; save with integrated_save=True (the first stage's "
-                           f"process writes every stage's weights)")
-    ranks = tuple(b.local_ranks) if b is not None else (0,)
+    # with pipeline stages: one file per world rank, each with its stage's entries
+    files = stage_files(entries)
+    if files is None:
+        ranks = tuple(b.local_ranks) if b is not None else (0,)
+        files = [(rank, k, None, rank, list(entries)) for k, rank in enumerate(ranks)]
+    saved = {name for *_, names in files for name in names}
     layouts = {}
-    shared = []                          # (name, value) of parameters stored whole
-    per_device = []                      # (name, stack of this process's devices)
+    shared = {}                          # name -> value of a parameter stored whole
+    per_device = {}                      # name -> (stack of this process's devices, uneven)
     for name, v in entries.items():
+        if name not in saved:            # another stage's, saved by its own processes
+            continue
         lay = v._layout if isinstance(v, TensorBase) else None
         if lay is not None and lay.device_num != n:
             raise ValueError(f"save_checkpoint: parameter {name!r} is laid out over "
                              f"{lay.device_num} devices but {n} are running")
         if isinstance(lay, TensorLayout) or _is_device_local(v):
-            per_device.append((name, v._data, lay if isinstance(lay, TensorLayout) and
-                               not lay.even else None))
+            per_device[name] = (v._data, lay if isinstance(lay, TensorLayout) and
+                                not lay.even else None)
             if isinstance(lay, TensorLayout):
                 layouts[name] = lay
         else:
-            shared.append((name, _value(name, v, "save_checkpoint")))
-    for rank in ranks:
+            shared[name] = _value(name, v, "save_checkpoint")
+    for rank, *_ in files:
         os.makedirs(os.path.dirname(sliced_path(path, rank)), exist_ok=True)
+
+    def file_meta(rank, stage, stage_rank, names):
+        if stage is None:
+            return dict(meta, rank=int(rank))
+        # a stage's entries laid out over its devices; the file's rank is the world's
+        return dict(meta, rank=int(rank), stage=stage, stage_rank=stage_rank,
+                    stages=b.stages, device_num=b.world.world_size,
+                    layouts={k: d for k, d in meta["layouts"].items() if k in names})
+
+    def piece(name, k, stage_rank):
+        if name in shared:
+            return shared[name]
+        stack, uneven = per_device[name]
+        return _piece(stack[k], uneven, stage_rank)
+
     # each rank's slices are views of the stacks (written from their memory); every file
     # is written before the first is synced, so the disk flushes while the next is written
     # a split that does not divide: each rank writes its own piece (its slot's real rows)
-    write_files([(sliced_path(path, rank), [(name, _piece(stack[k], uneven, rank))
-                                            for name, stack, uneven in per_device]
-                  + shared, dict(meta, rank=int(rank))) for k, rank in enumerate(ranks)])
-    if 0 in ranks:
+    write_files([(sliced_path(path, rank), [(name, piece(name, k, stage_rank))
+                                            for name in names],
+                  file_meta(rank, stage, stage_rank, names))
+                 for rank, k, stage, stage_rank, names in files])
+    if files[0][2] is None and 0 in (rank for rank, *_ in files):
+        # (with pipeline stages each file's header holds its stage's layouts instead)
         dtypes = {name: entries[name].dtype for name in layouts}
         save_strategy_file(os.path.join(os.path.dirname(os.path.abspath(path)),
                                         "strategy.json"), layouts, dtypes)
         record_layouts(layouts, dtypes)          # strategy_ckpt_save_file, when set
     if b is not None and some_devices():
-        b.barrier()
+        (getattr(b, "world", None) or b).barrier()
 
 
 # ---------------------------------------------------------------------------------
@@ -349,7 +367,9 @@ def load_checkpoint(ckpt_file_name, net=None, strict_load=False, filter_prefix=N
     with CheckpointFile(path) as f:
         meta = f.meta
         layouts = meta.get("layouts", {})
-        rank = meta.get("rank") if meta.get("kind") == "slice" else None
+        # (with pipeline stages the slices are of the stage's devices: its rank there)
+        rank = meta.get("stage_rank", meta.get("rank")) if meta.get("kind") == "slice" \
+            else None
         for name in f.names:
             if prefixes and name.startswith(prefixes):
                 continue

@@ -11,7 +11,9 @@ decay. ZERO=1: the parallel optimizer (every weight's states split over its repl
 GRAPH=1: GRAPH_MODE (each stage's cells compiled for its devices).
 Besides the losses and weights, a rank records how many of the other stages' weights
 it holds changed (none should: they are their processes' to update) and the gradient
-and parallel-optimizer collectives of its last step.
+and parallel-optimizer collectives of its last step. It saves every stage's weights
+in one file (OUT_DIR/net.ckpt) and its stage's slices and optimizer states in its own
+(OUT_DIR/rank_<r>/sliced.ckpt), and records whether that file loads back into it.
 """
 import gc
 import os
@@ -24,6 +26,7 @@ from dualmode import communication, nn, ops
 from dualmode.parallel import CommReport
 from dualmode.parallel.pipeline import parameter_stage
 from dualmode.parallel.report import parameter_bytes_per_device
+from dualmode.train.serialization import sliced_path
 
 B, D, STEPS = 16, 8, 3
 
@@ -115,15 +118,25 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False,
             weights.setdefault(k, []).extend(p.asnumpy().copy()
                                              for p in block.trainable_params()
                                              if not (tied and p is net.blocks[0].w and k))
-    refused = 0
+    reloaded = 0
     if ckpt is not None:                    # every stage's trained weights, one file
         dm.save_checkpoint(net, ckpt)
-        if stage is not None:               # per-rank files are refused, by name
-            try:
-                dm.save_checkpoint(net, ckpt + ".sliced", integrated_save=False)
-            except RuntimeError as e:
-                refused = int("integrated_save=False with one pipeline stage per process"
-                              in str(e))
+        # one file per rank (rank_<r>/sliced.ckpt): its stage's weights and their
+        # optimizer states, as this rank's slices
+        sliced = os.path.join(os.path.dirname(ckpt), "sliced.ckpt")
+        dm.save_checkpoint([net, opt], sliced, integrated_save=False)
+        if stage is not None:               # this rank's file loads back into it
+            own = dm.load_checkpoint(sliced_path(sliced, communication.get_rank()))
+            mine = [p for p in params if parameter_stage(p) == stage]
+            held = [p for p in mine if p.name in own]
+            saved = {p.name: np.array(p._data) for p in held}
+            for p in held:
+                p._data[...] = 0
+            dm.load_param_into_net(net, own)
+            reloaded = int(len(held) == len(mine) > 0 and all(
+                np.array_equal(np.asarray(p._data), saved[p.name]) for p in held)
+                and not any(p.name in own for p in params
+                            if parameter_stage(p) != stage))
     # the other stages' weights this rank holds (under "mpi"): changed ones
     changed = sum(not np.array_equal(p.asnumpy(), w0) for p, w0 in zip(params, initial)
                   if stage is not None and parameter_stage(p) != stage)
@@ -132,7 +145,7 @@ def train(stages, micro, scheduler, optimizer, shard, devices=None, tied=False,
     counts = (report.count("Send", "pipeline"), report.count("Receive", "pipeline"),
               report.bytes("Send"), last.parameter_memory - before, changed,
               last.count(reason="gradient"), last.count(reason="parallel_optimizer"),
-              refused)
+              reloaded)
     return np.array(losses), weights, counts
 
 
