@@ -31,10 +31,11 @@ import numpy as np
 
 from .. import context
 from .._core import _tensor as _core
+from .._core._dp import TOTALS
 from .._core._tensor import TensorBase
 from ..autograd import _zeros_like_meta
 from ..communication.sim import replicated_view
-from ..communication.totals import stored
+from ..communication.totals import DeferredShares, as_stack, known_totals, stored
 from ..communication.trace import comm_cause
 from ..ops._math import ADD, MUL
 from ..ops._registry import register, same_as_input
@@ -714,7 +715,7 @@ class PipelineRun:
                 x = leaf
             ins.append(x)
         self._leaves = (tape, slots)
-        acc = []
+        acc, owned = [], set()          # the sums so far; the slots whose sum is ours
         try:
             lent = {}
             for d, attr, p in self._lent:     # weights lent to later stages' cells
@@ -758,16 +759,16 @@ class PipelineRun:
                     root = self._sent_root(self.sent[a:b])
                 else:
                     continue
-                _add_to(acc, _backward(root, tape, self._leaves[1]))
+                _add_to(acc, _backward(root, tape, self._leaves[1]), owned)
                 del out, root
                 self.sent[a:b] = [None] * (b - a)       # "mpi": dropped once sent back
             for y, leaf in self._shared:                 # the weights moved, once
                 g = acc[leaf._node.slot] if leaf._node.slot < len(acc) else None
                 if g is not None:
-                    _add_to(acc, _backward(y, tape, self._leaves[1], g))
+                    _add_to(acc, _backward(y, tape, self._leaves[1], g), owned)
             if self.here is not None and self._weights_sent:   # "mpi": their gradients
                 _add_to(acc, _backward(self._sent_root(self._weights_sent), tape,
-                                       self._leaves[1]))
+                                       self._leaves[1]), owned)
         finally:
             for p, node in zip(weights, saved):
                 p._node = node
@@ -863,12 +864,48 @@ def _backward(root, tape, slots, seed=None):
     return _core.run_backward((root,), (seed,), tape, slots, ADD, _zeros_like_meta)
 
 
-def _add_to(acc, grads):
+def _add_to(acc, grads, owned):
+    """Add each micro-batch's gradients `grads` (per leaf slot) to the sums `acc`: the
+    first as it comes, the second with the Add op (into a new buffer, whatever the two
+    layouts), each later one into that buffer in place (:func:`_add_in_place`). `owned`
+    holds the slots whose sum is such a buffer, which nothing else has read."""
     acc += [None] * (len(grads) - len(acc))
     with _core.paused_recording():
         for i, g in enumerate(grads):
-            if g is not None:
-                acc[i] = g if acc[i] is None else _core.apply(ADD, None, (acc[i], g))
+            if g is None:
+                continue
+            a = acc[i]
+            if a is None:
+                acc[i] = g
+            elif i not in owned or not _add_in_place(a, g):
+                acc[i] = _core.apply(ADD, None, (a, g))
+                owned.add(i)
+
+
+def _add_in_place(a, g) -> bool:
+    """``a += g`` in `a`'s own storage (a sum :func:`_add_to` made, not read since) when
+    both are stored alike: as equal shares of pending sums whose totals are known (the
+    totals added), or as written stacks (values) in one layout. False: nothing done."""
+    if a._layout != g._layout or a.dtype != g.dtype or a.shape != g.shape:
+        return False
+    sa, sg = stored(a), stored(g)
+    if type(sa) is DeferredShares:
+        tg = known_totals(sg, sa.device_matrix, sa.axes)
+        t = sa.totals
+        if tg is None or tg.shape != t.shape or (t.base is not None
+                                                 and not t.base.flags.writeable):
+            return False
+        t.flags.writeable = True              # made read-only when shared; it is not
+        np.add(t, tg, out=t)
+        t.flags.writeable = False
+        return True
+    if type(sa) is not np.ndarray or not sa.flags.writeable or id(sa) in TOTALS:
+        return False                          # a stride-0 view, or totals remembered
+    sg = as_stack(sg)
+    if sg.shape != sa.shape:
+        return False
+    np.add(sa, sg, out=sa)
+    return True
 
 
 #: the number of stages while a dry run traces a pipelined step (None otherwise): then
