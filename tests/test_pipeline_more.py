@@ -149,8 +149,9 @@ def test_per_rank_checkpoint_of_a_pipeline_on_simulated_devices(tmp_path):
     optimizer states as their slices over its 4 devices, ranks 4-7 the second's (the
     tied table only with the first stage, whose weight it is); merged, and loaded into a
     network of another layout, they are the weights one device trains."""
-    from dualmode.train.reshard import load_distributed_checkpoint, merge_sliced_checkpoints
-    from dualmode.train.safetensors_io import CheckpointFile
+    from dualmode.train.reshard import (load_distributed_checkpoint, merge_sliced_checkpoints,
+                                        transform_checkpoints)
+    from dualmode.train.safetensors_io import CheckpointError, CheckpointFile
     from dualmode.train.serialization import sliced_path
 
     cfg = GPTConfig(dp=2, mp=2, pp=2, micro_size=2)
@@ -186,6 +187,17 @@ def test_per_rank_checkpoint_of_a_pipeline_on_simulated_devices(tmp_path):
     for name, want in ref_w.items():
         np.testing.assert_allclose(merged[name].asnumpy(), want, rtol=1e-4, atol=1e-6,
                                    err_msg=name)
+    transform_checkpoints(str(tmp_path), str(tmp_path / "whole"))   # the same, offline
+    whole = dm.load_checkpoint(str(tmp_path / "whole" / "gpt.ckpt"))
+    assert set(whole) == set(merged)
+    for name in merged:
+        np.testing.assert_array_equal(whole[name].asnumpy(), merged[name].asnumpy())
+    # the files of one stage only, or one file short: refused by name, nothing written
+    for given, match in [(files[:4], "holds pipeline stage 0 of 2"),
+                         (files[:7], "run of 2 pipeline stages, but 7 files")]:
+        with pytest.raises(CheckpointError, match=match):
+            merge_sliced_checkpoints(given, None, str(tmp_path / "bad.ckpt"))
+        assert not os.path.exists(tmp_path / "bad.ckpt")
     # into one device's network, read from the per-rank files directly
     dm.reset_auto_parallel_context()
     communication.init()
