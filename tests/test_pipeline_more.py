@@ -103,7 +103,9 @@ def test_gradient_layout_keeps_the_sent_pieces_without_communication():
     assert gradient_layout(None, whole_dp) is whole_dp
     whole = TensorLayout(dm_, ((), ()), shape)
     assert gradient_layout(whole, whole_dp) is whole_dp
-    assert gradient_layout(rows, None) is None
+    # a whole value on every device (no layout): each keeps its rows
+    assert gradient_layout(rows, None) == rows
+    assert gradient_layout(whole, None) is None
 
 
 def test_a_stage_boundary_copies_no_activation():
@@ -253,3 +255,40 @@ def test_micro_batch_gradients_add_in_place_and_equal_one_device(monkeypatch):
     assert calls == 0
     # 2 steps x 2 later micro-batches x every weight (each stage's own)
     assert sum(done) >= 2 * 2 * weights
+
+
+def test_tied_table_gradient_in_slices_under_mpi(tmp_path):
+    """The GPT (mp 2 x pp 2) on 4 real ranks, 2 micro-batches: every rank's losses and
+    its stage's weights equal the simulated run's, and the table goes to the head and
+    its gradient comes back as each rank's half of it (32 x 32 floats), once a step;
+    the activations' transfers are as on simulated devices."""
+    from _mpi import load_mpi_script, run_mpi_script
+
+    run_mpi_script("pipeline_gpt.py", [tmp_path], tmp_path, ranks=4, timeout=300)
+    mod = load_mpi_script("pipeline_gpt.py")
+    try:
+        ref_losses, ref_weights, ref_sends = mod.train(devices=4)
+    finally:
+        dm.reset_auto_parallel_context()
+        communication.init()
+    half_table = (64 // 2) * 32 * 4
+    act = (8 // 2) * 8 * 32 * 4                 # 4 sequences of 8 tokens, hidden 32
+    # simulated devices record every stage's Sends: per micro-batch the activation on
+    # and its gradient back, once the table on and its gradient back
+    assert sorted(ref_sends) == sorted([("blocks.1", act)] * 4 + [("head", half_table)] * 2)
+    mine = {0: [], 1: []}
+    for rank in range(4):
+        data = np.load(tmp_path / f"rank{rank}.npz", allow_pickle=False)
+        stage = int(data["stage"])
+        assert stage == rank // 2
+        np.testing.assert_allclose(data["losses"], ref_losses, rtol=1e-5)
+        want = ref_weights[stage]
+        assert sorted(data["names"]) == sorted(want)
+        for name, w in want.items():
+            np.testing.assert_allclose(data[f"w_{name}"], w, rtol=1e-4, atol=1e-6,
+                                       err_msg=name)
+        sends = sorted(zip(data["send_cells"].tolist(), data["send_bytes"].tolist()))
+        mine[stage].append(sends)
+    # stage 0 sends the activations and the table; stage 1 the gradients of both
+    assert mine[0] == [sorted([("blocks.1", act)] * 2 + [("head", half_table)])] * 2
+    assert mine[1] == mine[0]

@@ -467,13 +467,17 @@ def _stack(x, n):
 def gradient_layout(sent, grad):
     """The layout in which the gradient of a value that crossed a stage boundary in
     layout `sent` goes back, when it arrives in layout `grad`: `sent`'s pieces with
-    `grad`'s pending sums (each device keeps the part of its share that its device of
-    the other stage holds, without communication), when that is smaller than `grad`'s;
-    else `grad`. A weight sent to a later stage as its slices (a tied embedding table
-    split over the vocabulary) thus has its gradient sent back as those slices, not
-    whole as the later stage's product makes it."""
-    if not isinstance(sent, TensorLayout) or not isinstance(grad, TensorLayout) \
-            or sent.partial or sent == grad or sent.shape != grad.shape \
+    `grad`'s pending sums (each device keeps the part of its share, or of the whole
+    value when `grad` is None, that its device of the other stage holds, without
+    communication), when that is smaller than `grad`'s; else `grad`. A weight sent to a
+    later stage as its slices (a tied embedding table split over the vocabulary) thus
+    has its gradient sent back as those slices, not whole as the later stage's product
+    makes it."""
+    if not isinstance(sent, TensorLayout) or sent.partial:
+        return grad
+    if grad is None:            # a whole value on every device: each keeps its piece
+        return sent if math.prod(sent.local_shape) < math.prod(sent.shape) else grad
+    if not isinstance(grad, TensorLayout) or sent == grad or sent.shape != grad.shape \
             or sent.device_matrix != grad.device_matrix \
             or set(sent.split_axes) & set(grad.partial):
         return grad
@@ -491,6 +495,8 @@ def _in_sent_pieces(g, sent, name):
     want = gradient_layout(sent, lay)
     if want is lay:
         return g
+    if lay is None:                           # this process's blocks of the whole value
+        return _core.wrap_dist(redistribute_tensor(g, want, name, "pipeline"), want)
     return _core.wrap_dist(move_stack(stored(g), lay, want, name, "pipeline"), want)
 
 
