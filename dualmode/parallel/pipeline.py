@@ -898,10 +898,12 @@ def _add_in_place(a, g) -> bool:
     if type(sa) is DeferredShares:
         tg = known_totals(sg, sa.device_matrix, sa.axes)
         t = sa.totals
-        if tg is None or tg.shape != t.shape or (t.base is not None
-                                                 and not t.base.flags.writeable):
+        if tg is None or tg.shape != t.shape:
             return False
-        t.flags.writeable = True              # made read-only when shared; it is not
+        try:
+            t.flags.writeable = True          # made read-only when shared; it is not
+        except ValueError:                    # a view of memory it may not write
+            return False
         np.add(t, tg, out=t)
         t.flags.writeable = False
         return True
