@@ -811,10 +811,11 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         with the earlier setting; ``"gradient_accumulation_shard"`` accepts False only.
         ``optimizer_weight_shard_size=n`` at the top level is MindSpore's older place of
         the same setting.
-    pipeline_stages, ... : default only
-        MindSpore keys dualmode does not implement (pipeline parallelism, ...): their
-        default value (``1``, ...) is accepted, any other raises ValueError naming the
-        key; never silently ignored.
+    auto_pipeline, gradient_fp32_sync, loss_repeated_mean : default only
+        MindSpore keys dualmode does not implement (automatic stage assignment, fp16
+        gradient AllReduce, ``loss_repeated_mean=False``): their default value
+        (``False``, ``True``, ``True``) is accepted, any other raises ValueError naming
+        the key; never silently ignored.
 
     Raises
     ------
