@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import context
 from ..parallel.devices import live_backend as _live_backend
-from ..parallel.inputs import RANK_SHARDS, rank_rows
+from ..parallel.inputs import RANK_SHARDS, gathered_counts, rank_rows
 from ..tensor import Tensor
 from ._checks import check_bool, is_int
 from ._rows import Row, owned
@@ -100,6 +100,40 @@ def _sim_shard_clones(dataset):
     return [_clone_for_shard(dataset, d) for d in range(n)]
 
 
+def _batch_plan(dataset):
+    """``(batch_size, full batches, rows of the short last batch)`` of one epoch of
+    `dataset` when its last stage is ``batch`` over rows it can count, else
+    ``(-1, -1, -1)``."""
+    if hasattr(dataset, "batch_size") and hasattr(dataset, "drop_remainder"):
+        try:
+            rows = int(dataset._children[0]._num_rows())
+        except Exception:            # a source that cannot count its rows up front
+            rows = -1
+        if rows >= 0:
+            q, r = divmod(rows, dataset.batch_size)
+            return dataset.batch_size, q, 0 if dataset.drop_remainder else r
+    return -1, -1, -1
+
+
+def _rank_plans(dataset):
+    """Every rank's :func:`_batch_plan`, ``(ranks, 3)`` (gathered once per plan, so
+    every epoch's batch sizes on every rank are known without a collective per batch),
+    or None when some rank's data set cannot tell its batch sizes up front. ValueError
+    when the ranks' epochs have different numbers of batches (a rank would wait for the
+    others in a step they never take)."""
+    plans = gathered_counts(_batch_plan(dataset))
+    if (plans < 0).any():
+        return None
+    steps = plans[:, 1] + (plans[:, 2] > 0)
+    if (steps != steps[0]).any():
+        each = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(steps))
+        raise ValueError(
+            f"data set read per rank: the ranks' epochs have different numbers of batches "
+            f"({each}); every rank must take the same steps: give every rank the same "
+            f"number of batches (equal rows per rank, or drop_remainder=True)")
+    return plans
+
+
 def _concat_rows(rows) -> Row:
     """The rows of the devices' batches, column by column, concatenated in device order."""
     return tuple(np.concatenate(cols, axis=0) if np.ndim(cols[0]) else np.stack(cols)
@@ -128,6 +162,8 @@ class _EpochIterator:
         self._rank_shards = None if self._output_numpy else _rank_shard_set(dataset)
         self._device_shards = _sim_shard_clones(dataset)
         self._as_rank_rows = False
+        self._batch_at = 0               # batches of the current epoch taken so far
+        self._plans = None               # every rank's batch plan (see _rank_counts)
         if self._rank_shards is not None:
             cfg = context._STATE.auto_parallel
             if cfg.parallel_mode != "stand_alone" and cfg.dataset_strategy == "data_parallel" \
@@ -143,24 +179,54 @@ class _EpochIterator:
             if self._num_epochs != -1 and self._epochs_done >= self._num_epochs:
                 raise StopIteration
             key = self._dataset._next_key()
+            self._batch_at = 0
             if self._device_shards is None:
                 self._rows = self._dataset._rows(key)
             else:               # device d's batch from shard d, as rank d reads it
                 self._rows = map(_concat_rows,
                                  zip(*(c._rows(key) for c in self._device_shards)))
         try:
-            return next(self._rows)
+            row = next(self._rows)
+            self._batch_at += 1
+            return row
         except StopIteration:
             self._rows = None
             self._epochs_done += 1
             raise
 
-    def _convert(self, arr: np.ndarray) -> Any:
+    def _rank_counts(self, row: Row):
+        """Every rank's row count of this batch (rank order), from the ranks' batch plans
+        gathered at the first batch (no collective per batch); None when some rank's
+        data set cannot tell its batch sizes up front (then each column's batch is
+        checked by its row count, gathered once per new count)."""
+        local = next((a.shape[0] for a in row if np.ndim(a) and a.dtype.kind not in "OSUV"),
+                     None)
+        if local is None:
+            return None
+        if self._plans is None:
+            self._plans = _rank_plans(self._dataset)
+            if self._plans is None:
+                self._plans = False
+        if self._plans is False:
+            return None
+        plans = self._plans
+        counts = np.where(self._batch_at - 1 < plans[:, 1], plans[:, 0], plans[:, 2])
+        rank = _live_backend().local_ranks[0]
+        if counts[rank] != local:
+            # this rank's data set broke its own plan; the job must end (an error here
+            # aborts every rank), never wait for a batch the others do not expect
+            raise RuntimeError(
+                f"data set read per rank: batch {self._batch_at} of the epoch has {local} "
+                f"rows on rank {rank}, where its batch_size and rows promised "
+                f"{int(counts[rank])}")
+        return counts
+
+    def _convert(self, arr: np.ndarray, name: str = "", counts=None) -> Any:
         arr = owned(arr)
         if self._output_numpy:
             return arr
         if self._as_rank_rows and arr.ndim and arr.dtype.kind not in "OSUV":
-            return rank_rows(arr)
+            return rank_rows(arr, f"data set column {name!r}", counts)
         t = _to_tensor(arr)
         if self._rank_shards is not None and not isinstance(t, np.ndarray):
             self._rank_shards[id(t)] = t
@@ -176,7 +242,7 @@ class TupleIterator(_EpochIterator):
     def __init__(self, dataset, columns: Optional[Sequence[str]] = None, num_epochs: int = -1,
                  output_numpy: bool = False):
         super().__init__(dataset, num_epochs, output_numpy)
-        names = dataset.get_col_names()
+        names = self._names = dataset.get_col_names()
         if columns is None:
             self._select: Optional[Tuple[int, ...]] = None
         else:
@@ -189,9 +255,12 @@ class TupleIterator(_EpochIterator):
 
     def __next__(self) -> Tuple[Any, ...]:
         row = self._next_row()
+        counts = self._rank_counts(row) if self._as_rank_rows else None
+        names = self._names
         if self._select is not None:
             row = tuple(row[i] for i in self._select)
-        return tuple(self._convert(a) for a in row)
+            names = [names[i] for i in self._select]
+        return tuple(self._convert(a, n, counts) for a, n in zip(row, names))
 
 
 class DictIterator(_EpochIterator):
@@ -205,4 +274,5 @@ class DictIterator(_EpochIterator):
 
     def __next__(self) -> Dict[str, Any]:
         row = self._next_row()
-        return {n: self._convert(a) for n, a in zip(self._names, row)}
+        counts = self._rank_counts(row) if self._as_rank_rows else None
+        return {n: self._convert(a, n, counts) for n, a in zip(self._names, row)}

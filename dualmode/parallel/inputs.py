@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
+
 from .. import context
 from .._core import _tensor as _core
 from .._core._tensor import TensorBase
 from ..tensor import Parameter
-from .devices import device_num, some_devices
+from .devices import backend, device_num, some_devices
 from .dtensor import distribute, moved
 from .moves import remember_blocks
 from .tensor_layout import TensorLayout
 
-__all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows"]
+__all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows", "gathered_counts", "check_rank_rows"]
 
 #: Tensors a data set made from this rank's own shard (``num_shards`` = the MPI world,
 #: ``shard_id`` = this rank): a network takes them as its local rows of the batch.
@@ -21,15 +23,84 @@ __all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows"]
 RANK_SHARDS = weakref.WeakValueDictionary()
 
 
-def rank_rows(arr):
+#: per live backend: a tuple of this rank's ints -> every rank's tuple, (ranks, len) int64
+#: (see gathered_counts)
+_GATHERED = weakref.WeakKeyDictionary()
+
+
+def gathered_counts(local):
+    """Every rank's `local` (a tuple of ints: a batch's row count, or a data set's batch
+    plan) as a read-only ``(ranks, len(local))`` int64 array, in rank order: one AllGather
+    over the world the first time this rank has this value, then cached, so a training
+    loop whose batches keep their shape makes no collective for it. Every rank must
+    call it at the same points with values it has, or has not, had alike (as every
+    rank's batches change size at the same steps); an observation, not recorded in
+    CommReport."""
+    b = backend()
+    cache = _GATHERED.setdefault(b, {})
+    got = cache.get(local)
+    if got is None:
+        got = b.world_stack(np.asarray([local], np.int64))
+        got.flags.writeable = False
+        cache[local] = got
+    return got
+
+
+def check_rank_rows(counts, what):
+    """The rows of the global batch whose pieces, one per rank in rank order, have the
+    row `counts` (one per rank): their total when they are equal or numpy.array_split's
+    pieces of it (the first ``total % ranks`` ranks one row more), which the batch split
+    of the total holds exactly; else a ValueError naming `what`, every rank's count and
+    what is valid. Every rank gets the same answer from the same counts."""
+    counts = [int(c) for c in counts]
+    n, total = len(counts), sum(counts)
+    want = [total // n + (r < total % n) for r in range(n)]
+    if counts == want and total >= n:
+        return total
+    each = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+    if counts == want:
+        problem = f"the global batch of {total} rows leaves some ranks no row"
+    else:
+        problem = (f"that is not how {total} rows split over {n} ranks (numpy.array_split's "
+                   f"pieces in rank order: {want}, the first ranks one row longer)")
+    raise ValueError(
+        f"{what}: the ranks' batches have unequal row counts ({each}); under "
+        f"dataset_strategy='data_parallel' each rank's batch is its piece of one global "
+        f"batch, and {problem}; give the ranks batches of equal size or array_split's "
+        f"pieces of the global batch in rank order (pad or drop rows, e.g. "
+        f"batch(..., drop_remainder=True)), or, when every rank reads the same whole "
+        f"batch, set_auto_parallel_context(full_batch=True)")
+
+
+def _rank_piece(arr, what, counts=None):
+    """`arr` (this rank's rows) as one rank's piece of the global batch: ``(stack,
+    layout)``, the stack padded with zero rows to the layout's slot when the ranks'
+    pieces are array_split's unequal ones. `counts` (every rank's rows) is gathered when
+    not given."""
+    n = device_num()
+    rows = arr.shape[0]
+    if counts is None:
+        counts = gathered_counts((rows,))[:, 0]
+    total = check_rank_rows(counts, what)
+    layout = TensorLayout.batch_split((total,) + tuple(arr.shape[1:]), n)
+    slot = layout.local_shape[0]
+    if slot == rows:
+        return arr[None], layout
+    stack = np.zeros((1, slot) + tuple(arr.shape[1:]), arr.dtype)
+    stack[0, :rows] = arr
+    return stack, layout
+
+
+def rank_rows(arr, what="data set column", counts=None):
     """A batch-split Tensor whose local rows are `arr`, this rank's batch of a data set
     sharded per rank: the global batch is the ranks' batches concatenated in rank order
     (one device per process), exactly what the one-process simulation builds from the
     devices' shards. Every column of the data set (features, labels) gets this layout,
-    so they meet in any op, inside a network or not."""
-    n = device_num()
-    layout = TensorLayout.batch_split((arr.shape[0] * n,) + tuple(arr.shape[1:]), n)
-    return _core.wrap_dist(arr[None], layout)
+    so they meet in any op, inside a network or not. The ranks' row counts (`counts`,
+    gathered once per new local count when not given) must be equal or array_split's
+    pieces of their total (:func:`check_rank_rows`, which names `what` when not)."""
+    stack, layout = _rank_piece(arr, what, counts)
+    return _core.wrap_dist(stack, layout)
 
 
 def distribute_inputs(args):
@@ -50,9 +121,9 @@ def distribute_inputs(args):
         shape = tuple(a.shape)
         if strategy == "data_parallel" and RANK_SHARDS.get(id(a)) is a and some_devices():
             # this rank's own shard of the data set (num_shards = ranks): it IS the local
-            # rows of a global batch n times as large
-            layout = TensorLayout.batch_split((shape[0] * n,) + shape[1:], n)
-            out.append(moved(a, a._value()[None], layout))
+            # rows of the global batch (the ranks' rows in rank order)
+            stack, layout = _rank_piece(a._value(), f"input {i} (this rank's data set rows)")
+            out.append(moved(a, stack, layout))
             k += 1
             continue
         layout = input_layout(i, shape, k, strategy, n)
