@@ -54,6 +54,8 @@ _STATE_PERIOD = 0.25
 #: parameter server workers' joining into one world)
 _COLLECTIVE_FILES = (os.sep + os.path.join("communication", "mpi.py"),
                      os.sep + os.path.join("ps", "workers_world.py"))
+#: the name of the backend's wait loop (``MPIBackend._complete`` in communication/mpi.py)
+_WAIT_LOOP = "_complete"
 #: a parameter server worker's id, set by ``dualmode.run --ps`` for the worker's own
 #: one-rank MPI job (its rank among the workers instead of its MPI rank)
 PS_WORKER_VAR = RANK_VAR
@@ -186,6 +188,12 @@ class _StateWriter:
         top = True
         while frame is not None:
             code = frame.f_code
+            if code.co_name == _WAIT_LOOP and code.co_filename.endswith(_COLLECTIVE_FILES):
+                # the backend's wait loop polls (its lines change): it and what it calls
+                # are not progress; the collective that waits is its caller
+                sig, in_coll, where, top = [], False, "?", True
+                frame = frame.f_back
+                continue
             sig.append((id(code), frame.f_lineno))
             if top:
                 where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"

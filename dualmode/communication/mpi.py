@@ -6,7 +6,10 @@ device, its own rank, so a stack has shape ``(1, *buffer shape)`` and
 ``local_ranks == (rank,)``.
 
 Every collective is one MPI collective on the raw, contiguous numpy buffer of this rank
-(the capital-letter mpi4py methods; nothing is pickled):
+(the capital-letter mpi4py methods; nothing is pickled), in its non-blocking form
+(``Iallreduce`` for ``Allreduce``, ``Ibarrier`` for ``Barrier``, ...) completed by
+:meth:`MPIBackend._complete`, a wait limited to ``DUALMODE_COMM_TIMEOUT`` seconds
+(:func:`comm_timeout`; default 1800, ``0``/``none`` forever):
 
 ============== ===========================================================
 collective     MPI call (on the group's sub-communicator)
@@ -50,6 +53,15 @@ environment variables ``RANK_SIZE``, ``RANK_ID``, ``DEVICE_ID`` and ``RANK_TABLE
 (when set) must agree with the MPI world. A rank whose script raises an uncaught
 exception aborts the whole job (``MPI.COMM_WORLD.Abort``) after printing its traceback,
 so the other ranks never wait forever in a collective.
+
+Waits: a rank that never arrives (it skipped a collective in a branch on the rank, a
+pipeline stage that never sends) makes the others' wait end after the limit with a
+RuntimeError naming the collective, its group's world ranks (or the peer and its
+pipeline stage), this rank, the op it ran for (:func:`trace.current_cause`) and the
+seconds waited; uncaught, it aborts the job as above. Blocking calls every member makes
+that have no non-blocking form (``Comm.Split``, ``Split_type``, shared windows) are
+preceded by a timed ``Ibarrier``; ``init()``'s first one waits at least 120 s (ranks
+start at different times).
 """
 from __future__ import annotations
 
@@ -63,6 +75,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .._core import _comm
+from . import trace
 from .backend import (Backend, _gathered, _parted, _split_shape, fusion_offsets,
                       register_backend)
 from .groups import GroupPlan
@@ -77,6 +90,18 @@ _LAUNCH_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _MAX_DEVICE_NUM = 4096
 _FUSION_POOL = 8       # fusion buffers kept for reuse (MPIBackend._fusion_buffer)
 _POOL_ONLY = 2         # sys.getrefcount(pool[k]) of a buffer only the pool holds
+#: environment variable: seconds any wait of the backend may last (see comm_timeout)
+TIMEOUT_VAR = "DUALMODE_COMM_TIMEOUT"
+DEFAULT_TIMEOUT = 1800.0
+#: seconds init() waits at least for every rank to start (their imports and set-up take
+#: different times; as MindSpore's HCCL_CONNECT_TIMEOUT beside HCCL_EXEC_TIMEOUT)
+_START_TIMEOUT = 120.0
+_YIELD_FOR = 0.05      # seconds of Test + sched_yield before a wait starts to sleep
+_NAP_MIN, _NAP_MAX = 1e-4, 1e-3    # its sleeps then: growing from _NAP_MIN to _NAP_MAX
+#: the collective a barrier of node shared memory belongs to, by the method that runs it
+_SHARED_KINDS = {"_shared_all_reduce": "fused AllReduce",
+                 "_shared_reduce_scatter": "fused ReduceScatter",
+                 "_shared_all_gather": "fused AllGather"}
 
 
 def load_mpi():
@@ -200,6 +225,29 @@ def _env_int(name: str, low: int, high: int) -> Optional[int]:
     return value
 
 
+def comm_timeout(environ=None) -> Optional[float]:
+    """The seconds a wait of the backend may last, from the environment variable
+    ``DUALMODE_COMM_TIMEOUT`` (a float; default 1800), or None (``0``, ``none`` or
+    ``inf``: wait forever). ValueError naming the variable for a negative value or one
+    that is not a number."""
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_VAR)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_TIMEOUT
+    text = raw.strip().lower()
+    if text == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:               # negative, or not a number (nan)
+        raise ValueError(f"init: environment variable {TIMEOUT_VAR}={raw!r} is not valid; "
+                         f"expected the seconds an MPI collective or receive may wait, a "
+                         f"number >= 0 (0 or 'none': wait forever; unset: "
+                         f"{DEFAULT_TIMEOUT:g})")
+    return None if value == 0 or value == float("inf") else value
+
+
 def _install_abort_hook(mpi) -> None:
     """Make an uncaught exception print its traceback, then abort the whole job."""
     previous = sys.excepthook
@@ -273,6 +321,25 @@ class _NodeWindows:
         self.wins, self.rows = [], []
 
 
+class _Arrival:
+    """A pickled message from ``src`` with ``tag`` on ``comm``, as a request: ``Test()``
+    is True once it has arrived (a matched probe), then ``message`` receives it."""
+
+    __slots__ = ("comm", "src", "tag", "message")
+
+    def __init__(self, comm, src: int, tag: int):
+        self.comm, self.src, self.tag, self.message = comm, src, tag, None
+
+    def Test(self) -> bool:                                   # noqa: N802 -- mpi4py's name
+        if self.message is None:
+            self.message = self.comm.improbe(source=self.src, tag=self.tag)
+        return self.message is not None
+
+    def Wait(self) -> None:                                   # noqa: N802
+        if self.message is None:
+            self.message = self.comm.mprobe(source=self.src, tag=self.tag)
+
+
 # ---------------------------------------------------------------------- backend
 
 
@@ -297,6 +364,11 @@ class MPIBackend(Backend):
     mpi_calls : dict
         How many times each MPI function was called by this backend (for tests and
         benchmarks: a fused bucket is one ``Allreduce``).
+    timeout : float or None
+        The seconds any collective, receive or barrier of this backend may wait for the
+        other ranks (``DUALMODE_COMM_TIMEOUT``, read at construction; None: forever).
+        Past it the wait raises a RuntimeError that names the collective, its ranks,
+        this rank and the op it was run for.
     """
 
     name = "mpi"
@@ -309,6 +381,9 @@ class MPIBackend(Backend):
         size, rank = self._comm.Get_size(), self._comm.Get_rank()
         if _stage_of is None:        # a pipeline stage's view: its world was checked
             self._check_environment(device_num, size, rank)
+            self.timeout = comm_timeout()
+        else:
+            self.timeout = _stage_of.timeout
         super().__init__(size, (rank,))
         self._rank = rank
         self._calls: Counter = Counter()
@@ -360,19 +435,22 @@ class MPIBackend(Backend):
         mpi = self._mpi
         if self.world_size == 1:
             return np.zeros(1, dtype=np.int64)
+        self._arrive(self._comm, "init (every rank's init())", _START_TIMEOUT)
         node = self._comm.Split_type(mpi.COMM_TYPE_SHARED, key=self._rank)
         mine = np.array([self._rank], dtype=np.int64)
         leader = np.empty(1, dtype=np.int64)
-        node.Allreduce(mine, leader, op=mpi.MIN)
+        self._complete(node.Iallreduce(mine, leader, op=mpi.MIN), "init (AllReduce)", node)
         node.Free()
         ids = np.empty(self.world_size, dtype=np.int64)
-        self._comm.Allgather(leader, ids)
+        self._complete(self._comm.Iallgather(leader, ids), "init (AllGather)", self._comm)
         self._calls.update(("Comm_split_type", "Allreduce", "Allgather"))
         return ids
 
     def close(self) -> None:
         """Free the shared fusion windows and the cached sub-communicators (collective:
         every rank calls it) and drop the fusion-buffer pool."""
+        if self.world_size > 1:
+            self._arrive(self._comm, "close (freeing shared memory and communicators)")
         for view in self.__dict__.pop("_stage_views", {}).values():
             view.wait_sends()
             view.close()
@@ -399,7 +477,107 @@ class MPIBackend(Backend):
 
     def barrier(self) -> None:
         self._calls["Barrier"] += 1
-        self._comm.Barrier()
+        self._complete(self._comm.Ibarrier(), "Barrier", self._comm)
+
+    # ------------------------------------------------------------ waits
+
+    def _complete(self, req, kind: Optional[str], comm, peer: Optional[int] = None,
+                  tag: Optional[int] = None, at_least: float = 0.0) -> None:
+        """Wait for ``req`` (an mpi4py request, or a list of them) to complete, at most
+        :attr:`timeout` seconds; on expiry a RuntimeError (:meth:`_timeout_error`) for
+        the collective ``kind`` on ``comm`` (or the point-to-point message with world
+        rank ``peer``; ``kind`` None: the fused collective whose barrier of node shared
+        memory this is). ``at_least``: seconds to wait at least, whatever the timeout.
+
+        The wait tests the request (which also drives MPI's progress) in a loop,
+        yielding the core between tests for the first ``_YIELD_FOR`` seconds (as MPICH's
+        own blocking waits do: a hot collective ends as fast as a blocking call, and a
+        rank sharing a core with its peer lets it run), then sleeping between tests,
+        from ``_NAP_MIN`` growing to ``_NAP_MAX`` seconds, until the deadline. Its lines
+        change while it polls; the launcher's progress watch skips this frame."""
+        many = isinstance(req, list)
+        test = (lambda: self._mpi.Request.Testall(req)) if many else req.Test
+        if test():
+            return
+        timeout = self.timeout
+        if timeout is not None and timeout < at_least:
+            timeout = at_least
+        if timeout is None:
+            if many:
+                self._mpi.Request.Waitall(req)
+            else:
+                req.Wait()
+            return
+        pause = os.sched_yield
+        now = start = time.monotonic()
+        deadline = start + timeout
+        until = min(start + _YIELD_FOR, deadline)
+        while now < until:
+            pause()
+            if test():
+                return
+            now = time.monotonic()
+        nap = _NAP_MIN
+        while now < deadline:
+            time.sleep(min(nap, deadline - now))
+            if test():
+                return
+            nap = min(nap * 1.5, _NAP_MAX)
+            now = time.monotonic()
+        raise self._timeout_error(kind, comm, now - start, peer, tag, at_least)
+
+    def _world_rank_of(self) -> Tuple[object, int]:
+        """The job's world communicator (a pipeline stage's view: its world's) and this
+        process's rank in it."""
+        world = self.world._comm if self.world is not None else self._comm
+        return world, world.Get_rank()
+
+    def _timeout_error(self, kind: Optional[str], comm, waited: float, peer: Optional[int],
+                       tag: Optional[int], at_least: float = 0.0) -> RuntimeError:
+        """The error of a wait that outlasted :attr:`timeout` (see :meth:`_complete`)."""
+        world, me = self._world_rank_of()
+        frame = sys._getframe(1)
+        while kind is None and frame is not None:      # a barrier of a shared collective
+            kind = _SHARED_KINDS.get(frame.f_code.co_name)
+            frame = frame.f_back
+        kind = kind or "Barrier"
+        op, reason = trace.current_cause()
+        cause = f" for {op} ({reason})" if op else ("" if reason == "user" else f" ({reason})")
+        limit = (f"The limit is {TIMEOUT_VAR}={self.timeout:g} seconds; set that environment "
+                 "variable higher, or to 0 or 'none' to wait forever.")
+        if at_least > self.timeout:
+            limit = (f"The limit is {at_least:g} seconds here (more than {TIMEOUT_VAR}="
+                     f"{self.timeout:g}: ranks start at different times); set that "
+                     "environment variable higher, or to 0 or 'none' to wait forever.")
+        if peer is not None:
+            what = f" (tag {tag})" if tag is not None else ""
+            stage = (f" (pipeline stage {peer // self.world_size})"
+                     if self.world is not None else "")
+            if kind == "Send":
+                gone = (f"rank {peer} has not received it (it runs another schedule, is "
+                        "stuck elsewhere, or died)")
+                where = f"to rank {peer}{stage}"
+            else:
+                gone = (f"rank {peer} has not sent it (it runs another schedule, is stuck "
+                        "elsewhere, or died)")
+                where = f"from rank {peer}{stage}"
+            return RuntimeError(f"mpi backend: {kind}{what}{cause} {where} timed out on rank "
+                                f"{me} after {waited:.1f} s: {gone}. {limit}")
+        n = comm.Get_size()
+        ranks = self._mpi.Group.Translate_ranks(comm.Get_group(), list(range(n)),
+                                                world.Get_group())
+        return RuntimeError(f"mpi backend: {kind}{cause} over ranks {list(ranks)} timed out "
+                            f"on rank {me} after {waited:.1f} s: not every rank of the "
+                            "group called it (a rank skipped it, e.g. in a branch that "
+                            "depends on the rank, runs another collective, is stuck "
+                            f"elsewhere, or died). {limit}")
+
+    def _arrive(self, comm, kind: str, at_least: float = 0.0) -> None:
+        """A barrier on ``comm`` with the timeout (at least ``at_least`` seconds), before a
+        blocking MPI call every member makes (making a communicator or a shared window):
+        once all have arrived, that call cannot wait for a member that never comes."""
+        self._calls["Ibarrier"] += 1
+        self._complete(comm.Ibarrier(), kind, comm, at_least=at_least)
 
     # ------------------------------------------------------------ groups
 
@@ -416,6 +594,7 @@ class MPIBackend(Backend):
             comm = self._comm
         else:
             color = g if g >= 0 else self._mpi.UNDEFINED
+            self._arrive(self._comm, "Comm_split (a communicator for a device group)")
             comm = self._comm.Split(color, j)
             self._calls["Comm_split"] += 1
             if comm == self._mpi.COMM_NULL:
@@ -441,18 +620,20 @@ class MPIBackend(Backend):
 
     # ------------------------------------------------------- raw transfers
 
-    def _allgather(self, comm, buf: np.ndarray, n: int) -> np.ndarray:
+    def _allgather(self, comm, buf: np.ndarray, n: int, kind: str = "AllGather") -> np.ndarray:
         """(n, *buf.shape): every member's buffer, in member order."""
         out = np.empty((n,) + buf.shape, dtype=buf.dtype)
         self._calls["Allgather"] += 1
-        comm.Allgather([_flat_bytes(buf), self._mpi.BYTE], [_flat_bytes(out), self._mpi.BYTE])
+        self._complete(comm.Iallgather([_flat_bytes(buf), self._mpi.BYTE],
+                                       [_flat_bytes(out), self._mpi.BYTE]), kind, comm)
         return out
 
-    def _alltoall(self, comm, parts: np.ndarray) -> np.ndarray:
+    def _alltoall(self, comm, parts: np.ndarray, kind: str = "AlltoAll") -> np.ndarray:
         """(n, *part) -> (n, *part): index j of the result is member j's part for me."""
         out = np.empty_like(parts)
         self._calls["Alltoall"] += 1
-        comm.Alltoall([_flat_bytes(parts), self._mpi.BYTE], [_flat_bytes(out), self._mpi.BYTE])
+        self._complete(comm.Ialltoall([_flat_bytes(parts), self._mpi.BYTE],
+                                      [_flat_bytes(out), self._mpi.BYTE]), kind, comm)
         return out
 
     @staticmethod
@@ -475,11 +656,13 @@ class MPIBackend(Backend):
         send = _mine(stack)
         mop = self._mpi_op(op, stack.dtype)
         if mop is None:
-            red = _UFUNC[op].reduce(self._allgather(comm, send, n), axis=0, dtype=stack.dtype)
+            red = _UFUNC[op].reduce(self._allgather(comm, send, n, "AllReduce"), axis=0,
+                                    dtype=stack.dtype)
         else:
             red = np.empty_like(send)
             self._calls["Allreduce"] += 1
-            comm.Allreduce(send.reshape(-1), red.reshape(-1), op=mop)
+            self._complete(comm.Iallreduce(send.reshape(-1), red.reshape(-1), op=mop),
+                           "AllReduce", comm)
         return self._finish_mean(red, op, n)[None]
 
     def _all_reduce_fused(self, stacks, plan, op):
@@ -508,7 +691,8 @@ class MPIBackend(Backend):
             _comm.pack(flat, buf, offsets)
             if comm is not None:             # in no group: my own buffer
                 self._calls["Allreduce"] += 1
-                comm.Allreduce(self._mpi.IN_PLACE, buf.reshape(-1), op=mop)
+                self._complete(comm.Iallreduce(self._mpi.IN_PLACE, buf.reshape(-1), op=mop),
+                               "fused AllReduce", comm)
         if comm is not None:
             self._finish_mean(buf, op, n)
         return [buf[:, o:o + s.size].reshape(s.shape) for s, o in zip(stacks, offsets)]
@@ -519,6 +703,7 @@ class MPIBackend(Backend):
         key = comm.py2f()
         hit = self._node_local_comms.get(key)
         if hit is None:
+            self._arrive(comm, "Comm_split_type (finding the group's machines)")
             node = comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=comm.Get_rank())
             hit = node.Get_size() == comm.Get_size()
             node.Free()
@@ -558,7 +743,7 @@ class MPIBackend(Backend):
         two window syncs)."""
         win.Sync()
         self._calls["Barrier"] += 1
-        comm.Barrier()
+        self._complete(comm.Ibarrier(), None, comm)    # None: the fused collective calling
         win.Sync()
 
     def _node_windows(self, comm, nbytes: int) -> "_NodeWindows":
@@ -570,6 +755,7 @@ class MPIBackend(Backend):
         hit = self._shared.get(key)
         if hit is not None and hit.capacity >= nbytes:
             return hit
+        self._arrive(comm, "Win_allocate_shared (node shared memory for fused collectives)")
         if hit is not None:
             hit.free()
         hit = _NodeWindows(self._mpi, comm, nbytes)
@@ -630,7 +816,8 @@ class MPIBackend(Backend):
             buf = self._fusion_buffer(dtype, n * total)
             _pack_parts(stacks, axes, offsets, buf.reshape(n, total), n)
             self._calls["Reduce_scatter_block"] += 1
-            comm.Reduce_scatter_block(self._mpi.IN_PLACE, buf.reshape(-1), op=mop)
+            self._complete(comm.Ireduce_scatter_block(self._mpi.IN_PLACE, buf.reshape(-1),
+                                                      op=mop), "fused ReduceScatter", comm)
             red = buf[:, :total]
         self._finish_mean(red, op, n)
         return [red[:, o:o + c].reshape((1,) + _parted(s.shape[1:], a, n))
@@ -680,7 +867,9 @@ class MPIBackend(Backend):
         _comm.pack(flat, send, offsets[:-1])
         got = self._fusion_buffer(dtype, n * total)
         self._calls["Allgather"] += 1
-        comm.Allgather([_flat_bytes(send), self._mpi.BYTE], [_flat_bytes(got), self._mpi.BYTE])
+        self._complete(comm.Iallgather([_flat_bytes(send), self._mpi.BYTE],
+                                       [_flat_bytes(got), self._mpi.BYTE]),
+                       "fused AllGather", comm)
         return _unpack_gathered(got.reshape(n, total), stacks, axes, offsets, out)
 
     def _shared_all_gather(self, comm, flat, axes, offsets, out: np.ndarray) -> list:
@@ -722,11 +911,13 @@ class MPIBackend(Backend):
         parts = _parts(_mine(stack), axis, n)
         mop = self._mpi_op(op, stack.dtype)
         if mop is None:
-            red = _UFUNC[op].reduce(self._alltoall(comm, parts), axis=0, dtype=stack.dtype)
+            red = _UFUNC[op].reduce(self._alltoall(comm, parts, "ReduceScatter"), axis=0,
+                                    dtype=stack.dtype)
         else:
             red = np.empty(parts.shape[1:], dtype=stack.dtype)
             self._calls["Reduce_scatter_block"] += 1
-            comm.Reduce_scatter_block(parts.reshape(-1), red.reshape(-1), op=mop)
+            self._complete(comm.Ireduce_scatter_block(parts.reshape(-1), red.reshape(-1),
+                                                      op=mop), "ReduceScatter", comm)
         return self._finish_mean(red, op, n)[None]
 
     def _all_to_all(self, stack, plan, split_axis, concat_axis):
@@ -744,7 +935,8 @@ class MPIBackend(Backend):
             return stack.copy()
         buf = _mine(stack).copy()
         self._calls["Bcast"] += 1
-        comm.Bcast([_flat_bytes(buf), self._mpi.BYTE], root=root)
+        self._complete(comm.Ibcast([_flat_bytes(buf), self._mpi.BYTE], root=root),
+                       "Broadcast", comm)
         return buf[None]
 
     def _reduce(self, stack, plan, root, op):
@@ -757,16 +949,19 @@ class MPIBackend(Backend):
         if mop is None:
             got = np.empty((n,) + send.shape, dtype=send.dtype) if me == root else None
             self._calls["Gather"] += 1
-            comm.Gather([_flat_bytes(send), self._mpi.BYTE],
-                        None if got is None else [_flat_bytes(got), self._mpi.BYTE], root=root)
+            self._complete(comm.Igather([_flat_bytes(send), self._mpi.BYTE],
+                                        None if got is None else [_flat_bytes(got),
+                                                                  self._mpi.BYTE],
+                                        root=root), "Reduce", comm)
             if me != root:
                 return stack.copy()
             red = _UFUNC[op].reduce(got, axis=0, dtype=stack.dtype)
         else:
             red = np.empty_like(send) if me == root else None
             self._calls["Reduce"] += 1
-            comm.Reduce(send.reshape(-1), None if red is None else red.reshape(-1), op=mop,
-                        root=root)
+            self._complete(comm.Ireduce(send.reshape(-1),
+                                        None if red is None else red.reshape(-1), op=mop,
+                                        root=root), "Reduce", comm)
             if me != root:
                 return stack.copy()
         return self._finish_mean(red, op, n)[None]
@@ -781,8 +976,10 @@ class MPIBackend(Backend):
         out = np.empty(part, dtype=stack.dtype)
         send = _parts(_mine(stack), axis, n) if me == root else None
         self._calls["Scatter"] += 1
-        comm.Scatter(None if send is None else [_flat_bytes(send), self._mpi.BYTE],
-                     [_flat_bytes(out), self._mpi.BYTE], root=root)
+        self._complete(comm.Iscatter(None if send is None else [_flat_bytes(send),
+                                                                self._mpi.BYTE],
+                                     [_flat_bytes(out), self._mpi.BYTE], root=root),
+                       "Scatter", comm)
         return out[None]
 
     def _gather(self, stack, plan, root, axis):
@@ -793,8 +990,9 @@ class MPIBackend(Backend):
         send = _mine(stack)
         got = np.empty((n,) + send.shape, dtype=send.dtype) if me == root else None
         self._calls["Gather"] += 1
-        comm.Gather([_flat_bytes(send), self._mpi.BYTE],
-                    None if got is None else [_flat_bytes(got), self._mpi.BYTE], root=root)
+        self._complete(comm.Igather([_flat_bytes(send), self._mpi.BYTE],
+                                    None if got is None else [_flat_bytes(got), self._mpi.BYTE],
+                                    root=root), "Gather", comm)
         if me == root:
             return _concat(got, axis)[None]
         local = send.shape
@@ -811,6 +1009,7 @@ class MPIBackend(Backend):
         n = self.world_size // stages
         stage = self._rank // n
         self._calls["Comm_split"] += 1
+        self._arrive(self._comm, "Comm_split (a communicator for a pipeline stage)")
         view = MPIBackend(comm=self._comm.Split(stage, self._rank), _stage_of=self)
         view.stage = stage
         view._pending = []
@@ -825,24 +1024,31 @@ class MPIBackend(Backend):
         buf = np.ascontiguousarray(stack[0]) if stack.ndim > 1 else np.array(stack[0])
         dst = self._peer(stage)
         head = (buf.shape, buf.dtype.str, meta)
-        self._pending.append((comm.isend(head, dest=dst, tag=2 * tag), None))
-        self._pending.append((comm.Isend(buf, dest=dst, tag=2 * tag + 1), buf))
+        self._pending.append((comm.isend(head, dest=dst, tag=2 * tag), None, dst, tag))
+        self._pending.append((comm.Isend(buf, dest=dst, tag=2 * tag + 1), buf, dst, tag))
         self._calls["Isend"] += 1
 
     def _recv(self, stage: int, tag: int):
         comm = self.world._comm
         src = self._peer(stage)
-        shape, dtype, meta = comm.recv(source=src, tag=2 * tag)
+        head = _Arrival(comm, src, 2 * tag)           # the pickled header, once it is there
+        self._complete(head, "Receive", comm, peer=src, tag=tag)
+        shape, dtype, meta = head.message.recv()
         out = np.empty((1,) + tuple(shape), dtype=np.dtype(dtype))
-        comm.Recv(out, source=src, tag=2 * tag + 1)     # (1, *shape): the same bytes
+        # (1, *shape): the same bytes
+        self._complete(comm.Irecv(out, source=src, tag=2 * tag + 1), "Receive", comm,
+                       peer=src, tag=tag)
         self._calls["Recv"] += 1
         return out, meta
 
     def wait_sends(self) -> None:
-        """Wait until every message this stage sent has left its buffer."""
+        """Wait until every message this stage sent has left its buffer (each at most
+        :attr:`timeout` seconds)."""
         pending = getattr(self, "_pending", None)
         if pending:
-            self._mpi.Request.Waitall([req for req, _ in pending])
+            comm = self.world._comm
+            for req, _, dst, tag in pending:
+                self._complete(req, "Send", comm, peer=dst, tag=tag)
             pending.clear()
 
     def _send_recv(self, stack, src, dst):
@@ -864,8 +1070,10 @@ class MPIBackend(Backend):
         out = send.copy()
         recvbuf = _flat_bytes(out) if sources.size else np.empty(0, dtype=np.uint8)
         self._calls["Alltoallv"] += 1
-        self._comm.Alltoallv([sendbuf, (scounts.tolist(), sdispls.tolist()), mpi.BYTE],
-                             [recvbuf, (rcounts.tolist(), [0] * self.world_size), mpi.BYTE])
+        self._complete(self._comm.Ialltoallv(
+            [sendbuf, (scounts.tolist(), sdispls.tolist()), mpi.BYTE],
+            [recvbuf, (rcounts.tolist(), [0] * self.world_size), mpi.BYTE]),
+            "Send/Recv", self._comm)
         return out[None]
 
 

@@ -105,6 +105,12 @@ def _batch_plan(dataset):
     `dataset` when its last stage is ``batch`` over rows it can count, else
     ``(-1, -1, -1)``."""
     if hasattr(dataset, "batch_size") and hasattr(dataset, "drop_remainder"):
+        stack = list(dataset._children)
+        while stack:                 # a streaming source would be read through to count
+            d = stack.pop()
+            if getattr(d, "_count", 0) is None:
+                return -1, -1, -1
+            stack.extend(getattr(d, "_children", None) or ())
         try:
             rows = int(dataset._children[0]._num_rows())
         except Exception:            # a source that cannot count its rows up front
