@@ -98,6 +98,10 @@ def test_equal_counts_take_no_collective_after_the_first_batch(tmp_path):
             r"pieces in rank order: \[7, 7\].*pad or drop rows.*full_batch=True"),
     ("steps", r"the ranks' epochs have different numbers of batches \(rank 0: 2, rank 1: "
               r"1\); every rank must take the same steps"),
+    ("tensor", r"input 0: a Tensor given to the network is the whole global batch, the same "
+               r"on every rank .*different shapes \(this rank's is \([78], 6\); rank 0: 8 "
+               r"rows of 48 values, rank 1: 7 rows of 42 values\); .*data set sharded per "
+               r"rank \(num_shards=get_group_size\(\), shard_id=get_rank\(\)\)"),
 ])
 def test_incompatible_counts_are_refused_on_every_rank(tmp_path, case, pinned):
     rc, out, err = _job(tmp_path, case, "data_parallel", 2, timeout=120)

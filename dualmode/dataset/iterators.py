@@ -127,7 +127,7 @@ def _rank_plans(dataset):
     or None when some rank's data set cannot tell its batch sizes up front. ValueError
     when the ranks' epochs have different numbers of batches (a rank would wait for the
     others in a step they never take)."""
-    plans = gathered_counts(_batch_plan(dataset))
+    plans = gathered_counts("plan", _batch_plan(dataset))
     if (plans < 0).any():
         return None
     steps = plans[:, 1] + (plans[:, 2] > 0)

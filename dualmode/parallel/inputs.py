@@ -15,7 +15,8 @@ from .dtensor import distribute, moved
 from .moves import remember_blocks
 from .tensor_layout import TensorLayout
 
-__all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows", "gathered_counts", "check_rank_rows"]
+__all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows", "gathered_counts",
+           "check_rank_rows"]
 
 #: Tensors a data set made from this rank's own shard (``num_shards`` = the MPI world,
 #: ``shard_id`` = this rank): a network takes them as its local rows of the batch.
@@ -23,26 +24,26 @@ __all__ = ["distribute_inputs", "RANK_SHARDS", "rank_rows", "gathered_counts", "
 RANK_SHARDS = weakref.WeakValueDictionary()
 
 
-#: per live backend: a tuple of this rank's ints -> every rank's tuple, (ranks, len) int64
-#: (see gathered_counts)
+#: per live backend: (kind, this rank's tuple of ints) -> every rank's tuple, a
+#: (ranks, len) int64 array (see gathered_counts)
 _GATHERED = weakref.WeakKeyDictionary()
 
 
-def gathered_counts(local):
-    """Every rank's `local` (a tuple of ints: a batch's row count, or a data set's batch
-    plan) as a read-only ``(ranks, len(local))`` int64 array, in rank order: one AllGather
-    over the world the first time this rank has this value, then cached, so a training
-    loop whose batches keep their shape makes no collective for it. Every rank must
-    call it at the same points with values it has, or has not, had alike (as every
-    rank's batches change size at the same steps); an observation, not recorded in
-    CommReport."""
+def gathered_counts(kind, local):
+    """Every rank's `local` (a tuple of ints of the `kind` the caller names: "rows" of a
+    batch, a data set's batch "plan", an input's "shape") as a read-only
+    ``(ranks, len(local))`` int64 array, in rank order: one AllGather over the world the
+    first time this rank has this value, then cached, so a training loop whose batches
+    keep their shape makes no collective for it. Every rank must call it at the same
+    points with values it has, or has not, had alike (as every rank's batches change
+    size at the same steps); an observation, not recorded in CommReport."""
     b = backend()
     cache = _GATHERED.setdefault(b, {})
-    got = cache.get(local)
+    got = cache.get((kind, local))
     if got is None:
         got = b.world_stack(np.asarray([local], np.int64))
         got.flags.writeable = False
-        cache[local] = got
+        cache[(kind, local)] = got
     return got
 
 
@@ -80,7 +81,7 @@ def _rank_piece(arr, what, counts=None):
     n = device_num()
     rows = arr.shape[0]
     if counts is None:
-        counts = gathered_counts((rows,))[:, 0]
+        counts = gathered_counts("rows", (rows,))[:, 0]
     total = check_rank_rows(counts, what)
     layout = TensorLayout.batch_split((total,) + tuple(arr.shape[1:]), n)
     slot = layout.local_shape[0]
@@ -126,12 +127,32 @@ def distribute_inputs(args):
             out.append(moved(a, stack, layout))
             k += 1
             continue
+        if some_devices():
+            _check_global_input(i, shape)
         layout = input_layout(i, shape, k, strategy, n)
         k += 1
         stack = distribute(a, layout)._data
         remember_blocks(stack, a._value(), layout)          # a plain value: it never changes
         out.append(moved(a, stack, layout))                 # on the tape
     return tuple(out)
+
+
+def _check_global_input(i, shape):
+    """Under MPI (one device per process) a plain Tensor input is the whole global value,
+    the same on every rank, each rank taking its rows: ValueError naming input `i` and
+    every rank's rows when the ranks pass tensors of different shapes (each rank would
+    take rows of its own tensor as if of one batch). Gathered once per new shape."""
+    got = gathered_counts("shape", (len(shape), shape[0], int(np.prod(shape))))
+    if (got == got[0]).all():
+        return
+    each = ", ".join(f"rank {r}: {int(g[1])} rows of {int(g[2])} values"
+                     for r, g in enumerate(got))
+    raise ValueError(
+        f"input {i}: a Tensor given to the network is the whole global batch, the same on "
+        f"every rank (each rank takes its rows), but the ranks pass tensors of different "
+        f"shapes (this rank's is {shape}; {each}); pass the same tensor on every rank, "
+        f"or give each rank its own rows through a data set sharded per rank "
+        f"(num_shards=get_group_size(), shard_id=get_rank())")
 
 
 def input_layout(i, shape, k, strategy, n):

@@ -10,6 +10,8 @@ rows; ``num_samples`` caps some ranks' shards, so their batches of 4 are shorter
                   batch's row counts are gathered once per new count)
     case "bad"    2 ranks: 5 and 9 rows, batches of 16: [5, 9], refused
     case "steps"  2 ranks: 8 and 4 rows, batches of 4: 2 steps and 1, refused
+    case "tensor" no data set: Tensors the script makes from its rank's own rows (8, 7),
+                  refused (a Tensor is the whole global batch, the same on every rank)
 
 A small MLP (Dense 6-8, ReLU, Dense 8-1) trained with SGD, ``gradients_mean=True``, in
 ``mode`` ("data_parallel" with a hand-written loop, "model" Model.train under data
@@ -21,9 +23,9 @@ full_batch=False).
                                                           # batches built by hand
 
 Each writes the losses, the global batch sizes, the trained weights and the MPI calls
-the data set's first and second epochs made to OUT.npz. Cases "bad" and "steps" write
-the error's message to ``refused_R.txt`` in the working directory on every rank R, then
-fail."""
+the data set's first and second epochs made to OUT.npz. Cases "bad", "steps" and
+"tensor" write the error's message to ``refused_R.txt`` in the working directory on
+every rank R, then fail."""
 import sys
 
 import numpy as np
@@ -113,6 +115,18 @@ def main(out, case, mode, ref_devices=None):
     opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
     loss_fn = nn.MSELoss()
     epochs = []                   # MPI calls the data set's epochs made (no training)
+    if case == "tensor":         # Tensors of this rank's own rows: 8 on rank 0, 7 after
+        x, y = _data()
+        mine = slice(8 * rank, 8 * rank + (8 if rank == 0 else 7))
+        grad_fn = dm.value_and_grad(lambda x, y: loss_fn(net(x), y), None,
+                                    net.trainable_params())
+        try:
+            grad_fn(Tensor(x[mine]), Tensor(y[mine]))
+        except ValueError as e:
+            with open(f"refused_{rank}.txt", "w") as f:
+                f.write(str(e))
+            communication.get_backend().barrier()      # every rank has written it
+            raise
     if ref_devices:
         batches = [(Tensor(x), Tensor(y)) for x, y in _reference_batches(case, n)]
     else:
