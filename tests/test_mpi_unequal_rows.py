@@ -23,10 +23,11 @@ pytestmark = pytest.mark.skipif(not have_mpiexec(), reason="mpiexec not found (p
                                                            "mpich)")
 
 
-def _run(cmd, tmp_path, timeout):
+def _run(cmd, tmp_path, timeout, env=None):
     """Run `cmd` in its own process group; on timeout end the whole group (no rank left
     behind) and fail."""
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(**(env or {})),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -38,11 +39,11 @@ def _run(cmd, tmp_path, timeout):
     return proc.returncode, out, err
 
 
-def _job(tmp_path, case, mode, ranks, out="mpi.npz", timeout=180):
+def _job(tmp_path, case, mode, ranks, out="mpi.npz", timeout=180, env=None):
     pytest.importorskip("mpi4py", reason="backend 'mpi' needs mpi4py")
     script = copy_script(tmp_path, "mpi_scripts", NAME)
     return _run(["mpiexec", "-n", str(ranks), sys.executable, script,
-                 str(tmp_path / out), case, mode], tmp_path, timeout)
+                 str(tmp_path / out), case, mode], tmp_path, timeout, env)
 
 
 def _reference(tmp_path, case, mode, ranks):
@@ -54,12 +55,14 @@ def _reference(tmp_path, case, mode, ranks):
     return np.load(tmp_path / "ref.npz")
 
 
-def _trains_as_one_device(tmp_path, case, mode, ranks, sizes):
+def _trains_as_one_device(tmp_path, case, mode, ranks, sizes, local=None):
     ref = _reference(tmp_path, case, mode, ranks)
     rc, out, err = _job(tmp_path, case, mode, ranks)
     assert rc == 0, out[-3000:] + err[-3000:]
     got = np.load(tmp_path / "mpi.npz")
-    assert list(got["sizes"]) == list(ref["sizes"]) == sizes
+    assert list(ref["sizes"]) == sizes
+    # plain Tensors of rank 0's rows when the parallel mode came after the iterator
+    assert list(got["sizes"]) == (sizes if local is None else local)
     assert len(got["losses"]) == len(sizes)
     # a training run whose gradient AllReduce MPI may add in another order: rtol 1e-4
     for key in ("losses", "w0", "w1", "w2", "w3"):
@@ -85,6 +88,26 @@ def test_unequal_batches_of_an_unplanned_data_set_train_as_one_device(tmp_path):
     # 1 of 3, every step [4, 3]; the counts are gathered once per new row count
     got = _trains_as_one_device(tmp_path, "each", "data_parallel", 2, [7, 7, 7, 7])
     assert list(got["epochs"]) == [2, 0]          # the plan (unknown), the count 4 / 3
+
+
+def test_plain_tensors_of_a_rank_sharded_data_set_train_as_one_device(tmp_path):
+    # the iterator made before the parallel mode: its batches are plain Tensors of this
+    # rank's rows (4 on rank 0, 3 on rank 1), which the network call takes as its piece
+    _trains_as_one_device(tmp_path, "each", "late", 2, [7, 7, 7, 7], local=[4, 4, 4, 4])
+
+
+def test_counts_changing_out_of_step_end_the_job_by_the_timeout(tmp_path):
+    # batches of such plain Tensors are checked once per new row count: at the second
+    # batch rank 0 still has 4 rows (known) while rank 1 has 3 (new), so rank 1 waits in
+    # the check (on a communicator of its own, never matching another collective) and
+    # rank 0 in the step: DUALMODE_COMM_TIMEOUT ends the job with the check named
+    rc, out, err = _job(tmp_path, "last", "late", 2, timeout=120,
+                        env={"DUALMODE_COMM_TIMEOUT": "5"})
+    assert rc != 0 and not (tmp_path / "mpi.npz").exists()
+    assert re.search(r"the ranks' rows check of their batches \(made by a rank whose batch "
+                     r"has rows it had not had before: every rank's must change at the same "
+                     r"steps\) over ranks \[0, 1\] timed out on rank 1 after 5.0 s", err), \
+        err[-3000:]
 
 
 def test_equal_counts_take_no_collective_after_the_first_batch(tmp_path):

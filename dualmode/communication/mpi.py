@@ -451,6 +451,9 @@ class MPIBackend(Backend):
         every rank calls it) and drop the fusion-buffer pool."""
         if self.world_size > 1:
             self._arrive(self._comm, "close (freeing shared memory and communicators)")
+        side = self.__dict__.pop("_side_comm", None)
+        if side is not None:
+            side.Free()
         for view in self.__dict__.pop("_stage_views", {}).values():
             view.wait_sends()
             view.close()
@@ -478,6 +481,20 @@ class MPIBackend(Backend):
     def barrier(self) -> None:
         self._calls["Barrier"] += 1
         self._complete(self._comm.Ibarrier(), "Barrier", self._comm)
+
+    def side_all_gather(self, buf: np.ndarray, kind: str) -> np.ndarray:
+        """``(world_size, *buf.shape)``: every rank's small ``buf`` (a check's values, as
+        the row counts of the ranks' batches), gathered over a copy of the world
+        communicator made at the first call (by every rank), apart from the program's
+        collectives: ranks that call it out of step wait for each other (until the
+        timeout, naming ``kind``) instead of matching another collective. Counted in
+        :attr:`mpi_calls`; not a collective of the program (not in CommReport)."""
+        side = self.__dict__.get("_side_comm")
+        if side is None:
+            self._arrive(self._comm, "making the communicator of " + kind)
+            side = self.__dict__["_side_comm"] = self._comm.Dup()
+            self._calls["Comm_dup"] += 1
+        return self._allgather(side, np.ascontiguousarray(buf), self.world_size, kind)
 
     # ------------------------------------------------------------ waits
 

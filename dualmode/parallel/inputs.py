@@ -36,12 +36,18 @@ def gathered_counts(kind, local):
     first time this rank has this value, then cached, so a training loop whose batches
     keep their shape makes no collective for it. Every rank must call it at the same
     points with values it has, or has not, had alike (as every rank's batches change
-    size at the same steps); an observation, not recorded in CommReport."""
+    size at the same steps; under MPI ranks out of step wait for each other in this
+    gather, on a communicator of its own, until the backend's timeout ends the job);
+    an observation, not recorded in CommReport."""
     b = backend()
     cache = _GATHERED.setdefault(b, {})
     got = cache.get((kind, local))
     if got is None:
-        got = b.world_stack(np.asarray([local], np.int64))
+        mine = np.asarray(local, np.int64)
+        side = getattr(b, "side_all_gather", None)    # MPI: apart from the program's
+        what = (f"the ranks' {kind} check of their batches (made by a rank whose batch has "
+                f"{kind} it had not had before: every rank's must change at the same steps)")
+        got = side(mine, what) if side is not None else b.world_stack(mine[None])
         got.flags.writeable = False
         cache[(kind, local)] = got
     return got

@@ -16,13 +16,15 @@ rows; ``num_samples`` caps some ranks' shards, so their batches of 4 are shorter
 A small MLP (Dense 6-8, ReLU, Dense 8-1) trained with SGD, ``gradients_mean=True``, in
 ``mode`` ("data_parallel" with a hand-written loop, "model" Model.train under data
 parallel, "semi_auto" a hand-written loop under semi_auto_parallel with
-full_batch=False).
+full_batch=False, "late" a hand-written loop under data parallel set after the data
+set's iterator was made: its batches are plain Tensors of this rank's rows, which the
+network call takes as this rank's piece of the global batch).
 
     mpiexec -n N python unequal_rows_train.py OUT.npz CASE MODE
     python unequal_rows_train.py OUT.npz CASE MODE N      # one device, the global
                                                           # batches built by hand
 
-Each writes the losses, the global batch sizes, the trained weights and the MPI calls
+Each writes the losses, the global batch sizes, the trained weights and the MPI Allgathers
 the data set's first and second epochs made to OUT.npz. Cases "bad", "steps" and
 "tensor" write the error's message to ``refused_R.txt`` in the working directory on
 every rank R, then fail."""
@@ -94,7 +96,13 @@ class _Losses(Callback):
 
 def _calls():
     b = communication.get_backend()
-    return sum(getattr(b, "mpi_calls", {}).values())
+    return getattr(b, "mpi_calls", {}).get("Allgather", 0)
+
+
+def _parallel(mode):
+    parallel = "semi_auto_parallel" if mode == "semi_auto" else "data_parallel"
+    dm.set_auto_parallel_context(parallel_mode=parallel, gradients_mean=True,
+                                 full_batch=False)
 
 
 def main(out, case, mode, ref_devices=None):
@@ -103,9 +111,8 @@ def main(out, case, mode, ref_devices=None):
         n, rank = ref_devices, 0
     else:
         communication.init()
-        parallel = "semi_auto_parallel" if mode == "semi_auto" else "data_parallel"
-        dm.set_auto_parallel_context(parallel_mode=parallel, gradients_mean=True,
-                                     full_batch=False)
+        if mode != "late":
+            _parallel(mode)
         n, rank = communication.get_group_size(), communication.get_rank()
     dm.set_seed(1)
     net = nn.SequentialCell([nn.Dense(6, 8), nn.ReLU(), nn.Dense(8, 1)])
@@ -142,6 +149,8 @@ def main(out, case, mode, ref_devices=None):
             communication.get_backend().barrier()      # every rank has written it
             raise
         batches = ds.create_tuple_iterator(num_epochs=1)
+        if mode == "late":          # the batches are this rank's rows, as plain Tensors:
+            _parallel(mode)         # the network call takes them as its piece
     sizes, losses = [], []
     if mode == "model" and not ref_devices:
         rec = _Losses()
