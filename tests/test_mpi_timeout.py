@@ -167,3 +167,36 @@ def test_bad_timeout_fails_the_job_at_init(tmp_path):
         proc.stderr[-3000:]
     assert "ready" not in proc.stdout
     assert no_survivors(str(tmp_path)) == []
+
+
+# ------------------------------------------------- beside the launcher's --timeout
+
+
+def test_polling_rank_is_not_progress_for_the_launchers_timeout(tmp_path):
+    """DUALMODE_COMM_TIMEOUT=60 and ``--timeout 3``: rank 0 polls in its AllReduce (the
+    wait loop's lines change), rank 1 sleeps; neither is progress, so the launcher ends
+    the job after 3 s naming where each rank is."""
+    s = copy_script(tmp_path, "mpi_scripts", "timeout_skip.py")
+    proc = launch("--worker_num", 2, "--log_dir", tmp_path / "logs", "--timeout", 3, s,
+                  "allreduce", cwd=tmp_path, DUALMODE_COMM_TIMEOUT="60")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.seconds < TIMEOUT / 2, proc.seconds
+    assert re.search(r"dualmode\.run: no rank made progress for 3 s \(--timeout\): rank 1 at "
+                     r"timeout_skip\.py:\d+ in <module>; rank 0 waiting in the MPI collective "
+                     r"all_reduce", proc.stderr), proc.stderr[-3000:]
+    assert "RuntimeError" not in proc.stderr
+    assert no_survivors(str(tmp_path)) == []
+
+
+def test_zero_waits_forever(tmp_path):
+    """DUALMODE_COMM_TIMEOUT=0: rank 0 waits in MPI's own wait, not raising; the
+    launcher's ``--timeout 4`` ends the job."""
+    s = copy_script(tmp_path, "mpi_scripts", "timeout_skip.py")
+    proc = launch("--worker_num", 2, "--log_dir", tmp_path / "logs", "--timeout", 4, s,
+                  "recv", cwd=tmp_path, DUALMODE_COMM_TIMEOUT="0")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.seconds >= 4, proc.seconds
+    assert "dualmode.run: no rank made progress for 4 s (--timeout)" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "timed out" not in proc.stderr
+    assert no_survivors(str(tmp_path)) == []

@@ -387,6 +387,8 @@ class MPIBackend(Backend):
             self.timeout = comm_timeout()
         else:
             self.timeout = _stage_of.timeout
+        # the job's world (a stage's view: its world's), for the ranks an error names
+        self._job_comm = self._comm if _stage_of is None else _stage_of._job_comm
         super().__init__(size, (rank,))
         self._rank = rank
         self._calls: Counter = Counter()
@@ -548,16 +550,11 @@ class MPIBackend(Backend):
             now = time.monotonic()
         raise self._timeout_error(kind, comm, now - start, peer, tag, at_least)
 
-    def _world_rank_of(self) -> Tuple[object, int]:
-        """The job's world communicator (a pipeline stage's view: its world's) and this
-        process's rank in it."""
-        world = self.world._comm if self.world is not None else self._comm
-        return world, world.Get_rank()
-
     def _timeout_error(self, kind: Optional[str], comm, waited: float, peer: Optional[int],
                        tag: Optional[int], at_least: float = 0.0) -> RuntimeError:
         """The error of a wait that outlasted :attr:`timeout` (see :meth:`_complete`)."""
-        world, me = self._world_rank_of()
+        world = self._job_comm
+        me = world.Get_rank()
         frame = sys._getframe(1)
         while kind is None and frame is not None:      # a barrier of a shared collective
             kind = _SHARED_KINDS.get(frame.f_code.co_name)
