@@ -6,21 +6,23 @@ the same run (the ``paired`` fixture alternates their rounds).
 
 Two sizes: hidden 512 (8 heads of 64, sequence 64, batch 16, vocabulary 1024, 2 blocks:
 about 30 GFLOP a step; the products are 60% of the numpy step with 2 BLAS threads, 72%
-with one) and hidden 1024 (16 heads, sequence 128, batch 8, vocabulary 2048: 77%).
+with one) and hidden 1024 (16 heads, sequence 128, batch 8, vocabulary 2048: 70-77%).
 Target: <= 1.3x the numpy step.
 
 Measured on the quiet 2-core machine, 2 BLAS threads (one run): hidden 512 -- one
-device 1.04x, dp2xmp4 eager 1.30x, GRAPH_MODE 1.32x, dp4xmp2 1.33x, dp2 x mp2 x pp2
-1.36x (1.67x before the MatMul, pipeline and parallel-optimizer changes of the same
-work: row-parallel products adding the devices' block products instead of joining the
-blocks, replicated inputs read as grids, gradients summed over micro-batches in place,
-weights kept as their optimizer slices); hidden 1024 -- dp2xmp4 GRAPH_MODE 1.27x,
-dp2 x mp2 x pp2 1.37x. With one BLAS thread the 3-D step is 1.14-1.33x (the spread of
-this machine). Where the rest goes (measured by timing each product): the device-local
-products are one GEMM per device, or per group of devices sharing a sum, each smaller
-than the numpy step's one GEMM per op, and run 20-35% slower per multiply-add than it
-with 2 threads; the elementwise ops, autograd and the pipeline's bookkeeping add about
-as much again as numpy's elementwise passes.
+device 1.02x, dp2xmp4 eager 1.26x, GRAPH_MODE 1.24x, dp4xmp2 1.21x, dp2 x mp2 x pp2
+1.38x (1.67x before the MatMul, GeLU, pipeline and parallel-optimizer changes of the
+same work: row-parallel products adding the devices' block products instead of joining
+the blocks, replicated inputs read as grids, GeLU's passes in cache-sized blocks,
+gradients summed over micro-batches in place, weights kept as their optimizer slices);
+hidden 1024 -- dp2xmp4 GRAPH_MODE 1.19x, dp2 x mp2 x pp2 1.37x. With one BLAS thread
+the 3-D step is 1.14-1.33x (the spread of this machine). The 3-D step's extra over the
+2-D ones: the micro-batches (twice the op calls, each product half as tall, about
++0.07), the stages (+0.05) and the parallel optimizer's scatter and gather (+0.06).
+Where the rest goes (measured by timing each product): the device-local products are
+one GEMM per device, or per group of devices sharing a sum, each smaller than the numpy
+step's one GEMM per op, and run 20-35% slower per multiply-add than it with 2 threads;
+the elementwise ops, autograd and the pipeline's bookkeeping add about as much again.
 """
 import math
 import os
