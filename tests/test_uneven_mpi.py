@@ -11,38 +11,34 @@ from dualmode import communication
 from _mpi import load_mpi_script, run_mpi_script
 
 
-@pytest.mark.parametrize("ranks,batch", [(3, 32), (2, 31)])
-def test_data_parallel_batch_that_does_not_divide_the_ranks(ranks, batch, tmp_path):
+def _equals_stand_alone(script, args, tmp_path, ranks):
+    """Run `script` (its ``train(*args, parallel=...)`` saves the losses then each weight)
+    on `ranks` MPI processes and check its losses and weights against the same
+    ``train`` run stand-alone in this process."""
     out = tmp_path / "out.npz"
-    run_mpi_script("uneven_dp.py", [out, batch], tmp_path, ranks=ranks, timeout=180)
+    run_mpi_script(script, [out, *args], tmp_path, ranks=ranks, timeout=180)
     data = np.load(out)
-    mod = load_mpi_script("uneven_dp.py")
+    mod = load_mpi_script(script)
     try:
-        ref_losses, ref_weights = mod.train(batch, parallel=False)
+        ref_losses, ref_weights = mod.train(*args, parallel=False)
     finally:
         dm.reset_auto_parallel_context()
         communication.init("sim")
     np.testing.assert_allclose(data["arr_0"], ref_losses, rtol=1e-5)
     for k, want in enumerate(ref_weights):
         np.testing.assert_allclose(data[f"arr_{k + 1}"], want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("ranks,batch", [(3, 32), (2, 31)])
+def test_data_parallel_batch_that_does_not_divide_the_ranks(ranks, batch, tmp_path):
+    _equals_stand_alone("uneven_dp.py", [batch], tmp_path, ranks)
 
 
 def test_operator_strategies_that_do_not_divide(tmp_path):
     """Weights cut 2, 2, 1 over 3 ranks by MatMul strategies, a contracted dim of unequal
     pieces, rows of 10 over 3: trained under mpiexec equal to stand-alone (moves of
     unequal pieces across processes gather the world's padded pieces for now)."""
-    out = tmp_path / "out.npz"
-    run_mpi_script("uneven_strategies.py", [out], tmp_path, ranks=3, timeout=180)
-    data = np.load(out)
-    mod = load_mpi_script("uneven_strategies.py")
-    try:
-        ref_losses, ref_weights = mod.train(parallel=False)
-    finally:
-        dm.reset_auto_parallel_context()
-        communication.init("sim")
-    np.testing.assert_allclose(data["arr_0"], ref_losses, rtol=1e-5)
-    for k, want in enumerate(ref_weights):
-        np.testing.assert_allclose(data[f"arr_{k + 1}"], want, rtol=1e-4, atol=1e-6)
+    _equals_stand_alone("uneven_strategies.py", [], tmp_path, 3)
 
 
 def test_moves_of_unequal_pieces_between_processes(tmp_path):

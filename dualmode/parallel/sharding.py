@@ -736,16 +736,18 @@ def wants_grids(plan, lays, dm) -> bool:
 
 
 def _blocks_stored_once(inputs, needs) -> bool:
-    """Is some input a Parameter whose replicas are stored once, in the layout the plan
-    needs (:mod:`.replicas`)? A local that accepts grids then reads that grid, instead
-    of having the Parameter's stack written."""
+    """Is some input, in the layout the plan needs, still stored once per distinct block:
+    a Parameter whose replicas are stored once (:mod:`.replicas`), or an unwritten
+    result that is the blocks of a known whole value (a :class:`DeferredShares` over no
+    device axes, e.g. a replicated result computed once per replica set)? A local that
+    accepts grids then reads that grid, instead of having the stack written."""
     for x, need in zip(inputs, needs):
-        if isinstance(x, TensorBase) and type(x._lazy) is ReplicaBlocks \
-                and x._lazy.current_grid(need) is not None:
+        if not isinstance(x, TensorBase):
+            continue
+        lazy = x._lazy
+        if type(lazy) is ReplicaBlocks and lazy.current_grid(need) is not None:
             return True
-        if isinstance(x, TensorBase) and type(x._lazy) is DeferredShares \
-                and x._layout == need and not need.partial \
-                and known_totals(x._lazy, need.device_matrix, ()) is not None:
+        if type(lazy) is DeferredShares and not lazy.axes and x._layout == need:
             return True
     return False
 
