@@ -9,7 +9,7 @@ import pytest
 import dualmode as dm
 from dualmode import Tensor
 from dualmode.communication import totals as totals_mod
-from dualmode.communication.totals import known_totals, remember_totals
+from dualmode.communication.totals import DeferredShares, known_totals, remember_totals
 from dualmode.parallel import CommReport, TensorLayout
 from dualmode.parallel.redistribution import executor
 from dualmode.parallel.redistribution.executor import global_value
@@ -172,3 +172,21 @@ def test_group_totals_match_groups_given_as_ranks_only():
     assert group_totals(stack, np.array([[0, 1], [2, 3], [4, 5], [6, 7]])) is None
     assert group_totals(stack, np.arange(8).reshape(1, 8)) is None
     assert group_totals(stack.copy(), members) is None
+
+
+def test_a_deferred_running_sum_adds_totals_in_place():
+    """DeferredShares.add_in_place: the written shares are those of the summed totals
+    (each device a quarter of its group's total); totals in read-only memory are left
+    alone."""
+    rng = np.random.default_rng(5)
+    t1 = rng.standard_normal((2, 1, 3, 4))
+    t2 = rng.standard_normal((2, 1, 3, 4))
+    d = DeferredShares(t1.copy(), (2, 4), (1,), 4)
+    assert d.add_in_place(t2) and not d.totals.flags.writeable
+    stack = d.materialize()
+    for i in range(2):
+        for j in range(4):
+            np.testing.assert_allclose(stack[4 * i + j], (t1[i, 0] + t2[i, 0]) / 4)
+    assert not d.add_in_place(t2[:, :, :2])                       # another grid
+    frozen = np.frombuffer(t1.tobytes(), t1.dtype).reshape(t1.shape)   # read-only memory
+    assert not DeferredShares(frozen, (2, 4), (1,), 4).add_in_place(t2)

@@ -108,6 +108,23 @@ class DeferredShares(Deferred):
         self.totals, self.device_matrix = totals, device_matrix
         self.axes, self.parts = tuple(sorted(axes)), parts
 
+    def add_in_place(self, totals: np.ndarray) -> bool:
+        """Add `totals` (a grid shaped like :attr:`totals`) into this still unwritten
+        value's own totals. Only for the owner of a value nothing else has read, whose
+        totals no other array shares (a running sum the caller made): the read-only flag
+        this class sets is lifted for the addition. False, nothing done, when the shapes
+        differ or the totals lie in read-only memory."""
+        t = self.totals
+        if totals.shape != t.shape:
+            return False
+        try:
+            t.flags.writeable = True          # made read-only when shared; it is not
+        except ValueError:
+            return False
+        np.add(t, totals, out=t)
+        t.flags.writeable = False
+        return True
+
     def _write(self):
         dm, local = self.device_matrix, self.shape[1:]
         if all(t == 1 for t in self.totals.shape[:len(dm)]):

@@ -897,16 +897,7 @@ def _add_in_place(a, g) -> bool:
     sa, sg = stored(a), stored(g)
     if type(sa) is DeferredShares:
         tg = known_totals(sg, sa.device_matrix, sa.axes)
-        t = sa.totals
-        if tg is None or tg.shape != t.shape:
-            return False
-        try:
-            t.flags.writeable = True          # made read-only when shared; it is not
-        except ValueError:                    # a view of memory it may not write
-            return False
-        np.add(t, tg, out=t)
-        t.flags.writeable = False
-        return True
+        return tg is not None and sa.add_in_place(tg)
     if type(sa) is not np.ndarray or not sa.flags.writeable or id(sa) in TOTALS:
         return False                          # a stride-0 view, or totals remembered
     sg = as_stack(sg)
