@@ -112,6 +112,7 @@ _NOT_FUZZED = {
     "BatchMatMul": "3-d operands: tests/test_sharding_rules.py",
     "BroadcastTo": "backward of broadcasting ops, exercised by every bias",
     "GatherGrad": "backward of Gather, exercised by the gather block",
+    "LayerNormGrad": "backward of LayerNorm, exercised by the layernorm block",
     "IndexAdd": "backward of indexing: tests/test_sharding_rules.py",
     "GetItem": "indexing: tests/test_sharding_rules.py",
     "SparseSoftmaxCrossEntropyGrad": "backward of the cross-entropy loss block",
@@ -195,7 +196,7 @@ class Block:
         if k == "layernorm":        # gamma and beta both the parameter `a`
             axes = "1, 1" if a == "b" else "1, 0"
             return (f"y, m, v = LayerNorm({axes}){shard}(h, {a}, {a})\n"
-                    f"h = y + m * v")
+                    f"h = {'y + h' if a == 'b' else 'y + m * v'}")
         if k == "l2norm":
             return f"h = L2Normalize(axis={a}){shard}(h)"
         if k in _MS_MORE:
@@ -303,7 +304,10 @@ def _apply_block(blk, h, h0, params, idx, shape):
     if k == "layernorm":
         ln = ops.LayerNorm(1, 1 if blk.arg == "b" else 0)
         y, m, v = (ln.shard(s) if s is not None else ln)(h, params[blk.arg], params[blk.arg])
-        return y + m * v
+        # gamma over the normalised dim and only y used (a residual: y alone with gamma
+        # = beta = b is b (xhat + 1), whose ratio to b no gradient reaches): the fused
+        # LayerNormGrad
+        return y + h if blk.arg == "b" else y + m * v
     if k == "l2norm":
         l2 = ops.L2Normalize(axis=blk.arg)
         return (l2.shard(s) if s is not None else l2)(h)

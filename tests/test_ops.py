@@ -909,6 +909,10 @@ INFER_TABLE = {
     "LayerNorm": ({"begin_norm_axis": 1, "begin_params_axis": 2, "epsilon": 1e-7},
                   lambda d: (_arr((2, 3, 4), d), _arr((4,), d, 1), _arr((4,), d, 2))),
     "L2Normalize": ({"axis": (1,), "epsilon": 1e-4}, lambda d: (_arr((2, 3), d),)),
+    "LayerNormGrad": ({"begin_norm_axis": 1, "begin_params_axis": 1, "epsilon": 1e-7},
+                      lambda d: (_arr((2, 3, 4), d), _arr((2, 3, 4), d, 1),
+                                 _arr((2, 1, 1), d, 2), _arr((2, 1, 1), d, 3),
+                                 _arr((3, 4), d, 4))),
 }
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
 

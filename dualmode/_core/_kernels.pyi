@@ -33,3 +33,18 @@ def sparse_xent_grad(probs: np.ndarray, labels: np.ndarray, g: np.ndarray) -> np
     float32/float64 probs (N, C), g (N,) of that dtype and C-contiguous int32/int64 labels
     in [0, C); None for other inputs."""
     ...
+
+def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray,
+               eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """LayerNorm of the rows of a stack x (D, R, N) with gamma, beta (D, N): (y, mean,
+    variance), the statistics (D, R) accumulated in float64, all in x's dtype; None
+    unless the inputs are float32/float64 arrays of one dtype and those shapes."""
+    ...
+
+def layer_norm_grad(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                    gamma: np.ndarray,
+                    eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """LayerNorm's gradients (dx, dgamma, dbeta) for dy (D, R, N); dgamma and dbeta
+    (D, N) each device's sums over its rows, in float64 then x's dtype; None as
+    :func:`layer_norm`."""
+    ...

@@ -4,7 +4,7 @@
 Each kernel has a plain numpy reference in `dualmode/_core/reference.py` that the
 tests compare it against.
 """
-from libc.math cimport exp, log
+from libc.math cimport exp, log, sqrt
 
 import numpy as np
 
@@ -371,3 +371,195 @@ def sparse_xent_grad(probs, labels, g):
         bad = _xg_d_i(probs, labels, g, out) if ln == _I32 else \
             _xg_d_l(probs, labels, g, out)
     return None if bad >= 0 else out
+
+
+
+# ----------------------------------------------------------------------------
+# LayerNorm over the last axis of (D, R, N) stacks: the statistics of each row in
+# float64 (a row is read from cache after its first pass). Four partial sums per
+# reduction break the chain of dependent adds; the order is fixed, so a row gives the
+# same numbers whichever device holds it and however many rows come with it.
+# ----------------------------------------------------------------------------
+cdef void _ln_forward(const floating_t[:, :, ::1] x, const floating_t[:, ::1] g,
+                      const floating_t[:, ::1] b, double eps, floating_t[:, :, ::1] y,
+                      floating_t[:, ::1] mean, floating_t[:, ::1] var) noexcept nogil:
+    cdef Py_ssize_t nd = x.shape[0], nr = x.shape[1], n = x.shape[2], d, r, j
+    cdef Py_ssize_t n4 = n - n % 4
+    cdef const floating_t* xr
+    cdef const floating_t* gr
+    cdef const floating_t* br
+    cdef floating_t* yr
+    cdef double s0, s1, s2, s3, mu, v, rs, t0, t1, t2, t3
+    for d in range(nd):
+        gr = &g[d, 0]
+        br = &b[d, 0]
+        for r in range(nr):
+            xr = &x[d, r, 0]
+            yr = &y[d, r, 0]
+            s0 = s1 = s2 = s3 = 0.0
+            for j in range(0, n4, 4):
+                s0 += xr[j]
+                s1 += xr[j + 1]
+                s2 += xr[j + 2]
+                s3 += xr[j + 3]
+            for j in range(n4, n):
+                s0 += xr[j]
+            mu = ((s0 + s1) + (s2 + s3)) / n
+            s0 = s1 = s2 = s3 = 0.0
+            for j in range(0, n4, 4):
+                t0 = xr[j] - mu
+                t1 = xr[j + 1] - mu
+                t2 = xr[j + 2] - mu
+                t3 = xr[j + 3] - mu
+                s0 += t0 * t0
+                s1 += t1 * t1
+                s2 += t2 * t2
+                s3 += t3 * t3
+            for j in range(n4, n):
+                t0 = xr[j] - mu
+                s0 += t0 * t0
+            v = ((s0 + s1) + (s2 + s3)) / n
+            rs = 1.0 / sqrt(v + eps)
+            for j in range(n):
+                yr[j] = <floating_t>(((xr[j] - mu) * rs) * gr[j] + br[j])
+            mean[d, r] = <floating_t>mu
+            var[d, r] = <floating_t>v
+
+
+cdef void _ln_backward(const floating_t[:, :, ::1] x, const floating_t[:, :, ::1] dy,
+                       const floating_t[:, ::1] mean, const floating_t[:, ::1] var,
+                       const floating_t[:, ::1] g, double eps, floating_t[:, :, ::1] dx,
+                       double[:, ::1] dg, double[:, ::1] db) noexcept nogil:
+    cdef Py_ssize_t nd = x.shape[0], nr = x.shape[1], n = x.shape[2], d, r, j
+    cdef Py_ssize_t n2 = n - n % 2
+    cdef const floating_t* xr
+    cdef const floating_t* dyr
+    cdef const floating_t* gr
+    cdef floating_t* dxr
+    cdef double* dgr
+    cdef double* dbr
+    cdef double mu, rs, a0, a1, c0, c1, h0, h1, e0, e1, ma, mc
+    for d in range(nd):
+        gr = &g[d, 0]
+        dgr = &dg[d, 0]
+        dbr = &db[d, 0]
+        for r in range(nr):
+            xr = &x[d, r, 0]
+            dyr = &dy[d, r, 0]
+            dxr = &dx[d, r, 0]
+            mu = mean[d, r]
+            rs = 1.0 / sqrt(<double>var[d, r] + eps)
+            a0 = a1 = c0 = c1 = 0.0
+            for j in range(0, n2, 2):
+                h0 = (xr[j] - mu) * rs
+                h1 = (xr[j + 1] - mu) * rs
+                e0 = <double>dyr[j] * gr[j]
+                e1 = <double>dyr[j + 1] * gr[j + 1]
+                a0 += e0
+                a1 += e1
+                c0 += e0 * h0
+                c1 += e1 * h1
+                dgr[j] += dyr[j] * h0
+                dgr[j + 1] += dyr[j + 1] * h1
+                dbr[j] += dyr[j]
+                dbr[j + 1] += dyr[j + 1]
+            for j in range(n2, n):
+                h0 = (xr[j] - mu) * rs
+                e0 = <double>dyr[j] * gr[j]
+                a0 += e0
+                c0 += e0 * h0
+                dgr[j] += dyr[j] * h0
+                dbr[j] += dyr[j]
+            ma = (a0 + a1) / n
+            mc = (c0 + c1) / n
+            for j in range(n):
+                h0 = (xr[j] - mu) * rs
+                dxr[j] = <floating_t>(rs * ((<double>dyr[j] * gr[j] - ma) - h0 * mc))
+
+
+cdef bint _ln_qualifies(x, params):
+    if type(x) is not np.ndarray or x.ndim != 3 or x.dtype.num not in (_F32, _F64):
+        return False
+    for p in params:
+        if type(p) is not np.ndarray or p.dtype != x.dtype or p.ndim != 2 \
+                or p.shape[0] != x.shape[0]:
+            return False
+    return True
+
+
+def layer_norm(x, gamma, beta, double eps):
+    """LayerNorm of the rows (last axis) of a stack `x` (D, R, N): ``(y, mean,
+    variance)`` with y (D, R, N) and the statistics (D, R), in x's dtype; `gamma` and
+    `beta` (D, N) per device. The statistics are accumulated in float64 and y computed
+    in float64 from them. None when the inputs do not qualify (float32/float64 arrays of
+    one dtype, those shapes): the caller uses numpy."""
+    if not _ln_qualifies(x, (gamma, beta)) or gamma.shape[1] != x.shape[2] \
+            or beta.shape[1] != x.shape[2]:
+        return None
+    x, gamma, beta = (np.ascontiguousarray(a) for a in (x, gamma, beta))
+    nd, nr, n = x.shape[0], x.shape[1], x.shape[2]
+    y = np.empty((nd, nr, n), x.dtype)
+    mean = np.empty((nd, nr), x.dtype)
+    var = np.empty((nd, nr), x.dtype)
+    if nd * nr * n == 0:
+        mean[...] = np.nan
+        var[...] = np.nan
+        return y, mean, var
+    if x.dtype.num == _F32:
+        _ln_f32(x, gamma, beta, eps, y, mean, var)
+    else:
+        _ln_f64(x, gamma, beta, eps, y, mean, var)
+    return y, mean, var
+
+
+cdef void _ln_f32(const float[:, :, ::1] x, const float[:, ::1] g, const float[:, ::1] b,
+                  double eps, float[:, :, ::1] y, float[:, ::1] m, float[:, ::1] v):
+    with nogil:
+        _ln_forward(x, g, b, eps, y, m, v)
+
+
+cdef void _ln_f64(const double[:, :, ::1] x, const double[:, ::1] g,
+                  const double[:, ::1] b, double eps, double[:, :, ::1] y,
+                  double[:, ::1] m, double[:, ::1] v):
+    with nogil:
+        _ln_forward(x, g, b, eps, y, m, v)
+
+
+def layer_norm_grad(x, dy, mean, var, gamma, double eps):
+    """The gradients of :func:`layer_norm` for the output gradient `dy` (D, R, N), from
+    x (D, R, N), its statistics `mean` and `var` (D, R) and `gamma` (D, N): ``(dx,
+    dgamma, dbeta)`` with dx = rstd (d - mean(d) - xhat mean(d xhat)), d = dy gamma,
+    xhat = (x - mean) rstd, rstd = 1 / sqrt(var + eps), and per device the sums over its
+    rows dgamma = sum(dy xhat), dbeta = sum(dy) (D, N), accumulated in float64 and given
+    in x's dtype. None when the inputs do not qualify (as :func:`layer_norm`)."""
+    if not _ln_qualifies(x, (mean, var, gamma)) or type(dy) is not np.ndarray \
+            or dy.dtype != x.dtype or dy.shape != x.shape \
+            or mean.shape[1] != x.shape[1] or var.shape[1] != x.shape[1] \
+            or gamma.shape[1] != x.shape[2]:
+        return None
+    x, dy, mean, var, gamma = (np.ascontiguousarray(a) for a in (x, dy, mean, var, gamma))
+    nd, nr, n = x.shape[0], x.shape[1], x.shape[2]
+    dx = np.empty((nd, nr, n), x.dtype)
+    dg = np.zeros((nd, n), np.float64)
+    db = np.zeros((nd, n), np.float64)
+    if nd * nr * n:
+        if x.dtype.num == _F32:
+            _lng_f32(x, dy, mean, var, gamma, eps, dx, dg, db)
+        else:
+            _lng_f64(x, dy, mean, var, gamma, eps, dx, dg, db)
+    return dx, dg.astype(x.dtype, copy=False), db.astype(x.dtype, copy=False)
+
+
+cdef void _lng_f32(const float[:, :, ::1] x, const float[:, :, ::1] dy,
+                   const float[:, ::1] m, const float[:, ::1] v, const float[:, ::1] g,
+                   double eps, float[:, :, ::1] dx, double[:, ::1] dg, double[:, ::1] db):
+    with nogil:
+        _ln_backward(x, dy, m, v, g, eps, dx, dg, db)
+
+
+cdef void _lng_f64(const double[:, :, ::1] x, const double[:, :, ::1] dy,
+                   const double[:, ::1] m, const double[:, ::1] v,
+                   const double[:, ::1] g, double eps, double[:, :, ::1] dx,
+                   double[:, ::1] dg, double[:, ::1] db):
+    with nogil:
+        _ln_backward(x, dy, m, v, g, eps, dx, dg, db)

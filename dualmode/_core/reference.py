@@ -40,3 +40,26 @@ def sparse_xent_grad(probs, labels, g):
     d = probs * g[:, None]
     d[np.arange(labels.shape[0]), labels] -= g
     return d
+
+
+def layer_norm(x, gamma, beta, eps):
+    """Reference for `_kernels.layer_norm`: a stack x (D, R, N) normalised along its
+    rows in float64, gamma and beta (D, N); (y, mean, variance) in x's dtype."""
+    x64 = np.asarray(x, np.float64)
+    mean = x64.mean(axis=2)
+    centred = x64 - mean[..., None]
+    var = np.square(centred).mean(axis=2)
+    y = centred / np.sqrt(var + eps)[..., None] * gamma[:, None] + beta[:, None]
+    return y.astype(x.dtype), mean.astype(x.dtype), var.astype(x.dtype)
+
+
+def layer_norm_grad(x, dy, mean, var, gamma, eps):
+    """Reference for `_kernels.layer_norm_grad`, in float64: (dx, dgamma, dbeta) with
+    dgamma and dbeta each device's sums over its rows."""
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    rstd = 1.0 / np.sqrt(np.asarray(var, np.float64) + eps)[..., None]
+    xhat = (x64 - np.asarray(mean, np.float64)[..., None]) * rstd
+    d = dy64 * np.asarray(gamma, np.float64)[:, None]
+    dx = rstd * (d - d.mean(axis=2, keepdims=True)
+                 - xhat * (d * xhat).mean(axis=2, keepdims=True))
+    return dx, (dy64 * xhat).sum(axis=1), dy64.sum(axis=1)

@@ -9,15 +9,20 @@ Backward rules are written with ops, so sharded gradients reduce as any sum does
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from .._core import _kernels
+from .._core import reference as _reference
 from . import _array as A
 from . import _math as M
 from ._nn import unused_grad
 from ._registry import (apply, check_float, check_same_dtype, checked_once, const, norm_axes,
                         norm_axis, register)
 
-__all__ = ["LAYER_NORM", "L2_NORMALIZE", "layer_norm", "layer_norm_op", "layer_norm_stack",
+__all__ = ["LAYER_NORM", "LAYER_NORM_GRAD", "L2_NORMALIZE", "layer_norm", "layer_norm_op",
+           "layer_norm_stack", "layer_norm_grad_stack",
            "layer_norm_axes", "l2_normalize", "l2_normalize_axes", "l2_normalize_stack"]
 
 
@@ -67,12 +72,29 @@ def _per_device(stack, rank):
     return stack.reshape((stack.shape[0],) + (1,) * (rank - (stack.ndim - 1)) + stack.shape[1:])
 
 
+def _rows(stack, begin):
+    """A stack (D, *dims) as (D, rows, n): the dims before `begin` (of dims) made one
+    axis of rows, those from it one axis of n."""
+    d = stack.shape[0]
+    return stack.reshape(d, math.prod(stack.shape[1:begin + 1]), math.prod(stack.shape[begin + 1:]))
+
+
 def layer_norm_stack(attrs, xs, gammas, betas):
     """LayerNorm on a stack: xs (D, *shape), gammas and betas (D, *shape[begin_params_axis:]);
     returns the (y, mean, variance) stacks, the statistics over the dims from
-    begin_norm_axis (kept as 1s), accumulated in float64."""
+    begin_norm_axis (kept as 1s), accumulated in float64. With gamma over the
+    normalised dims (begin_params_axis = begin_norm_axis) in float32/float64, one
+    Cython pass per row (:func:`dualmode._core._kernels.layer_norm`)."""
     nd = xs.ndim - 1
-    axes = tuple(range(attrs["begin_norm_axis"] + 1, nd + 1))
+    bna = attrs["begin_norm_axis"]
+    stats_shape = xs.shape[:bna + 1] + (1,) * (nd - bna)
+    if attrs["begin_params_axis"] == bna:
+        out = _kernels.layer_norm(_rows(xs, bna), _rows(gammas, 0)[:, 0],
+                                  _rows(betas, 0)[:, 0], attrs["epsilon"])
+        if out is not None:
+            y, mean, var = out
+            return y.reshape(xs.shape), mean.reshape(stats_shape), var.reshape(stats_shape)
+    axes = tuple(range(bna + 1, nd + 1))
     x64 = xs.astype(np.float64)
     mean = x64.mean(axis=axes, keepdims=True)
     centred = x64 - mean
@@ -98,10 +120,14 @@ def _bw_layer_norm(node, gy, g_mean, g_var):
     attrs = node.attrs
     nd = len(x.shape)
     bna, bpa = attrs["begin_norm_axis"], attrs["begin_params_axis"]
+    need = [node.needs_grad(i) for i in range(3)]
+    if bna == bpa and unused_grad(g_mean) and unused_grad(g_var) and not unused_grad(gy):
+        # the common case, one fused op: LayerNormGrad
+        grads = apply(LAYER_NORM_GRAD, attrs, (x, gy, var, mean, gamma))
+        return tuple(g if n else None for g, n in zip(grads, need))
     norm = tuple(range(bna, nd))
     lead = tuple(range(bpa))
     count = int(np.prod(x.shape[bna:]))
-    need = [node.needs_grad(i) for i in range(3)]
     rstd = M.div(A.ones_like(var), M.sqrt(M.add(var, float(attrs["epsilon"]))))
     centred = M.sub(x, mean)
     xhat = M.mul(centred, rstd)
@@ -126,6 +152,65 @@ def _bw_layer_norm(node, gy, g_mean, g_var):
 
 LAYER_NORM = register(LN_NAME, infer=_infer_layer_norm, kernel=_layer_norm_kernel,
                       backward=_bw_layer_norm, save_outputs=True, multi_output=True)
+
+
+# LayerNormGrad (x, dy, variance, mean, gamma) -> (dx, dgamma, dbeta): LayerNorm's
+# backward as one op when gamma spans the normalised dims and only y's gradient flows
+LNG_NAME = "LayerNormGrad"
+_LNG_SEEN: dict = {}
+
+
+def _infer_layer_norm_grad(attrs, x, dy, var, mean, gamma):
+    key = (x.shape, dy.shape, var.shape, mean.shape, gamma.shape, x.dtype, dy.dtype,
+           var.dtype, mean.dtype, gamma.dtype, attrs["begin_norm_axis"],
+           attrs["begin_params_axis"])
+    return checked_once(_LNG_SEEN, key, _check_layer_norm_grad, attrs, x, dy, var, mean,
+                        gamma)
+
+
+def _check_layer_norm_grad(attrs, x, dy, var, mean, gamma):
+    check_float(LNG_NAME, x)
+    check_same_dtype(LNG_NAME, (x, dy, var, mean, gamma))
+    bna, bpa = attrs["begin_norm_axis"], attrs["begin_params_axis"]
+    shape = tuple(x.shape)
+    if bna != bpa or not 0 <= bna < len(shape):
+        raise ValueError(f"{LNG_NAME}: begin_norm_axis={bna} and begin_params_axis={bpa} "
+                         f"must be one axis of x of shape {shape}")
+    stats = shape[:bna] + (1,) * (len(shape) - bna)
+    for key, t, want in (("dy", dy, shape), ("variance", var, stats), ("mean", mean, stats),
+                         ("gamma", gamma, shape[bpa:])):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{LNG_NAME}: {key} has shape {tuple(t.shape)}; expected "
+                             f"{want} for x of shape {shape}")
+    params = (shape[bpa:], x.dtype)
+    return ((shape, x.dtype), params, params)
+
+
+def layer_norm_grad_stack(attrs, xs, dys, variances, means, gammas):
+    """LayerNormGrad on stacks (a leading device axis): ``(dx, dgamma, dbeta)``, dgamma
+    and dbeta each device's sums over its own rows. One Cython pass per row in
+    float32/float64 (:func:`dualmode._core._kernels.layer_norm_grad`), float64 numpy
+    otherwise."""
+    bna = attrs["begin_norm_axis"]
+    args = (_rows(xs, bna), _rows(dys, bna), _rows(means, bna)[..., 0],
+            _rows(variances, bna)[..., 0], _rows(gammas, 0)[:, 0], attrs["epsilon"])
+    out = _kernels.layer_norm_grad(*args)
+    if out is None:
+        out = [o.astype(xs.dtype) for o in _reference.layer_norm_grad(*args)]
+    dx, dg, db = out
+    return dx.reshape(xs.shape), dg.reshape(gammas.shape), db.reshape(gammas.shape)
+
+
+def _layer_norm_grad_kernel(attrs, x, dy, var, mean, gamma):
+    return tuple(o[0] for o in layer_norm_grad_stack(attrs, x[None], dy[None], var[None],
+                                                     mean[None], gamma[None]))
+
+
+LAYER_NORM_GRAD = register(LNG_NAME, infer=_infer_layer_norm_grad,
+                           kernel=_layer_norm_grad_kernel, multi_output=True, linear=(1,))
+# zero rows of x and dy (the pads of a batch that does not divide) give zero rows of dx
+# and add nothing to dgamma and dbeta: the kernel runs once on padded global values
+LAYER_NORM_GRAD.extras["pads_exact"] = True
 
 
 def layer_norm_op(x, gamma, beta, begin_norm_axis=1, begin_params_axis=1, epsilon=1e-7):

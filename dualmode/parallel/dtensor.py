@@ -225,6 +225,8 @@ def _pads_pass(op, kind) -> bool:
     batch needs one to which a zero row adds nothing (a product contracting the batch,
     a sum over it; not a mean, which counts the rows)."""
     fam = op.extras.get("family") or ()
+    if op.extras.get("pads_exact"):     # declared so by the op (zero rows in, zero rows out)
+        return kind in ("batch", "partial")
     if kind == "batch":
         return op.kind != KIND_GENERIC or fam[:1] in (("elementwise",), ("contract",),
                                                       ("reduce",))

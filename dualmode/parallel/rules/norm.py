@@ -102,3 +102,35 @@ def _layer_norm(attrs, lays, dtypes):
         return N.layer_norm_stack(attrs, *stacks)
 
     return ShardPlan((need_x, need_p, need_p), (need_x, stats, stats), local)
+
+
+# ---------------------------------------------------------------------------
+# LayerNormGrad (x, dy, variance, mean, gamma) -> (dx, dgamma, dbeta)
+# ---------------------------------------------------------------------------
+@register_rule("LayerNormGrad", per_device=True, uneven=True)
+def _layer_norm_grad(attrs, lays, dtypes):
+    """As LayerNorm: the rows keep x's split and the normalised dims are whole, so each
+    device computes dx for its rows; gamma is whole. dgamma and dbeta are each device's
+    sums over its rows: pending sums over the devices that split the rows. The op is
+    linear in dy, so a pending sum dy holds stays pending in every output (over axes
+    the rows are not split on)."""
+    if any(lay is None for lay in lays):
+        return None
+    x, dy = lays[0], lays[1]
+    dm = x.device_matrix
+    bna = attrs["begin_norm_axis"]
+    tmap = [m if d < bna else () for d, m in enumerate(x.tensor_map)]
+    rows = {a for m in tmap for a in m}
+    pending = tuple(a for a in dy.partial if a not in rows)
+    shape = x.shape
+    need_x = layout(dm, tmap, shape)
+    stats = layout(dm, tmap, shape[:bna] + (1,) * (len(shape) - bna))
+    params = shape[bna:]
+    need_g = layout(dm, ((),) * len(params), params)
+    summed = layout(dm, ((),) * len(params), params, rows | set(pending))
+
+    def local(attrs, stacks):
+        return N.layer_norm_grad_stack(attrs, *stacks)
+
+    return ShardPlan((need_x, layout(dm, tmap, shape, pending), stats, stats, need_g),
+                     (layout(dm, tmap, shape, pending), summed, summed), local)
