@@ -53,6 +53,21 @@ def test_sparse_xent_non_contiguous_inputs():
     np.testing.assert_allclose(probs, want_probs, rtol=1e-5)
 
 
+@pytest.mark.parametrize("c", [1024, 1021, 7])
+def test_sparse_xent_rows_give_the_same_bits_whatever_rows_come_with_them(c):
+    """A device holding some of the rows computes them as one device holding all does
+    (the exponentials are vectorised: a row's position must not change its bits)."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 3, (40, c)).astype(np.float32)
+    labels = rng.integers(0, c, 40)
+    loss, probs = _kernels.sparse_softmax_xent(logits, labels)
+    for k in (1, 3, 5):
+        parts = [_kernels.sparse_softmax_xent(logits[i:i + k], labels[i:i + k])
+                 for i in range(0, 40, k)]
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), loss)
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), probs)
+
+
 def test_sparse_xent_empty_batch():
     loss, probs = _kernels.sparse_softmax_xent(np.zeros((0, 3), np.float32),
                                                np.zeros(0, np.int32))

@@ -21,13 +21,13 @@ ctypedef fused index_t:
     long long
 
 
-cdef Py_ssize_t _sparse_xent(const floating_t[:, ::1] logits, const index_t[::1] labels,
-                             floating_t[:, ::1] probs, floating_t[::1] loss) noexcept nogil:
-    """Row-wise softmax into `probs` and -log softmax[label] into `loss`.
-
-    Returns -1, or the first row whose label is out of range."""
+cdef Py_ssize_t _xent_shift(const floating_t[:, ::1] logits, const index_t[::1] labels,
+                            floating_t[:, ::1] shifted, double[::1] row_max) noexcept nogil:
+    """Each row's max into `row_max` and the row minus it into `shifted` (numpy then
+    takes the exponentials, vectorised). Returns -1, or the first row whose label is out
+    of range."""
     cdef Py_ssize_t n = logits.shape[0], c = logits.shape[1], i, j
-    cdef double m, s, e
+    cdef floating_t m
     cdef index_t lab
     for i in range(n):
         lab = labels[i]
@@ -37,19 +37,41 @@ cdef Py_ssize_t _sparse_xent(const floating_t[:, ::1] logits, const index_t[::1]
         for j in range(1, c):
             if logits[i, j] > m:
                 m = logits[i, j]
-        s = 0.0
         for j in range(c):
-            e = exp(logits[i, j] - m)
-            probs[i, j] = <floating_t>e
-            s += e
-        for j in range(c):
-            probs[i, j] = <floating_t>(probs[i, j] / s)
-        loss[i] = <floating_t>(log(s) + m - logits[i, lab])
+            shifted[i, j] = logits[i, j] - m
+        row_max[i] = m
     return -1
 
 
+cdef void _xent_finish(const floating_t[:, ::1] logits, const index_t[::1] labels,
+                       floating_t[:, ::1] probs, const double[::1] row_max,
+                       floating_t[::1] loss) noexcept nogil:
+    """`probs` holding exp(logit - max) per row: its sum in float64 (four partial sums),
+    the row scaled to the softmax, and -log softmax[label] = log(sum) + max - logit."""
+    cdef Py_ssize_t n = logits.shape[0], c = logits.shape[1], c4 = c - c % 4, i, j
+    cdef double s0, s1, s2, s3, s, r
+    cdef floating_t* p
+    for i in range(n):
+        p = &probs[i, 0]
+        s0 = s1 = s2 = s3 = 0.0
+        for j in range(0, c4, 4):
+            s0 += p[j]
+            s1 += p[j + 1]
+            s2 += p[j + 2]
+            s3 += p[j + 3]
+        for j in range(c4, c):
+            s0 += p[j]
+        s = (s0 + s1) + (s2 + s3)
+        r = 1.0 / s
+        for j in range(c):
+            p[j] = <floating_t>(p[j] * r)
+        loss[i] = <floating_t>(log(s) + row_max[i] - logits[i, labels[i]])
+
+
 def sparse_softmax_xent(logits, labels):
-    """Per-row softmax cross-entropy with integer labels.
+    """Per-row softmax cross-entropy with integer labels: each row shifted by its max,
+    numpy's vectorised exp in place, then each row's sum in float64 scales it to the
+    softmax and gives the loss log(sum) + max - logit[label].
 
     Parameters
     ----------
@@ -78,14 +100,14 @@ def sparse_softmax_xent(logits, labels):
     cdef Py_ssize_t bad
     if logits.dtype == np.float32:
         if labels_c.dtype == np.int32:
-            bad = _run_f_i(logits, labels_c, probs, loss)
+            bad = _run_xent[float, int](logits, labels_c, probs, loss, probs)
         else:
-            bad = _run_f_l(logits, labels_c, probs, loss)
+            bad = _run_xent[float, 'long long'](logits, labels_c, probs, loss, probs)
     elif logits.dtype == np.float64:
         if labels_c.dtype == np.int32:
-            bad = _run_d_i(logits, labels_c, probs, loss)
+            bad = _run_xent[double, int](logits, labels_c, probs, loss, probs)
         else:
-            bad = _run_d_l(logits, labels_c, probs, loss)
+            bad = _run_xent[double, 'long long'](logits, labels_c, probs, loss, probs)
     else:
         raise TypeError(f"sparse_softmax_xent: logits dtype {logits.dtype} is not "
                         f"supported; expected float32 or float64")
@@ -95,28 +117,19 @@ def sparse_softmax_xent(logits, labels):
     return loss, probs
 
 
-cdef Py_ssize_t _run_f_i(const float[:, ::1] x, const int[::1] y, float[:, ::1] p,
-                         float[::1] l):
+cdef Py_ssize_t _run_xent(const floating_t[:, ::1] x, const index_t[::1] y,
+                          floating_t[:, ::1] p, floating_t[::1] l, object probs):
+    cdef Py_ssize_t bad
+    row_max = np.empty(x.shape[0], np.float64)
+    cdef double[::1] m = row_max
     with nogil:
-        return _sparse_xent(x, y, p, l)
-
-
-cdef Py_ssize_t _run_f_l(const float[:, ::1] x, const long long[::1] y, float[:, ::1] p,
-                         float[::1] l):
+        bad = _xent_shift(x, y, p, m)
+    if bad >= 0 or x.shape[1] == 0:
+        return bad
+    np.exp(probs, out=probs)                # numpy's vectorised exp, in place
     with nogil:
-        return _sparse_xent(x, y, p, l)
-
-
-cdef Py_ssize_t _run_d_i(const double[:, ::1] x, const int[::1] y, double[:, ::1] p,
-                         double[::1] l):
-    with nogil:
-        return _sparse_xent(x, y, p, l)
-
-
-cdef Py_ssize_t _run_d_l(const double[:, ::1] x, const long long[::1] y,
-                         double[:, ::1] p, double[::1] l):
-    with nogil:
-        return _sparse_xent(x, y, p, l)
+        _xent_finish(x, y, p, m, l)
+    return -1
 
 
 cdef void _sub_scaled_loop(floating_t[::1] w, const floating_t[::1] g,
