@@ -26,6 +26,11 @@ group owns 1/n of the weight's slice. A step of a sharded weight is then:
    Parameter's deferred value): its whole value is AllGathered (reason
    "parallel_optimizer") where it is next read — the next forward pass, ``asnumpy``,
    a checkpoint — and the next update reads the slices themselves (no cut, no copy).
+   When this process holds every device and the weight's layout repeats its blocks
+   (over the gathered axes at least), the Parameter's deferred value is instead a
+   :class:`~dualmode.parallel.replicas.ReplicaBlocks` made by that gather: each
+   distinct block written once, read as a device grid by the readers that take one,
+   the replicas written only for a reader of the whole stack.
 
 With ``comm_fusion`` entries "reducescatter" / "allgather" the ReduceScatters and the
 AllGathers are bucketed (one collective per bucket), as the other gradient collectives
@@ -62,8 +67,9 @@ from .grad_reduce import (bucket_name, fuse_gradient_moves, fused_bucket, groupe
 from .moves import redistribute_tensor
 from .pipeline import parameter_stage
 from .devices import live_backend
-from .redistribution.executor import execute
+from .redistribution.executor import execute, run_plan_grid
 from .redistribution.planner import plan_redistribution
+from .replicas import ReplicaBlocks, worth_storing_once
 from .tensor_layout import TensorLayout
 
 __all__ = ["shard_layout", "settings", "plan", "ParameterShards", "GatherOnRead",
@@ -257,10 +263,19 @@ class GatherOnRead(Deferred):
         self.slices, self.slice_layout = slices, slice_layout
         self.whole_bytes = whole_bytes
         self.out = None                   # the gathered array, once read
+        # what the Parameter holds: this, or the ReplicaBlocks whose grid it gathers
+        self.view = self
+
+    def gathered(self) -> np.ndarray:
+        """The gathered value (gathered now unless it already was): the stack, the
+        whole value, or for a :class:`ReplicaBlocks` view its grid of distinct blocks;
+        an array of its own (it never shares memory with the slices)."""
+        if self.out is None:
+            self.out = self.gathers.take(self.k)
+        return self.out
 
     def _write(self):
-        self.out = self.gathers.take(self.k)
-        return self.out
+        return self.gathered()
 
     @property
     def device_bytes(self) -> int:
@@ -273,15 +288,25 @@ class GatherOnRead(Deferred):
     def holds(self, p) -> bool:
         """Is this still `p`'s value (not replaced since: ``set_data``, a checkpoint
         loaded, an assignment)?"""
-        return p._lazy is self or (p._lazy is None and self.out is not None
-                                   and p._arr is self.out)
+        view = self.view
+        if p._lazy is view:
+            return True
+        if p._lazy is not None or self.out is None:
+            return False
+        if view is self:
+            return p._arr is self.out
+        return view._written and p._arr is view.materialize()    # the stack it wrote
+
+    def _stack_copy(self) -> np.ndarray:
+        view = self.view
+        return np.array(self.materialize()) if view is self else view.stack_copy()
 
     def __deepcopy__(self, memo):
         # a copy of the Parameter: the gathered value, an array of its own
-        return _Value(np.array(self.materialize()))
+        return _Value(self._stack_copy())
 
     def __reduce__(self):
-        return _Value, (np.array(self.materialize()),)
+        return _Value, (self._stack_copy(),)
 
 
 class _Value(Deferred):
@@ -312,7 +337,9 @@ class _Gathers:
 
     def __init__(self, backend, entries, units):
         self.backend = backend
-        self.entries = entries      # (name, slice layout, weight layout or None, stack, plan)
+        # (name, slice layout, weight layout or None, stack, plan, as a grid of distinct
+        # blocks: see :func:`_as_grid`)
+        self.entries = entries
         self.units = units          # (positions, (members, axes) when fused, else None)
         self.unit_of = {k: u for u, (ks, _) in enumerate(units) for k in ks}
         self.outs = {}
@@ -336,21 +363,47 @@ class _Gathers:
             else:
                 outs = backend.all_gather_fused(stacks, members, axes)
         else:
-            name, _, _, stack, plan_ = self.entries[ks[0]]
+            name, _, _, stack, plan_, as_grid = self.entries[ks[0]]
+            if as_grid:
+                self.outs[ks[0]] = _grid(plan_, stack, backend, name)
+                return
             outs = [execute(plan_, stack, backend, op_name=name, reason=_REASON)]
         for k, out in zip(ks, outs):
-            self.outs[k] = _own(as_stack(out), self.entries[k][2] is None)
+            self.outs[k] = _own(as_stack(out), self.entries[k][2] is None, self.entries[k][3])
 
 
-def _own(stack, whole) -> np.ndarray:
+def _as_grid(use, dtype, backend) -> bool:
+    """Is a weight in layout `use` (None: whole) gathered into a grid of its distinct
+    blocks (a :class:`ReplicaBlocks`)? When the update's `backend` holds every device
+    and the layout is worth storing so (``replicas.worth_storing_once``)."""
+    return use is not None and len(backend.local_ranks) == use.device_num \
+        and worth_storing_once(use, dtype)
+
+
+def _grid(plan_, stack, backend, name) -> np.ndarray:
+    """The AllGather `plan_` of the slices `stack` as the grid of the destination's
+    distinct blocks (1 along the axes that split nothing), recorded as the collective:
+    the whole value assembled once from the slices (one copy, no replica written)."""
+    grid = run_plan_grid(plan_, stack, backend, op_name=name, reason=_REASON)
+    if grid is None:
+        raise RuntimeError(f"parallel optimizer: cannot gather parameter {name!r} as a grid "
+                           f"of its blocks: this process does not hold every device")
+    if np.may_share_memory(grid, stack):      # a view of the slices the update writes
+        grid = np.array(grid)
+    return grid
+
+
+def _own(stack, whole, slices) -> np.ndarray:
     """The gathered `stack` as the weight stores it: its first device's block when
     the weight is a whole value (`whole`), else the stack; copied when it is a view
-    into a larger buffer (a fused collective's), which it would keep alive."""
+    into a larger buffer (a fused collective's), which it would keep alive, or into
+    the `slices` the next update writes in place."""
     value = stack[0] if whole else stack
     base = value
     while isinstance(base.base, np.ndarray):
         base = base.base
-    if base is not value and base.nbytes > value.nbytes:
+    if (base is not value and base.nbytes > value.nbytes) or \
+            np.may_share_memory(value, slices):
         value = np.array(value)
     return value
 
@@ -450,7 +503,7 @@ class ParameterShards:
             use = use_layout(p)
             dst = use or TensorLayout.replicated(tuple(p.shape), src.device_num)
             plan_ = plan_redistribution(src, dst, np.dtype(p.dtype).itemsize)
-            entries.append((p.name, src, use, stack, plan_))
+            entries.append([p.name, src, use, stack, plan_, False])
             step = single_step(plan_, "AllGather") if fusion else None
             sizes.append(math.prod(dst.local_shape) * np.dtype(p.dtype).itemsize)
             if step is None:
@@ -467,15 +520,21 @@ class ParameterShards:
                                              [groups[k][1] for k in bucket])))
                 done.update(bucket)
         units += [([k], None) for k in range(len(order)) if k not in done]
-        gathers = _Gathers(_backend(), entries, units)
+        backend = _backend()
+        for k in range(len(order)):
+            if k not in done:               # a weight gathered alone
+                entries[k][5] = _as_grid(entries[k][2], updated[order[k]].dtype, backend)
+        gathers = _Gathers(backend, entries, units)
         for k, i in enumerate(order):
             p, stack = self.params[i], updated[i]
-            shape = tuple(p.shape) if entries[k][2] is None else \
-                (stack.shape[0],) + tuple(entries[k][2].local_shape)
+            use = entries[k][2]
+            shape = tuple(p.shape) if use is None else (stack.shape[0],) + tuple(use.local_shape)
             pending = GatherOnRead(gathers, k, shape, p.dtype, stack, self.layouts[i],
                                    sizes[k])
+            if entries[k][5]:
+                pending.view = ReplicaBlocks(None, use, source=pending)
             p._data = None
-            p._lazy = pending
+            p._lazy = pending.view
             p._init = None
             self.kept[i] = pending
 
@@ -485,6 +544,8 @@ def stored_slices(p):
     optimizer slices and its whole value is not gathered yet (between steps); else
     None."""
     lazy = p._lazy
+    if type(lazy) is ReplicaBlocks:             # gathered into a grid on first use
+        lazy = lazy.source
     if type(lazy) is GatherOnRead and lazy.out is None:
         return lazy.slice_layout, lazy.slices
     return None
