@@ -131,9 +131,8 @@ def _stack_path(monkeypatch):
 def test_steps_equal_one_device(opt_name, shard_size, fusion):
     """Three steps with dp x mp layouts (w2 cut into 2 slices of its 4 copies with
     ``optimizer_weight_shard_size=2``): losses and weights equal the single device's.
-    Gathered alone, the weights are stored as grids of their distinct blocks made on
-    the first read (their slices kept); w1 and v1 in one fused bucket as their slices
-    to gather into stacks (w2, alone in its device group, still into a grid)."""
+    Alone or in a fused bucket (w1 and v1 with comm_fusion), the weights are stored as
+    grids of their distinct blocks made on the first read, their slices kept."""
     want_losses, want = _single(opt_name, 3)
     extra = {"comm_fusion": FUSION} if fusion else {}
     with _parallel(shard_size=shard_size, **extra):
@@ -144,8 +143,7 @@ def test_steps_equal_one_device(opt_name, shard_size, fusion):
             kinds.append({p.name: type(p._lazy) for p in (net.w1, net.v1, net.w2)})
             assert all(stored_slices(getattr(net, n)) is not None for n in SPLIT)
         got = _weights(net)
-    lazy = GatherOnRead if fusion else ReplicaBlocks
-    assert kinds == [{"w1": lazy, "v1": lazy, "w2": ReplicaBlocks}] * 3
+    assert kinds == [{"w1": ReplicaBlocks, "v1": ReplicaBlocks, "w2": ReplicaBlocks}] * 3
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     _assert_same(got, want[-1])
 
@@ -172,19 +170,26 @@ def test_graph_mode_steps_equal_one_device(opt_name):
     _assert_same(got, want[-1])
 
 
+@pytest.mark.parametrize("fusion", [False, True], ids=["alone", "fused"])
 @pytest.mark.parametrize("mode", ["semi_auto_parallel", "data_parallel"])
-def test_the_grid_path_gives_the_stack_paths_numbers_bit_for_bit(mode, monkeypatch):
+def test_the_grid_path_gives_the_stack_paths_numbers_bit_for_bit(mode, fusion, monkeypatch):
     """The same three Adam steps gathering into grids and into stacks: equal losses and
-    weights, bit for bit (a gather only copies)."""
+    weights, bit for bit (a gather only copies). data_parallel's whole weights are
+    gathered into values (in one fused bucket with comm_fusion) either way."""
+    extra = {"comm_fusion": FUSION} if fusion else {}
+
     def run():
-        with _parallel(mode):
+        with _parallel(mode, **extra):
             net, _, step = _build(strategies=mode != "data_parallel")
             losses = [float(step(Tensor(X), Tensor(Y)).asnumpy()) for _ in range(3)]
-            return losses, _weights(net)
+            kinds = {type(getattr(net, n)._lazy) for n in SPLIT}
+            return losses, _weights(net), kinds
 
-    grid_losses, grid_weights = run()
+    grid_losses, grid_weights, kinds = run()
+    assert kinds == {GatherOnRead if mode == "data_parallel" else ReplicaBlocks}
     _stack_path(monkeypatch)
-    stack_losses, stack_weights = run()
+    stack_losses, stack_weights, kinds = run()
+    assert kinds == {GatherOnRead}
     assert grid_losses == stack_losses
     for name in W:
         np.testing.assert_array_equal(grid_weights[name], stack_weights[name], err_msg=name)

@@ -67,7 +67,7 @@ from .grad_reduce import (bucket_name, fuse_gradient_moves, fused_bucket, groupe
 from .moves import redistribute_tensor
 from .pipeline import parameter_stage
 from .devices import live_backend
-from .redistribution.executor import execute, run_plan_grid
+from .redistribution.executor import execute, global_value, run_plan_grid
 from .redistribution.planner import plan_redistribution
 from .replicas import ReplicaBlocks, worth_storing_once
 from .tensor_layout import TensorLayout
@@ -355,6 +355,11 @@ class _Gathers:
         backend = self.backend
         if fused is not None:
             members, axes = fused
+            if self.entries[ks[0]][5]:          # every member into a grid of its blocks
+                for k, grid in zip(ks, _fused_grids(backend, [self.entries[k] for k in ks],
+                                                    members)):
+                    self.outs[k] = grid
+                return
             stacks = [self.entries[k][3] for k in ks]
             if trace._STATE.reports:
                 names = [self.entries[k][0] for k in ks]
@@ -391,6 +396,28 @@ def _grid(plan_, stack, backend, name) -> np.ndarray:
     if np.may_share_memory(grid, stack):      # a view of the slices the update writes
         grid = np.array(grid)
     return grid
+
+
+def _fused_grids(backend, entries, members) -> list:
+    """The grids of :func:`_grid` for the members `entries` of a fused bucket, gathered
+    over the device groups `members`, recorded as the one AllGather
+    ``backend.all_gather_fused`` records (the summed slice bytes; input plus output
+    buffers as the memory note)."""
+    grids = []
+    for _, src, use, stack, _, _ in entries:
+        grid = use.local_blocks_grid(global_value(stack, src))
+        if np.may_share_memory(grid, stack):
+            grid = np.array(grid)
+        grids.append(grid)
+    plan_ = backend.plan("fused_all_gather", members)
+    if trace.GROUP_SINKS:
+        trace.note_groups(plan_.members)
+    if trace._STATE.reports:
+        ins = sum(math.prod(e[3].shape[1:]) * e[3].itemsize for e in entries)
+        with comm_cause(bucket_name([e[0] for e in entries], "parameters"), _REASON):
+            trace.record("AllGather", plan_.group_size, plan_.num_groups, ins, None)
+            trace.note_memory(ins + ins * plan_.group_size)
+    return grids
 
 
 def _own(stack, whole, slices) -> np.ndarray:
@@ -521,9 +548,11 @@ class ParameterShards:
                 done.update(bucket)
         units += [([k], None) for k in range(len(order)) if k not in done]
         backend = _backend()
-        for k in range(len(order)):
-            if k not in done:               # a weight gathered alone
-                entries[k][5] = _as_grid(entries[k][2], updated[order[k]].dtype, backend)
+        for ks, _ in units:                 # a unit's weights into grids: all or none
+            grids = all(_as_grid(entries[k][2], updated[order[k]].dtype, backend)
+                        for k in ks)
+            for k in ks:
+                entries[k][5] = grids
         gathers = _Gathers(backend, entries, units)
         for k, i in enumerate(order):
             p, stack = self.params[i], updated[i]
