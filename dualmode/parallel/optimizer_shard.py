@@ -255,7 +255,11 @@ class GatherOnRead(Deferred):
     first read of the Parameter's ``_data``. The gather runs for every weight of its
     ``comm_fusion["allgather"]`` bucket at once (one fused AllGather) and is reported
     with reason "parallel_optimizer" under the weights' names. Readers of the shape,
-    dtype, name or layout do not gather."""
+    dtype, name or layout do not gather.
+
+    When the weight is gathered into a grid of its distinct blocks, the Parameter holds
+    :attr:`view`, a :class:`~dualmode.parallel.replicas.ReplicaBlocks` whose source is
+    this object (which stays the optimizer's record of the slices)."""
 
     def __init__(self, gathers, k, shape, dtype, slices, slice_layout, whole_bytes):
         super().__init__(shape, dtype)
