@@ -28,10 +28,11 @@ def _per_device_sums(a, b, dm, axes):
                                      ((2, 2, 2), (0, 2))])
 @pytest.mark.parametrize("b_repeats", [False, True])
 @pytest.mark.parametrize("k", [5, rules.JOIN_BELOW_K + 3])
-def test_contract_groups_equals_the_per_device_products_summed(dm, axes, b_repeats, k):
-    """Both routes: a short contracted length joins the blocks into one GEMM (copying a
-    row-major first operand), a long one adds the per-device products; a column-major
-    first operand whose blocks do not join as a view always takes the second."""
+def test_contract_groups_equals_the_per_device_products_summed(dm, axes, b_repeats, k,
+                                                                monkeypatch):
+    """Both routes: a short contracted length joins the blocks into one GEMM (copying
+    the first operand's blocks, by rows or, stored by columns, by rows of its
+    transpose), a long one adds the per-device products."""
     rng = np.random.default_rng(len(dm) * 10 + len(axes))
     m, c = 3, 4
     a = rng.standard_normal(dm + (m, k))
@@ -47,8 +48,13 @@ def test_contract_groups_equals_the_per_device_products_summed(dm, axes, b_repea
     # transposed (non-contiguous) operands, as the MatMul rule passes them
     at = np.swapaxes(rng.standard_normal(dm + (k, m)), -1, -2)
     bt = np.swapaxes(rng.standard_normal(dm + (c, k)), -1, -2)
+    joined = []
+    real = rules._joined_product
+    monkeypatch.setattr(rules, "_joined_product", lambda *a: joined.append(1) or real(*a))
     np.testing.assert_allclose(contract_groups(at, bt, dm, axes),
                                _per_device_sums(at, bt, dm, axes), rtol=1e-12)
+    if k < rules.JOIN_BELOW_K:
+        assert joined, "a short contraction joins its blocks into one GEMM per group"
 
 
 def test_matmul_1x8_8x1_equals_one_device_and_moves_one_reduce():

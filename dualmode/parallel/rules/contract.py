@@ -359,8 +359,10 @@ def contract_groups(a, b, dm, axes):
 
     - joined: the blocks of the contracted dim concatenated (in the order the axes split
       it) into one GEMM per group -- when `a`'s blocks join without a copy, or its
-      per-device contracted length is short (below :data:`JOIN_BELOW_K`) and it is
-      stored by rows, so the copy is cheap and the longer GEMM much faster;
+      per-device contracted length is short (below :data:`JOIN_BELOW_K`), so the copy
+      is cheap and the longer GEMM faster (an `a` stored by columns, the transposed
+      activations of a weight gradient, is joined as the rows of its transpose, so
+      each block is one contiguous copy);
     - per device: each device's block product in one batched ``matmul`` over the grid
       (a weight repeated over the other axes broadcasts, not copied), added over `axes`
       -- an m x c addition per device instead of copying the m x k blocks.
@@ -372,8 +374,13 @@ def contract_groups(a, b, dm, axes):
     unwritten (a :class:`~dualmode.communication.totals.DeferredShares`)."""
     axes = tuple(axes)
     a2 = _merge_blocks(a, axes, 1, copy=False)
-    if a2 is None and a.shape[-1] < JOIN_BELOW_K and a.strides[-1] <= a.strides[-2]:
-        a2 = _merge_blocks(a, axes, 1)
+    if a2 is None and a.shape[-1] < JOIN_BELOW_K:
+        if a.strides[-1] <= a.strides[-2]:
+            a2 = _merge_blocks(a, axes, 1)
+        else:
+            # stored by columns (a transposed operand: a weight gradient's activations):
+            # its transpose's blocks stacked, one contiguous copy each, and viewed back
+            a2 = np.swapaxes(_merge_blocks(np.swapaxes(a, -1, -2), axes, 0), -1, -2)
     if a2 is not None:
         total = _joined_product(a, b, dm, axes, a2)
     else:
