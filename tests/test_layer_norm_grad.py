@@ -217,10 +217,10 @@ class _Block(nn.Cell):
     """x -> LayerNorm (only y used) -> MatMul with `mm` (column-parallel when it splits
     the weight's columns: the gradient reaching y is then a pending sum)."""
 
-    def __init__(self, hidden, ln=None, mm=None):
+    def __init__(self, hidden, ln=None, mm=None, eps=1e-5):
         super().__init__()
         rng = np.random.default_rng(5)
-        self.ln = ops.LayerNorm(1, 1, 1e-5)
+        self.ln = ops.LayerNorm(1, 1, eps)
         self.mm = ops.MatMul()
         if ln is not None:
             self.ln.shard(ln)
@@ -238,12 +238,12 @@ class _Block(nn.Cell):
         return ops.reduce_mean(ops.square(self.mm(y, self.w)))
 
 
-def _run(n, mode, rows, ln=None, mm=None, outer=None, hidden=6):
+def _run(n, mode, rows, ln=None, mm=None, outer=None, hidden=6, eps=1e-5):
     x = _rand((rows, hidden), 1) * 2 + 0.5
     with devices(n, full_batch=True):
         if mode == "graph":
             dm.set_context(mode=dm.GRAPH_MODE)
-        net = _Block(hidden, ln, mm)
+        net = _Block(hidden, ln, mm, eps)
         f = net
         if n and mode == "ops.shard":
             f = ops.shard(lambda t: net(t), in_strategy=(outer,))
@@ -282,6 +282,29 @@ def test_sharded_layer_norm_grad_equals_single_device(case, mode, monkeypatch):
     got = _run(8, mode, rows, ln, mm)
     _assert_same(got, ref)
     assert calls, "the fused LayerNormGrad did not run"
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_epsilon_zero_with_rows_that_do_not_divide(mode):
+    """The zero rows padding the short pieces have nothing to normalise (their variance
+    and epsilon 0): they pass no gradient (before, NaN reached dgamma and dbeta)."""
+    ref = _run(None, "eager", 14, eps=0.0)
+    got = _run(8, mode, 14, ((4, 1), (1,), (1,)), ((4, 1), (1, 2)), eps=0.0)
+    _assert_same(got, ref)
+
+
+def test_layer_norm_grad_kernel_zero_row_with_epsilon_zero():
+    x = np.zeros((1, 2, 4), np.float32)
+    x[0, 1] = [1, 2, 3, 4]
+    g = np.ones((1, 4), np.float32)
+    dy = (x != 0).astype(np.float32)            # the zero row: a pad, no gradient
+    _, mean, var = K.layer_norm(x, g, g, 0.0)
+    dx, dg, db = K.layer_norm_grad(x, dy, mean, var, g, 0.0)
+    assert np.isfinite(dx).all() and np.isfinite(dg).all()
+    np.testing.assert_array_equal(dx[0, 0], 0)
+    want = R.layer_norm_grad(x[:, 1:], dy[:, 1:], mean[:, 1:], var[:, 1:], g, 0.0)
+    np.testing.assert_allclose(dg, want[1], rtol=1e-6)
+    np.testing.assert_allclose(db, want[2], rtol=1e-6)
 
 
 @pytest.mark.parametrize("outer", [(8, 1), (2, 4)], ids=["rows", "rows-and-cols"])

@@ -461,7 +461,10 @@ cdef void _ln_backward(const floating_t[:, :, ::1] x, const floating_t[:, :, ::1
             dyr = &dy[d, r, 0]
             dxr = &dx[d, r, 0]
             mu = mean[d, r]
-            rs = 1.0 / sqrt(<double>var[d, r] + eps)
+            rs = <double>var[d, r] + eps
+            # a row with nothing to normalise (epsilon 0, every element its mean: the
+            # zero rows padding a split that does not divide) passes no gradient
+            rs = 1.0 / sqrt(rs) if rs > 0.0 else 0.0
             a0 = a1 = c0 = c1 = 0.0
             for j in range(0, n2, 2):
                 h0 = (xr[j] - mu) * rs
