@@ -21,6 +21,21 @@ ctypedef fused index_t:
     long long
 
 
+cdef inline double _row_sum(const floating_t* p, Py_ssize_t n) noexcept nogil:
+    """The sum of p[0:n] in float64 as four partial sums (independent adds, so they
+    overlap), added in a fixed order: a row's sum does not depend on where it lies."""
+    cdef Py_ssize_t n4 = n - n % 4, j
+    cdef double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0
+    for j in range(0, n4, 4):
+        s0 += p[j]
+        s1 += p[j + 1]
+        s2 += p[j + 2]
+        s3 += p[j + 3]
+    for j in range(n4, n):
+        s0 += p[j]
+    return (s0 + s1) + (s2 + s3)
+
+
 cdef Py_ssize_t _xent_shift(const floating_t[:, ::1] logits, const index_t[::1] labels,
                             floating_t[:, ::1] shifted, double[::1] row_max) noexcept nogil:
     """Each row's max into `row_max` and the row minus it into `shifted` (numpy then
@@ -46,22 +61,14 @@ cdef Py_ssize_t _xent_shift(const floating_t[:, ::1] logits, const index_t[::1] 
 cdef void _xent_finish(const floating_t[:, ::1] logits, const index_t[::1] labels,
                        floating_t[:, ::1] probs, const double[::1] row_max,
                        floating_t[::1] loss) noexcept nogil:
-    """`probs` holding exp(logit - max) per row: its sum in float64 (four partial sums),
+    """`probs` holding exp(logit - max) per row: its sum in float64 (:func:`_row_sum`),
     the row scaled to the softmax, and -log softmax[label] = log(sum) + max - logit."""
-    cdef Py_ssize_t n = logits.shape[0], c = logits.shape[1], c4 = c - c % 4, i, j
-    cdef double s0, s1, s2, s3, s, r
+    cdef Py_ssize_t n = logits.shape[0], c = logits.shape[1], i, j
+    cdef double s, r
     cdef floating_t* p
     for i in range(n):
         p = &probs[i, 0]
-        s0 = s1 = s2 = s3 = 0.0
-        for j in range(0, c4, 4):
-            s0 += p[j]
-            s1 += p[j + 1]
-            s2 += p[j + 2]
-            s3 += p[j + 3]
-        for j in range(c4, c):
-            s0 += p[j]
-        s = (s0 + s1) + (s2 + s3)
+        s = _row_sum(p, c)
         r = 1.0 / s
         for j in range(c):
             p[j] = <floating_t>(p[j] * r)
@@ -409,15 +416,7 @@ cdef void _ln_forward(const floating_t[:, :, ::1] x, const floating_t[:, ::1] g,
         for r in range(nr):
             xr = &x[d, r, 0]
             yr = &y[d, r, 0]
-            s0 = s1 = s2 = s3 = 0.0
-            for j in range(0, n4, 4):
-                s0 += xr[j]
-                s1 += xr[j + 1]
-                s2 += xr[j + 2]
-                s3 += xr[j + 3]
-            for j in range(n4, n):
-                s0 += xr[j]
-            mu = ((s0 + s1) + (s2 + s3)) / n
+            mu = _row_sum(xr, n) / n
             s0 = s1 = s2 = s3 = 0.0
             for j in range(0, n4, 4):
                 t0 = xr[j] - mu
