@@ -1,4 +1,6 @@
 """Train steps shared by the tests."""
+import numpy as np
+
 import dualmode as dm
 from dualmode import Tensor, nn, ops
 from dualmode.parallel import CommReport
@@ -31,3 +33,14 @@ def sgd_steps(f, net, x, steps, lr=0.1):
             losses.append(float(loss.asnumpy()))
             dxs.append(dx.asnumpy())
     return losses, dxs, {p.name: p.asnumpy() for p in net.get_parameters()}, rep
+
+
+def assert_same_steps(got, ref, rtol=1e-4, atol=1e-6):
+    """:func:`sgd_steps`' results `got` equal `ref` (the stand-alone run's): the losses,
+    the input gradients and every parameter of `ref` after the steps."""
+    losses, dxs, params, _ = got
+    np.testing.assert_allclose(losses, ref[0], rtol=rtol)
+    for a, b in zip(dxs, ref[1]):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg="gradient of x")
+    for name, want in ref[2].items():
+        np.testing.assert_allclose(params[name], want, rtol=rtol, atol=atol, err_msg=name)

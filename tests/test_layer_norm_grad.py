@@ -18,9 +18,7 @@ from dualmode._core import reference as R
 from dualmode.ops import _norm as N
 
 from _devices import devices
-from _steps import sgd_steps
-
-TRAIN_RTOL = 1e-4
+from _steps import assert_same_steps, sgd_steps
 
 
 def _rand(shape, seed, dtype=np.float32, lo=-2.0, hi=2.0):
@@ -250,16 +248,6 @@ def _run(n, mode, rows, ln=None, mm=None, outer=None, hidden=6, eps=1e-5):
         return sgd_steps(f, net, x, 2)
 
 
-def _assert_same(got, ref):
-    losses, dxs, params, _ = got
-    np.testing.assert_allclose(losses, ref[0], rtol=TRAIN_RTOL)
-    for a, b in zip(dxs, ref[1]):
-        np.testing.assert_allclose(a, b, rtol=TRAIN_RTOL, atol=1e-6, err_msg="dx")
-    for name, want in ref[2].items():
-        np.testing.assert_allclose(params[name], want, rtol=TRAIN_RTOL, atol=1e-6,
-                                   err_msg=name)
-
-
 SHARDED = {
     # rows, LayerNorm's strategy, MatMul's strategy
     "rows8": (16, ((8, 1), (1,), (1,)), ((8, 1), (1, 1))),
@@ -280,7 +268,7 @@ def test_sharded_layer_norm_grad_equals_single_device(case, mode, monkeypatch):
     real = N.layer_norm_grad_stack
     monkeypatch.setattr(N, "layer_norm_grad_stack", lambda *a: calls.append(1) or real(*a))
     got = _run(8, mode, rows, ln, mm)
-    _assert_same(got, ref)
+    assert_same_steps(got, ref)
     assert calls, "the fused LayerNormGrad did not run"
 
 
@@ -290,7 +278,7 @@ def test_epsilon_zero_with_rows_that_do_not_divide(mode):
     and epsilon 0): they pass no gradient (before, NaN reached dgamma and dbeta)."""
     ref = _run(None, "eager", 14, eps=0.0)
     got = _run(8, mode, 14, ((4, 1), (1,), (1,)), ((4, 1), (1, 2)), eps=0.0)
-    _assert_same(got, ref)
+    assert_same_steps(got, ref)
 
 
 def test_layer_norm_grad_kernel_zero_row_with_epsilon_zero():
@@ -310,7 +298,7 @@ def test_layer_norm_grad_kernel_zero_row_with_epsilon_zero():
 @pytest.mark.parametrize("outer", [(8, 1), (2, 4)], ids=["rows", "rows-and-cols"])
 def test_layer_norm_grad_in_a_compiled_block_equals_single_device(outer):
     ref = _run(None, "eager", 16, hidden=8)
-    _assert_same(_run(8, "ops.shard", 16, outer=outer, hidden=8), ref)
+    assert_same_steps(_run(8, "ops.shard", 16, outer=outer, hidden=8), ref)
 
 
 def test_data_parallel_layer_norm_grad_equals_single_device():
@@ -319,4 +307,4 @@ def test_data_parallel_layer_norm_grad_equals_single_device():
     with devices(8, "data_parallel", gradients_mean=True):
         net = _Block(6)
         got = sgd_steps(net, net, x, 2)
-    _assert_same(got, ref)
+    assert_same_steps(got, ref)

@@ -13,7 +13,7 @@ from dualmode import Parameter, Tensor, nn, ops
 from dualmode.parallel import CommReport
 
 from _devices import devices
-from _steps import sgd_steps
+from _steps import assert_same_steps, sgd_steps
 from _opcheck import check_op
 
 RTOL = 1e-5          # one op
@@ -168,16 +168,6 @@ def _run_ln(n, mode, shape, bna, bpa, strategy=None, outer=None, steps=2):
         return sgd_steps(f, net, x, steps)
 
 
-def _assert_same(got, ref):
-    losses, dxs, params, _ = got
-    np.testing.assert_allclose(losses, ref[0], rtol=TRAIN_RTOL)
-    for a, b in zip(dxs, ref[1]):
-        np.testing.assert_allclose(a, b, rtol=TRAIN_RTOL, atol=1e-6, err_msg="gradient of x")
-    for name, want in ref[2].items():
-        np.testing.assert_allclose(params[name], want, rtol=TRAIN_RTOL, atol=1e-6,
-                                   err_msg=name)
-
-
 LN_CASES = {
     # shape, begin_norm_axis, begin_params_axis, strategy
     "rows8": ((16, 8), 1, 1, ((8, 1), (1,), (1,))),
@@ -195,7 +185,7 @@ def test_layer_norm_strategy_equals_single_device(case, mode):
     shape, bna, bpa, strategy = LN_CASES[case]
     ref = _run_ln(None, "eager", shape, bna, bpa)
     got = _run_ln(8, mode, shape, bna, bpa, strategy)
-    _assert_same(got, ref)
+    assert_same_steps(got, ref)
     # the rows split: each device normalises its own rows, the op communicates nothing
     fwd = [r for r in got[3].records if r.op == "LayerNorm" and r.reason == "forward"]
     assert not fwd, fwd
@@ -207,7 +197,7 @@ def test_layer_norm_compiled_blocks_equal_single_device(mode, outer):
     """No strategy on the op: the input arrives split (also on the normalised dim) and
     propagation / the rule place the op."""
     ref = _run_ln(None, "eager", (16, 8), 1, 1)
-    _assert_same(_run_ln(8, mode, (16, 8), 1, 1, outer=outer), ref)
+    assert_same_steps(_run_ln(8, mode, (16, 8), 1, 1, outer=outer), ref)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
@@ -367,7 +357,7 @@ def _run_l2(n, mode, axis, strategy=None, outer=None, steps=2):
 def test_l2_normalize_strategy_equals_single_device(axis, strategy, mode):
     ref = _run_l2(None, "eager", axis)
     got = _run_l2(8, mode, axis, strategy)
-    _assert_same(got, ref)
+    assert_same_steps(got, ref)
     assert not [r for r in got[3].records if r.op == "L2Normalize" and r.reason == "forward"]
 
 
@@ -375,7 +365,7 @@ def test_l2_normalize_strategy_equals_single_device(axis, strategy, mode):
 @pytest.mark.parametrize("axis", [0, 1])
 def test_l2_normalize_compiled_blocks_equal_single_device(mode, axis):
     ref = _run_l2(None, "eager", axis)
-    _assert_same(_run_l2(8, mode, axis, outer=(4, 2)), ref)
+    assert_same_steps(_run_l2(8, mode, axis, outer=(4, 2)), ref)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
@@ -546,7 +536,7 @@ def test_batchnorm_cell_strategy_as_mindspore(case, mode):
     two_d, strategy, n_ar = BN_CASES[case]
     ref = _run_bn(None, "eager", two_d)
     got = _run_bn(8, mode, two_d, strategy)
-    _assert_same(got, ref)
+    assert_same_steps(got, ref)
     fwd = [r for r in got[3].records if r.op == "BatchNorm" and r.kind == "AllReduce"]
     assert len(fwd) == 2 * n_ar and all(r.reason == "forward" for r in fwd)
 
@@ -559,7 +549,7 @@ def test_batchnorm_infer_strategy(mode):
     ref = _run_bn(None, "eager", two_d)
     got = _run_bn(8, mode, two_d, ((4, 2), (2,), (2,), (2,), (2,)),
                   infer_strategy=((1, 2), (2,), (2,), (2,), (2,)))
-    _assert_same(got, ref)
+    assert_same_steps(got, ref)
 
 
 @pytest.mark.parametrize("mode", ["ops.shard", "Cell.shard", "data_parallel"])
@@ -593,4 +583,4 @@ def test_batchnorm_cells_compiled_and_data_parallel(mode, two_d):
         fwd = [r for r in rep.records if r.op == "BatchNorm" and r.kind == "AllReduce"]
         assert len(fwd) == 2 and all(r.reason == "forward" for r in fwd)
         return
-    _assert_same(_run_bn(8, mode, two_d, outer=(8, 1)), ref)
+    assert_same_steps(_run_bn(8, mode, two_d, outer=(8, 1)), ref)
