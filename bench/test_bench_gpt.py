@@ -9,20 +9,24 @@ about 30 GFLOP a step; the products are 60% of the numpy step with 2 BLAS thread
 with one) and hidden 1024 (16 heads, sequence 128, batch 8, vocabulary 2048: 70-77%).
 Target: <= 1.3x the numpy step.
 
-Measured on the quiet 2-core machine, 2 BLAS threads (one run): hidden 512 -- one
-device 1.02x, dp2xmp4 eager 1.26x, GRAPH_MODE 1.24x, dp4xmp2 1.21x, dp2 x mp2 x pp2
-1.38x (1.67x before the MatMul, GeLU, pipeline and parallel-optimizer changes of the
-same work: row-parallel products adding the devices' block products instead of joining
-the blocks, replicated inputs read as grids, GeLU's passes in cache-sized blocks,
-gradients summed over micro-batches in place, weights kept as their optimizer slices);
-hidden 1024 -- dp2xmp4 GRAPH_MODE 1.19x, dp2 x mp2 x pp2 1.37x. With one BLAS thread
-the 3-D step is 1.14-1.33x (the spread of this machine). The 3-D step's extra over the
-2-D ones: the micro-batches (twice the op calls, each product half as tall, about
-+0.07), the stages (+0.05) and the parallel optimizer's scatter and gather (+0.06).
-Where the rest goes (measured by timing each product): the device-local products are
-one GEMM per device, or per group of devices sharing a sum, each smaller than the numpy
-step's one GEMM per op, and run 20-35% slower per multiply-add than it with 2 threads;
-the elementwise ops, autograd and the pipeline's bookkeeping add about as much again.
+Measured on the quiet 2-core machine, 2 BLAS threads (three runs within 25 minutes):
+hidden 512 -- one device 0.92-0.94x, dp2xmp4 eager 1.16-1.25x, GRAPH_MODE 1.10-1.13x,
+dp4xmp2 1.12-1.16x, dp2 x mp2 x pp2 1.24-1.28x; hidden 1024 -- dp2xmp4 GRAPH_MODE
+1.10-1.13x, dp2 x mp2 x pp2 1.20-1.28x. With one BLAS thread the 3-D step is 1.18-1.20x.
+Earlier figures of the 3-D step: 1.67x, then 1.38x (row-parallel products adding the
+devices' block products, replicated inputs read as grids, GeLU's passes in cache-sized
+blocks, gradients summed over micro-batches in place, weights kept as their optimizer
+slices); then the LayerNorm row kernels and its fused backward (about 70 -> 25 ms a
+step at hidden 512), the cross-entropy's vectorised exp, the optimizer's gather into
+grids of distinct blocks (14 -> 6 ms) and weight-gradient products joining their
+transposed blocks.
+Where the rest goes, at hidden 512 (about 500 ms a step against numpy's 400): the
+device-local products (313 ms against the numpy step's 268 ms of GEMMs: one GEMM per
+device, or per group of devices sharing a sum, each smaller than numpy's one GEMM per
+op -- micro-batching halves the rows, the data split halves them again -- and small
+GEMMs use two BLAS threads less well); the framework's own work per step (about 24 ms:
+the same step on a tiny model); the parallel optimizer's scatter, update and gather
+(about 24 ms against numpy's 8 ms update); the micro-batches' gradient sums (10 ms).
 """
 import math
 import os
