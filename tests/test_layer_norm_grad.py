@@ -281,6 +281,36 @@ def test_epsilon_zero_with_rows_that_do_not_divide(mode):
     assert_same_steps(got, ref)
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_epsilon_zero_with_rows_that_do_not_divide_statistics_used(mode):
+    """The same through the backward written with ops (the statistics' gradients)."""
+    def run(n, strategy=None):
+        x = _rand((14, 6), 1) * 2 + 0.5
+        with devices(n, full_batch=True):
+            if mode == "graph" and n:
+                dm.set_context(mode=dm.GRAPH_MODE)
+            net = _Stats(strategy)
+            return sgd_steps(net, net, x, 2)
+    assert_same_steps(run(8, ((4, 1), (1,), (1,))), run(None))
+
+
+class _Stats(nn.Cell):
+    def __init__(self, strategy):
+        super().__init__()
+        rng = np.random.default_rng(6)
+        self.ln = ops.LayerNorm(1, 1, 0.0)
+        if strategy is not None:
+            self.ln.shard(strategy)
+        self.gamma = Parameter(Tensor(rng.uniform(0.5, 1.5, (6,)).astype(np.float32)),
+                               name="gamma")
+        self.beta = Parameter(Tensor(rng.uniform(-1, 1, (6,)).astype(np.float32)),
+                              name="beta")
+
+    def construct(self, x):
+        y, mean, var = self.ln(x, self.gamma, self.beta)
+        return ops.reduce_mean(ops.square(y)) + ops.reduce_mean(ops.mul(mean, var))
+
+
 def test_layer_norm_grad_kernel_zero_row_with_epsilon_zero():
     x = np.zeros((1, 2, 4), np.float32)
     x[0, 1] = [1, 2, 3, 4]
