@@ -283,7 +283,8 @@ def test_epsilon_zero_with_rows_that_do_not_divide(mode):
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_epsilon_zero_with_rows_that_do_not_divide_statistics_used(mode):
-    """The same through the backward written with ops (the statistics' gradients)."""
+    """The same through the backward written with ops (the statistics' gradients used):
+    each op's pads are zeroed after it, so the pads' NaN never reaches a sum."""
     def run(n, strategy=None):
         x = _rand((14, 6), 1) * 2 + 0.5
         with devices(n, full_batch=True):

@@ -128,9 +128,7 @@ def _bw_layer_norm(node, gy, g_mean, g_var):
     norm = tuple(range(bna, nd))
     lead = tuple(range(bpa))
     count = int(np.prod(x.shape[bna:]))
-    # 0 for a row with nothing to normalise (epsilon 0, every element its mean: the
-    # zero rows padding a split that does not divide), which then passes no gradient
-    rstd = M.div_no_nan(A.ones_like(var), M.sqrt(M.add(var, float(attrs["epsilon"]))))
+    rstd = M.div(A.ones_like(var), M.sqrt(M.add(var, float(attrs["epsilon"]))))
     centred = M.sub(x, mean)
     xhat = M.mul(centred, rstd)
     grads = [None, None, None]
