@@ -5,7 +5,9 @@ op's dims; one device: ``D = 1``), so the sharding rules in
 :mod:`dualmode.parallel.rules.norm` and :mod:`dualmode.parallel.rules.along_axis` run
 every device's part in one numpy call. Statistics are accumulated in float64 and given
 in x's dtype, so a device holding some rows computes them exactly as one device does.
-Backward rules are written with ops, so sharded gradients reduce as any sum does.
+Backward rules are written with ops, so sharded gradients reduce as any sum does; the
+common LayerNorm backward (gamma over the normalised dims, only y's gradient) is one op,
+LayerNormGrad, whose rule keeps dgamma and dbeta as pending sums over the row devices.
 """
 from __future__ import annotations
 
@@ -75,8 +77,8 @@ def _per_device(stack, rank):
 def _rows(stack, begin):
     """A stack (D, *dims) as (D, rows, n): the dims before `begin` (of dims) made one
     axis of rows, those from it one axis of n."""
-    d = stack.shape[0]
-    return stack.reshape(d, math.prod(stack.shape[1:begin + 1]), math.prod(stack.shape[begin + 1:]))
+    return stack.reshape(stack.shape[0], math.prod(stack.shape[1:begin + 1]),
+                         math.prod(stack.shape[begin + 1:]))
 
 
 def layer_norm_stack(attrs, xs, gammas, betas):

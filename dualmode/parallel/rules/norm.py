@@ -2,10 +2,11 @@
 rows) keep their split, the normalised dims are whole on each device, gamma and beta
 follow x's split of their dims and the statistics x's rows; nothing is communicated.
 Its backward, LayerNormGrad, splits alike; its dgamma and dbeta are pending sums over
-the devices that split the rows. BatchNorm (one op): x keeps its splits, the per-channel inputs and statistics follow its
-channel split; in training the per-channel float64 (sum, sum of squares) over the N/H/W
-splits are totalled by one AllReduce of the (2, C) buffer inside the op (folding them
-into mean and variance is not linear): global-batch statistics, as one device."""
+the devices that split the rows. BatchNorm (one op): x keeps its splits, the
+per-channel inputs and statistics follow its channel split; in training the per-channel
+float64 (sum, sum of squares) over the N/H/W splits are totalled by one AllReduce of the
+(2, C) buffer inside the op (folding them into mean and variance is not linear):
+global-batch statistics, as one device."""
 from __future__ import annotations
 
 import numpy as np
