@@ -4,7 +4,7 @@
 Each kernel has a plain numpy reference in `dualmode/_core/reference.py` that the
 tests compare it against.
 """
-from libc.math cimport exp, log, sqrt
+from libc.math cimport log, sqrt
 
 import numpy as np
 
