@@ -58,18 +58,23 @@ def test_layer_norm_grad_kernel_equals_reference(shape, dtype):
 
 def test_layer_norm_kernels_take_strided_and_broadcast_inputs():
     """A transposed stack and a gamma stored once for every device (stride 0) give the
-    numbers of their contiguous copies."""
+    numbers of their contiguous copies, and the numpy reference's."""
     x = np.ascontiguousarray(_rand((5, 2, 6), 0).transpose(1, 0, 2))
     xt = _rand((5, 2, 6), 0).transpose(1, 0, 2)
     g = np.broadcast_to(_rand((6,), 1), (2, 6))
     b = np.broadcast_to(_rand((6,), 2), (2, 6))
-    for a, w in zip(K.layer_norm(xt, g, b, 1e-5), K.layer_norm(x, g.copy(), b.copy(), 1e-5)):
+    got = K.layer_norm(xt, g, b, 1e-5)
+    for a, w in zip(got, K.layer_norm(x, g.copy(), b.copy(), 1e-5)):
         np.testing.assert_array_equal(a, w)
+    for a, w in zip(got, R.layer_norm(x, g.copy(), b.copy(), 1e-5)):
+        np.testing.assert_allclose(a, w, rtol=1e-6, atol=1e-6)
     dy = _rand((2, 5, 6), 3)
     _, mean, var = K.layer_norm(x, g.copy(), b.copy(), 1e-5)
-    for a, w in zip(K.layer_norm_grad(xt, dy, mean, var, g, 1e-5),
-                    K.layer_norm_grad(x, dy, mean, var, g.copy(), 1e-5)):
+    got = K.layer_norm_grad(xt, dy, mean, var, g, 1e-5)
+    for a, w in zip(got, K.layer_norm_grad(x, dy, mean, var, g.copy(), 1e-5)):
         np.testing.assert_array_equal(a, w)
+    for a, w in zip(got, R.layer_norm_grad(x, dy, mean, var, g.copy(), 1e-5)):
+        np.testing.assert_allclose(a, w, rtol=2e-6, atol=2e-6 * np.abs(w).max())
 
 
 def test_layer_norm_kernels_decline_what_they_do_not_handle():

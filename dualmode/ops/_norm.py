@@ -16,7 +16,6 @@ import math
 import numpy as np
 
 from .._core import _kernels
-from .._core import reference as _reference
 from . import _array as A
 from . import _math as M
 from ._nn import unused_grad
@@ -190,16 +189,15 @@ def _check_layer_norm_grad(attrs, x, dy, var, mean, gamma):
 
 def layer_norm_grad_stack(attrs, xs, dys, variances, means, gammas):
     """LayerNormGrad on stacks (a leading device axis): ``(dx, dgamma, dbeta)``, dgamma
-    and dbeta each device's sums over its own rows. One Cython pass per row in
-    float32/float64 (:func:`dualmode._core._kernels.layer_norm_grad`), float64 numpy
-    otherwise."""
+    and dbeta each device's sums over its own rows. One Cython pass per row
+    (:func:`dualmode._core._kernels.layer_norm_grad`); float16 through float32."""
     bna = attrs["begin_norm_axis"]
-    args = (_rows(xs, bna), _rows(dys, bna), _rows(means, bna)[..., 0],
-            _rows(variances, bna)[..., 0], _rows(gammas, 0)[:, 0], attrs["epsilon"])
-    out = _kernels.layer_norm_grad(*args)
-    if out is None:
-        out = [o.astype(xs.dtype) for o in _reference.layer_norm_grad(*args)]
-    dx, dg, db = out
+    args = [_rows(xs, bna), _rows(dys, bna), _rows(means, bna)[..., 0],
+            _rows(variances, bna)[..., 0], _rows(gammas, 0)[:, 0]]
+    if xs.dtype == np.float16:
+        args = [a.astype(np.float32) for a in args]
+    dx, dg, db = (o.astype(xs.dtype, copy=False)
+                  for o in _kernels.layer_norm_grad(*args, attrs["epsilon"]))
     return dx.reshape(xs.shape), dg.reshape(gammas.shape), db.reshape(gammas.shape)
 
 

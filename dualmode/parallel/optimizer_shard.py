@@ -414,13 +414,12 @@ def _fused_grids(backend, entries, members) -> list:
             grid = np.array(grid)
         grids.append(grid)
     plan_ = backend.plan("fused_all_gather", members)
-    if trace.GROUP_SINKS:
-        trace.note_groups(plan_.members)
-    if trace._STATE.reports:
-        ins = sum(math.prod(e[3].shape[1:]) * e[3].itemsize for e in entries)
-        with comm_cause(bucket_name([e[0] for e in entries], "parameters"), _REASON):
-            trace.record("AllGather", plan_.group_size, plan_.num_groups, ins, None)
-            trace.note_memory(ins + ins * plan_.group_size)
+    stacks = [e[3] for e in entries]
+    # the gathered buffers' sizes, for the record's memory note (nothing allocated)
+    outs = [np.broadcast_to(np.zeros((), s.dtype), (s.shape[0], plan_.group_size * s[0].size))
+            for s in stacks]
+    with comm_cause(bucket_name([e[0] for e in entries], "parameters"), _REASON):
+        backend._record_fused("AllGather", plan_, stacks, outs)
     return grids
 
 
